@@ -1,0 +1,113 @@
+"""Open one shard file by memory map, verify it, and expose its columns without copying."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from schemas import ShardError, ShardInfo, file_sha256, validate_table
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) numpy views of a single-chunk list column."""
+    column = table.column(name)
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    offsets = array.offsets.to_numpy()
+    values = array.values.to_numpy(zero_copy_only=True)
+    return offsets - offsets[0], values[offsets[0] : offsets[-1]]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A memory-mapped shard: numpy views over the Arrow buffers of its columns.
+
+    Row ``i``'s tokens are ``input_ids[token_offsets[i]:token_offsets[i + 1]]`` and its
+    boundaries ``cu_seqlens[cu_offsets[i]:cu_offsets[i + 1]]``; slicing copies nothing.
+    """
+
+    path: str
+    table: pa.Table
+    input_ids: np.ndarray  # int32 [tokens]
+    loss_mask: np.ndarray  # uint8 [tokens]
+    token_offsets: np.ndarray  # int32 [rows + 1]
+    cu_seqlens: np.ndarray  # int32 [segments + rows]
+    cu_offsets: np.ndarray  # int32 [rows + 1]
+    max_seqlen: np.ndarray  # int32 [rows]
+    example_ids: np.ndarray  # int64 [segments]
+    example_offsets: np.ndarray  # int32 [segments]
+    segment_offsets: np.ndarray  # int32 [rows + 1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_offsets[-1])
+
+    def row(self, i: int) -> dict[str, np.ndarray | int]:
+        """Row ``i`` as numpy views (``max_seqlen`` as an int)."""
+        if not 0 <= i < self.num_rows:
+            raise IndexError(f"{self.path}: row {i} out of range (0..{self.num_rows - 1})")
+        t0, t1 = self.token_offsets[i], self.token_offsets[i + 1]
+        c0, c1 = self.cu_offsets[i], self.cu_offsets[i + 1]
+        s0, s1 = self.segment_offsets[i], self.segment_offsets[i + 1]
+        return {
+            "input_ids": self.input_ids[t0:t1],
+            "loss_mask": self.loss_mask[t0:t1],
+            "cu_seqlens": self.cu_seqlens[c0:c1],
+            "max_seqlen": int(self.max_seqlen[i]),
+            "example_ids": self.example_ids[s0:s1],
+            "example_offsets": self.example_offsets[s0:s1],
+        }
+
+
+def open_shard(
+    path: str | os.PathLike[str],
+    capacity: int,
+    expected: ShardInfo | None = None,
+    verify_checksum: bool = False,
+) -> Shard:
+    """Memory-map a shard and check it: size and row count against ``expected``, the sha256
+    when ``verify_checksum``, and every row invariant. Raises ShardError naming the file."""
+    path = Path(path)
+    name = str(path)
+    if not path.is_file():
+        raise ShardError(name, "shard file is missing; rebuild the shards or fix the path")
+    if expected is not None:
+        size = path.stat().st_size
+        if size != expected.bytes:
+            raise ShardError(name, f"is {size} bytes, the manifest says {expected.bytes}: truncated or replaced; rebuild it")
+        if verify_checksum and file_sha256(path) != expected.sha256:
+            raise ShardError(name, "checksum mismatch: the file is corrupt; rebuild it")
+    try:
+        table = pa.ipc.open_file(pa.memory_map(name, "r")).read_all()
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
+    if expected is not None and table.num_rows != expected.rows:
+        raise ShardError(name, f"holds {table.num_rows} rows, the manifest says {expected.rows}")
+    validate_table(table, capacity, name)
+
+    token_offsets, input_ids = _list_column(table, "input_ids")
+    _, loss_mask = _list_column(table, "loss_mask")
+    cu_offsets, cu_seqlens = _list_column(table, "cu_seqlens")
+    segment_offsets, example_ids = _list_column(table, "example_ids")
+    _, example_offsets = _list_column(table, "example_offsets")
+    max_seqlen = table.column("max_seqlen").chunk(0).to_numpy(zero_copy_only=True) if table.column("max_seqlen").num_chunks == 1 else table.column("max_seqlen").to_numpy()
+    return Shard(
+        path=name,
+        table=table,
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        token_offsets=token_offsets,
+        cu_seqlens=cu_seqlens,
+        cu_offsets=cu_offsets,
+        max_seqlen=max_seqlen,
+        example_ids=example_ids,
+        example_offsets=example_offsets,
+        segment_offsets=segment_offsets,
+    )

@@ -1,0 +1,52 @@
+"""The contract between the write side (pipeline/) and the read side (loaders/).
+
+Imports only numpy and pyarrow, so it loads on a GPU box without Beam or datasets.
+"""
+
+from schemas.checksum import file_sha256
+from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError
+from schemas.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    OVERFLOW_POLICIES,
+    PACKING_ALGORITHMS,
+    SCHEMA_PATH,
+    BuildInputs,
+    DatasetInputs,
+    Manifest,
+    PackingStats,
+    ShardInfo,
+    TokenizerInputs,
+    compute_fingerprint,
+    read_manifest,
+    validate_manifest,
+    write_manifest,
+)
+from schemas.row import ROW_COLUMNS, ROW_SCHEMA, validate_table
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "OVERFLOW_POLICIES",
+    "PACKING_ALGORITHMS",
+    "ROW_COLUMNS",
+    "ROW_SCHEMA",
+    "SCHEMA_PATH",
+    "BuildInputs",
+    "DatasetInputs",
+    "FormatVersionError",
+    "Manifest",
+    "ManifestError",
+    "PackingError",
+    "PackingStats",
+    "ShardError",
+    "ShardInfo",
+    "TokenizerInputs",
+    "VarpackError",
+    "compute_fingerprint",
+    "file_sha256",
+    "read_manifest",
+    "validate_manifest",
+    "validate_table",
+    "write_manifest",
+]

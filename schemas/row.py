@@ -1,0 +1,95 @@
+"""The Arrow schema of one packed row and its invariants.
+
+A row is up to ``capacity`` tokens holding one or more segments: whole examples, or chunks of
+an example split under the ``split`` overflow policy. ``cu_seqlens`` marks where each segment
+starts, so the read side never recomputes boundaries from token values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from schemas.errors import ShardError
+
+ROW_SCHEMA = pa.schema(
+    [
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        # 1 where the token is trained on, 0 where it is context only (prompt, template).
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+        # int32 [n_segments + 1]: 0, then the running end of each segment.
+        pa.field("cu_seqlens", pa.list_(pa.int32()), nullable=False),
+        pa.field("max_seqlen", pa.int32(), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+        # Per segment: the source example and the token offset of the segment within it
+        # (non-zero only for the second and later chunks of a split example).
+        pa.field("example_ids", pa.list_(pa.int64()), nullable=False),
+        pa.field("example_offsets", pa.list_(pa.int32()), nullable=False),
+    ],
+    metadata={b"varpack.row_format": b"1"},
+)
+
+ROW_COLUMNS = tuple(ROW_SCHEMA.names)
+
+
+def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets (rebased to 0) and flat values of a list column, without copying when possible."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = array.offsets.to_numpy()
+    values = array.values.to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values[offsets[0] : offsets[-1]]
+
+
+def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
+    """Check every row invariant of a shard table; raise ShardError naming the first bad row.
+
+    Invariants: the schema matches ROW_SCHEMA; ``loss_mask`` and ``input_ids`` have the same
+    length; ``cu_seqlens`` starts at 0, strictly increases and ends at the row's token count,
+    which is at most ``capacity``; ``max_seqlen`` is the largest segment; one example id and
+    offset per segment.
+    """
+    if not table.schema.remove_metadata().equals(ROW_SCHEMA.remove_metadata()):
+        raise ShardError(shard, f"schema {table.schema.names} does not match the packed-row schema {list(ROW_COLUMNS)}")
+    if table.num_rows == 0:
+        raise ShardError(shard, "holds no rows")
+    for name in ROW_COLUMNS:
+        if table.column(name).null_count:
+            raise ShardError(shard, f"column {name!r} has nulls")
+
+    token_offsets, _ = _list_parts(table.column("input_ids"))
+    mask_offsets, mask = _list_parts(table.column("loss_mask"))
+    cu_offsets, cu = _list_parts(table.column("cu_seqlens"))
+    id_offsets, _ = _list_parts(table.column("example_ids"))
+    pos_offsets, _ = _list_parts(table.column("example_offsets"))
+    num_tokens = table.column("num_tokens").to_numpy()
+    max_seqlen = table.column("max_seqlen").to_numpy()
+    lengths = np.diff(token_offsets)
+    n_segments = np.diff(cu_offsets) - 1
+
+    def fail_at(bad: np.ndarray, message: str) -> None:
+        rows = np.flatnonzero(bad)
+        if rows.size:
+            raise ShardError(shard, message, row=int(rows[0]))
+
+    fail_at(lengths == 0, "is empty")
+    fail_at(lengths > capacity, f"holds more than the capacity of {capacity} tokens")
+    fail_at(num_tokens != lengths, "num_tokens disagrees with the length of input_ids")
+    fail_at(np.diff(mask_offsets) != lengths, "loss_mask length differs from input_ids length")
+    fail_at(n_segments < 1, "cu_seqlens must hold at least [0, n]")
+    fail_at(np.diff(id_offsets) != n_segments, "example_ids needs one entry per segment of cu_seqlens")
+    fail_at(np.diff(pos_offsets) != n_segments, "example_offsets needs one entry per segment of cu_seqlens")
+    fail_at(cu[cu_offsets[:-1]] != 0, "cu_seqlens does not start at 0")
+    fail_at(cu[cu_offsets[1:] - 1] != lengths, "cu_seqlens does not end at the row's token count")
+    if mask.size and mask.max() > 1:
+        fail_at(np.maximum.reduceat(mask, mask_offsets[:-1]) > 1, "loss_mask holds a value other than 0 or 1")
+
+    # Segment lengths: differences within each row, so drop the step across row boundaries.
+    steps = np.diff(cu)
+    within_row = np.ones(steps.size, dtype=bool)
+    within_row[cu_offsets[1:-1] - 1] = False
+    segment_row = np.repeat(np.arange(table.num_rows), n_segments)
+    segment_lengths = steps[within_row]
+    fail_at(np.bincount(segment_row[segment_lengths <= 0], minlength=table.num_rows) > 0, "cu_seqlens is not strictly increasing")
+    longest = np.zeros(table.num_rows, dtype=np.int64)
+    np.maximum.at(longest, segment_row, segment_lengths)
+    fail_at(max_seqlen != longest, "max_seqlen is not the longest segment in cu_seqlens")
