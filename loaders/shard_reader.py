@@ -12,10 +12,15 @@ import pyarrow as pa
 from schemas import ShardError, ShardInfo, file_sha256, validate_table
 
 
+def _column(table: pa.Table, name: str) -> pa.Array:
+    """One column as a single array: the memory-mapped chunk itself when there is one chunk."""
+    column = table.column(name)
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
 def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) numpy views of a single-chunk list column."""
-    column = table.column(name)
-    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    array = _column(table, name)
     offsets = array.offsets.to_numpy()
     values = array.values.to_numpy(zero_copy_only=True)
     return offsets - offsets[0], values[offsets[0] : offsets[-1]]
@@ -66,15 +71,9 @@ class Shard:
         }
 
 
-def open_shard(
-    path: str | os.PathLike[str],
-    capacity: int,
-    expected: ShardInfo | None = None,
-    verify_checksum: bool = False,
-) -> Shard:
-    """Memory-map a shard and check it: size and row count against ``expected``, the sha256
-    when ``verify_checksum``, and every row invariant. Raises ShardError naming the file."""
-    path = Path(path)
+def check_shard_file(path: Path, expected: ShardInfo | None, verify_checksum: bool) -> None:
+    """Check that the shard file exists, has the size in ``expected``, and its sha256 when
+    ``verify_checksum``; raise ShardError naming the file. Opens nothing but the file itself."""
     name = str(path)
     if not path.is_file():
         raise ShardError(name, "shard file is missing; rebuild the shards or fix the path")
@@ -84,9 +83,25 @@ def open_shard(
             raise ShardError(name, f"is {size} bytes, the manifest says {expected.bytes}: truncated or replaced; rebuild it")
         if verify_checksum and file_sha256(path) != expected.sha256:
             raise ShardError(name, "checksum mismatch: the file is corrupt; rebuild it")
+
+
+def open_shard(
+    path: str | os.PathLike[str],
+    capacity: int,
+    expected: ShardInfo | None = None,
+    verify_checksum: bool = False,
+) -> Shard:
+    """Memory-map a shard and check it: size and row count against ``expected``, the sha256
+    when ``verify_checksum`` (which needs ``expected``), and every row invariant. Raises
+    ShardError naming the file."""
+    if verify_checksum and expected is None:
+        raise ValueError("verify_checksum needs the shard's manifest entry as expected")
+    path = Path(path)
+    name = str(path)
+    check_shard_file(path, expected, verify_checksum)
     try:
         table = pa.ipc.open_file(pa.memory_map(name, "r")).read_all()
-    except (pa.ArrowInvalid, OSError) as err:
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
     if expected is not None and table.num_rows != expected.rows:
         raise ShardError(name, f"holds {table.num_rows} rows, the manifest says {expected.rows}")
@@ -97,7 +112,7 @@ def open_shard(
     cu_offsets, cu_seqlens = _list_column(table, "cu_seqlens")
     segment_offsets, example_ids = _list_column(table, "example_ids")
     _, example_offsets = _list_column(table, "example_offsets")
-    max_seqlen = table.column("max_seqlen").chunk(0).to_numpy(zero_copy_only=True) if table.column("max_seqlen").num_chunks == 1 else table.column("max_seqlen").to_numpy()
+    max_seqlen = _column(table, "max_seqlen").to_numpy(zero_copy_only=True)
     return Shard(
         path=name,
         table=table,

@@ -54,17 +54,21 @@ class PackingPlan:
 
 
 def _check_lengths(lengths: np.ndarray | list[int], capacity: int) -> np.ndarray:
-    """Validate inputs and return lengths as int64; empty or non-integer lengths are errors."""
+    """Validate the inputs of ``pack`` and return the lengths as int64.
+
+    Lengths are a 1-D sequence of positive whole numbers (floats such as 3.0 are accepted);
+    an empty sequence is valid and packs into no rows.
+    """
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise PackingError(f"capacity must be a positive integer, got {capacity!r}")
-    array = np.asarray(lengths)
+    try:
+        array = np.asarray(lengths)
+    except ValueError as err:
+        raise PackingError(f"lengths must be a 1-D sequence of integers ({err})") from err
     if array.ndim != 1:
         raise PackingError(f"lengths must be a 1-D array, got shape {array.shape}")
     if array.size and not np.issubdtype(array.dtype, np.integer):
-        if not np.issubdtype(array.dtype, np.floating) or not np.all(np.isfinite(array)) or np.any(array != np.floor(array)):
-            bad = np.flatnonzero(~np.isfinite(array) | (array != np.floor(array)))[:1] if np.issubdtype(array.dtype, np.floating) else []
-            where = f" (example {int(bad[0])}: {array[bad[0]]!r})" if len(bad) else ""
-            raise PackingError(f"lengths must be integers, got dtype {array.dtype}{where}")
+        _check_whole_numbers(array)
     array = array.astype(np.int64)
     nonpositive = np.flatnonzero(array <= 0)
     if nonpositive.size:
@@ -74,6 +78,50 @@ def _check_lengths(lengths: np.ndarray | list[int], capacity: int) -> np.ndarray
             f"({nonpositive.size} such examples); filter empty examples before packing"
         )
     return array
+
+
+def _check_whole_numbers(array: np.ndarray) -> None:
+    """Raise PackingError unless every value of a non-integer array is a whole number in int64 range."""
+    if not np.issubdtype(array.dtype, np.floating):
+        raise PackingError(f"lengths must be integers, got dtype {array.dtype}")
+    bad = np.flatnonzero(~(np.abs(array) < 2.0**63) | (array != np.round(array)))
+    if bad.size:
+        i = int(bad[0])
+        raise PackingError(f"lengths must be integers, got {array[i].item()!r} for example {i} (dtype {array.dtype})")
+
+
+def _check_sizes(sizes: np.ndarray | list[int], capacity: int) -> np.ndarray:
+    """Item sizes as int64, each in [1, capacity]: what every packer requires."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if sizes.size and (sizes.min() < 1 or sizes.max() > capacity):
+        raise PackingError(
+            f"item sizes must lie in [1, {capacity}], got [{sizes.min()}, {sizes.max()}]; "
+            "pack() applies the overflow policy before packing"
+        )
+    return sizes
+
+
+def _stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """Indices that sort non-negative integer ``keys``, keeping equal keys in index order.
+
+    A least-significant-digit radix sort over 16-bit digits: numpy sorts 16-bit integers
+    stably in linear time, far faster than a comparison sort of int64 keys.
+    """
+    order = np.arange(keys.size, dtype=np.int64)
+    bits = int(keys.max()).bit_length() if keys.size else 0
+    for shift in range(0, max(bits, 1), 16):
+        digits = ((keys[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digits, kind="stable")]
+    return order
+
+
+def _decreasing_order(sizes: np.ndarray, capacity: int, seed: int) -> np.ndarray:
+    """Item indices by decreasing size; equal sizes in a seeded random order."""
+    tiebreak = np.random.default_rng(seed).permutation(sizes.size)
+    # by_rank[r] is the item of tiebreak rank r; a stable sort of it keeps that order among ties.
+    by_rank = np.empty_like(tiebreak)
+    by_rank[tiebreak] = np.arange(sizes.size)
+    return by_rank[_stable_argsort(capacity - sizes[by_rank])]
 
 
 def _apply_overflow(lengths: np.ndarray, capacity: int, overflow: str, stats: PackingStats) -> tuple[np.ndarray, ...]:
@@ -116,16 +164,13 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.n
     Items are taken largest first (ties in a seeded random order); each goes to the open bin
     with the least room that still fits it, or to a new bin. Bins are numbered in opening order.
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = _check_sizes(sizes, capacity)
     n = sizes.size
     bin_of_item = np.empty(n, dtype=np.int64)
     if n == 0:
         return bin_of_item
-    tiebreak = np.random.default_rng(seed).permutation(n)
-    order = np.lexsort((tiebreak, -sizes))
-    sorted_sizes = sizes[order]
-    group_starts = np.flatnonzero(np.diff(sorted_sizes, prepend=sorted_sizes[0] + 1))
-    group_ends = np.append(group_starts[1:], n)
+    order = _decreasing_order(sizes, capacity, seed)
+    items_of_size = np.bincount(sizes, minlength=capacity + 1)
 
     # levels[r]: stack of id arrays of bins with exactly r tokens of room; occupied[r] iff non-empty.
     levels: list[list[np.ndarray]] = [[] for _ in range(capacity + 1)]
@@ -156,26 +201,28 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.n
         occupied[room] = level_size[room] > 0
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
-    for start, end in zip(group_starts.tolist(), group_ends.tolist()):
-        size = int(sorted_sizes[start])
-        pos, remaining = start, end - start
+    pos = 0
+    for size in np.flatnonzero(items_of_size)[::-1].tolist():
+        remaining = int(items_of_size[size])
         while remaining:
             # The tightest level with room for this size. Once a bin there takes an item it is
             # the tightest fit again (levels below were empty), so each bin takes room // size
             # items in a row before the next bin of the level is used.
-            above = occupied[size:]
-            room = size + int(above.argmax()) if above.any() else capacity
-            fresh = not above.any()
-            per_bin = room // size
-            available = np.iinfo(np.int64).max if fresh else int(level_size[room])
-            full_bins = min(available, remaining // per_bin)
-            rest = remaining - full_bins * per_bin if full_bins < available else 0
-            used = full_bins + (1 if rest else 0)
-            if fresh:
+            room = size + int(occupied[size:].argmax())
+            if occupied[room]:
+                per_bin = room // size
+                available = int(level_size[room])
+                full_bins = min(available, remaining // per_bin)
+                rest = remaining - full_bins * per_bin if full_bins < available else 0
+                ids = pop(room, full_bins + (1 if rest else 0))
+            else:
+                # No open bin fits: open as many new ones as this size needs.
+                room = capacity
+                per_bin = room // size
+                full_bins, rest = divmod(remaining, per_bin)
+                used = full_bins + (1 if rest else 0)
                 ids = np.arange(bins_opened, bins_opened + used, dtype=np.int64)
                 bins_opened += used
-            else:
-                ids = pop(room, used)
             placed = full_bins * per_bin + rest
             bin_of_sorted[pos : pos + placed] = np.repeat(ids, per_bin)[:placed]
             if full_bins:
@@ -190,12 +237,12 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.n
 
 def first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.ndarray:
     """Bin of each item under first-fit decreasing (the lowest-numbered bin that fits); a baseline."""
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = _check_sizes(sizes, capacity)
     n = sizes.size
     bin_of_item = np.empty(n, dtype=np.int64)
     if n == 0:
         return bin_of_item
-    order = np.lexsort((np.random.default_rng(seed).permutation(n), -sizes))
+    order = _decreasing_order(sizes, capacity, seed)
     # A max segment tree over the room of bins 0..leaves-1; unopened bins have full room.
     leaves = 1 << max(0, int(n - 1).bit_length())
     tree = [capacity] * (2 * leaves)
@@ -215,7 +262,7 @@ def first_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.
 def sequential(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.ndarray:
     """Bin of each item when filling rows in input order, starting a new row when the next does not fit."""
     del seed  # input order decides everything
-    sizes = np.asarray(sizes, dtype=np.int64)
+    sizes = _check_sizes(sizes, capacity)
     bin_of_item = np.empty(sizes.size, dtype=np.int64)
     row, used = 0, 0
     for i, size in enumerate(sizes.tolist()):
@@ -244,7 +291,8 @@ def pack(
 
     Rows are put in a seeded random order (except under ``sequential``, which keeps input
     order); segments within a row are ordered by example. The same inputs and seed always
-    give the same plan.
+    give the same plan. No lengths give a plan of no rows; bad lengths or settings raise
+    PackingError.
     """
     if algorithm not in PACKING_ALGORITHMS:
         raise PackingError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(PACKING_ALGORITHMS)}")
@@ -258,20 +306,21 @@ def pack(
         row_of_segment = bin_of_segment
     else:
         row_of_segment = np.random.default_rng([seed, 1]).permutation(num_rows)[bin_of_segment]
-    order = np.lexsort((segment_offset, segment_example, row_of_segment))
+    # Segments come in (example, offset) order, which a stable sort by row keeps within each row.
+    order = _stable_argsort(row_of_segment)
     segments_in_row = np.bincount(row_of_segment, minlength=num_rows)
 
     stats.segments = int(segment_length.size)
     stats.tokens = int(segment_length.sum())
     stats.rows = num_rows
     stats.capacity_tokens = num_rows * int(capacity)
-    counts, rows = np.unique(segments_in_row, return_counts=True)
-    stats.segments_per_row = {str(c): int(r) for c, r in zip(counts.tolist(), rows.tolist())}
+    rows_with = np.bincount(segments_in_row)
+    stats.segments_per_row = {str(c): int(rows_with[c]) for c in np.flatnonzero(rows_with).tolist()}
     return PackingPlan(
         capacity=int(capacity),
         segment_example=segment_example[order],
         segment_offset=segment_offset[order],
         segment_length=segment_length[order],
-        row_offsets=np.concatenate(([0], np.cumsum(segments_in_row))).astype(np.int64),
+        row_offsets=np.concatenate(([0], np.cumsum(segments_in_row))),
         stats=stats,
     )

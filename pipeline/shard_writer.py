@@ -17,6 +17,7 @@ from schemas import ROW_SCHEMA, ShardError, ShardInfo, file_sha256, validate_tab
 
 # About 8M tokens (about 40 MB) per shard: large enough for sequential reads, small enough to spread.
 TARGET_SHARD_TOKENS = 1 << 23
+INT32_MAX = np.iinfo(np.int32).max
 
 
 def default_rows_per_shard(capacity: int) -> int:
@@ -27,6 +28,18 @@ def default_rows_per_shard(capacity: int) -> int:
 def shard_name(index: int) -> str:
     """The file name of shard ``index``."""
     return f"shard-{index:05d}.arrow"
+
+
+def _gather_index(segment_starts: np.ndarray, lengths: np.ndarray, ends: np.ndarray, buffer_size: int) -> np.ndarray:
+    """Position in the flat token buffer of every token of the segments, in segment order."""
+    starts = np.asarray(segment_starts, dtype=np.int64)
+    if starts.shape != lengths.shape:
+        raise ValueError(f"segment_starts has {starts.size} entries, the plan has {lengths.size} segments")
+    if np.any(starts < 0) or np.any(starts + lengths > buffer_size):
+        raise ValueError(f"segment_starts point outside the token buffer of {buffer_size} tokens")
+    gather = np.repeat(starts - (ends - lengths), lengths)
+    gather += np.arange(int(ends[-1]), dtype=np.int64)
+    return gather
 
 
 def build_rows(
@@ -40,19 +53,28 @@ def build_rows(
 
     ``segment_starts[j]`` is where segment ``j`` of the plan begins in the flat ``tokens`` and
     ``loss_mask`` buffers. ``example_ids`` maps the plan's example indices to the ids stored in
-    the rows (default: the indices themselves).
+    the rows (default: the indices themselves). Raises ValueError for a plan with no rows or
+    an empty row, starts outside the buffers, or token ids that do not fit int32.
     """
-    lengths = plan.segment_length.astype(np.int64)
     num_rows = plan.num_rows
     segments_in_row = np.diff(plan.row_offsets)
-    if num_rows == 0 or np.any(segments_in_row == 0):
-        raise ValueError("every row of a plan must hold at least one segment")
+    if num_rows == 0:
+        raise ValueError("the plan has no rows: there is nothing to write")
+    if np.any(segments_in_row == 0):
+        raise ValueError(f"row {int(np.argmin(segments_in_row))} of the plan holds no segment")
+    tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
+    if tokens.shape != loss_mask.shape:
+        raise ValueError(f"tokens {tokens.shape} and loss_mask {loss_mask.shape} must be flat buffers of one length")
+    lengths = plan.segment_length.astype(np.int64)
     ends = np.cumsum(lengths)
-    total = int(ends[-1])
-    gather = np.repeat(np.asarray(segment_starts, dtype=np.int64) - (ends - lengths), lengths)
-    gather += np.arange(total, dtype=np.int64)
-    input_ids = np.asarray(tokens)[gather].astype(np.int32, copy=False)
-    mask = np.asarray(loss_mask)[gather].astype(np.uint8, copy=False)
+    if ends[-1] > INT32_MAX:
+        raise ValueError(f"{int(ends[-1])} tokens do not fit one table's int32 offsets; build rows one shard at a time")
+    gather = _gather_index(segment_starts, lengths, ends, tokens.size)
+    input_ids = tokens[gather]
+    if input_ids.min() < 0 or input_ids.max() > INT32_MAX:
+        raise ValueError("input_ids: token ids must lie in [0, 2**31 - 1]")
+    input_ids = input_ids.astype(np.int32, copy=False)
+    mask = loss_mask[gather].astype(np.uint8, copy=False)
 
     token_offsets = np.concatenate(([0], ends[plan.row_offsets[1:] - 1])).astype(np.int32)
     row_of_segment = np.repeat(np.arange(num_rows), segments_in_row)
@@ -94,17 +116,18 @@ def write_shard(table: pa.Table, directory: str | os.PathLike[str], name: str, c
         with pa.OSFile(str(tmp), "wb") as sink:
             # One record batch per shard: the reader maps it as contiguous buffers.
             with pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
-                writer.write_table(table, max_chunksize=table.num_rows)
+                writer.write_table(table.combine_chunks(), max_chunksize=table.num_rows)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise ShardError(str(path), f"could not be written: {err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
     return ShardInfo(
         path=name,
         rows=table.num_rows,
-        tokens=int(pa.compute.sum(table.column("num_tokens")).as_py()),
+        tokens=int(table.column("num_tokens").to_numpy().sum()),
         sha256=file_sha256(path),
         bytes=path.stat().st_size,
     )

@@ -1,16 +1,20 @@
 """The manifest: what a shard directory holds, how it was made, and its fingerprint.
 
 The manifest is written last and atomically, so its presence marks a complete build. Its
-JSON Schema is ``manifest.schema.json`` beside this file; ``validate_manifest`` checks the
-same rules with the standard library so the read side needs nothing beyond the manifest.
+JSON Schema is ``manifest.schema.json`` beside this file; ``validate_manifest`` applies that
+schema itself (the small subset of JSON Schema the file uses, with the standard library) plus
+the rules across fields a schema cannot state, so the read side needs nothing beyond numpy
+and pyarrow and the schema file and the code cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,83 +196,132 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if path.is_dir():
         path = path / MANIFEST_NAME
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError as err:
         raise ManifestError(f"{path}: no manifest; the build is missing or was interrupted, run the pipeline again") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ManifestError(f"{path}: the manifest could not be read ({err}); rebuild the shards") from err
     return Manifest.from_json(text, str(path))
 
 
 def write_manifest(manifest: Manifest, directory: str | os.PathLike[str]) -> Path:
-    """Write the manifest atomically: a temporary name, fsync, then rename."""
+    """Validate the manifest and write it atomically: a temporary name, fsync, then rename."""
     path = Path(directory) / MANIFEST_NAME
+    validate_manifest(manifest.to_dict(), str(path))
     tmp = path.with_name(f".{MANIFEST_NAME}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
-def _require(data: dict[str, Any], key: str, kind: type | tuple[type, ...], source: str, where: str = "") -> Any:
-    if key not in data:
-        raise ManifestError(f"{source}: missing field {where}{key!r}")
-    value = data[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ManifestError(f"{source}: field {where}{key!r} has the wrong type ({type(value).__name__})")
-    return value
+# The JSON Schema keywords manifest.schema.json may use: those _check_node applies, and annotations.
+_SCHEMA_KEYWORDS = frozenset(
+    {"type", "const", "enum", "minimum", "maximum", "pattern", "required", "properties", "additionalProperties", "items"}
+    | {"$schema", "$id", "title", "description"}
+)
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+@functools.cache
+def _manifest_schema() -> dict[str, Any]:
+    """The JSON Schema of the manifest, read from ``manifest.schema.json``."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def _is_json_type(value: Any, name: str) -> bool:
+    """Whether ``value`` is of JSON type ``name``; booleans are not numbers."""
+    if isinstance(value, bool) and name != "boolean":
+        return False
+    return isinstance(value, _JSON_TYPES[name])
+
+
+def _problem(value: Any, schema: dict[str, Any]) -> str | None:
+    """What is wrong with ``value`` under the keywords of ``schema`` that concern it alone, or None."""
+    if "const" in schema and value != schema["const"]:
+        return f"must be {schema['const']!r}, got {value!r}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"must be one of {', '.join(map(repr, schema['enum']))}, got {value!r}"
+    if "type" in schema:
+        types = [schema["type"]] if isinstance(schema["type"], str) else schema["type"]
+        if not any(_is_json_type(value, name) for name in types):
+            return f"must be of type {' or '.join(types)}, got {type(value).__name__}"
+    is_number = _is_json_type(value, "number")
+    if "minimum" in schema and is_number and value < schema["minimum"]:
+        return f"must be at least {schema['minimum']}, got {value!r}"
+    if "maximum" in schema and is_number and value > schema["maximum"]:
+        return f"must be at most {schema['maximum']}, got {value!r}"
+    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
+        return f"must match {schema['pattern']}, got {value!r}"
+    return None
+
+
+def _check_node(value: Any, schema: dict[str, Any], where: str, source: str) -> None:
+    """Check ``value`` and its members against ``schema``; raise ManifestError naming the field at ``where``."""
+    problem = _problem(value, schema)
+    if problem:
+        raise ManifestError(f"{source}: field {where or '(the manifest)'} {problem}")
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                raise ManifestError(f"{source}: missing field {where + '.' if where else ''}{key}")
+        properties = schema.get("properties", {})
+        additional = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else key
+            if key in properties:
+                _check_node(item, properties[key], inner, source)
+            elif additional is False:
+                raise ManifestError(f"{source}: unknown field {inner}; this manifest was not written by this format version")
+            elif isinstance(additional, dict):
+                _check_node(item, additional, inner, source)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check_node(item, schema["items"], f"{where}[{i}]", source)
+
+
+def _check_across_fields(data: dict[str, Any], source: str) -> None:
+    """The rules that tie fields together, which the JSON Schema cannot state."""
+    capacity, rows_per_shard, shards, stats = data["capacity"], data["rows_per_shard"], data["shards"], data["stats"]
+    if capacity != data["inputs"]["max_len"]:
+        raise ManifestError(f"{source}: capacity {capacity} differs from inputs.max_len {data['inputs']['max_len']}")
+    for i, shard in enumerate(shards):
+        if Path(shard["path"]).is_absolute() or ".." in Path(shard["path"]).parts:
+            raise ManifestError(f"{source}: shards[{i}].path must be relative to the manifest's directory")
+        if shard["rows"] > rows_per_shard or shard["tokens"] > shard["rows"] * capacity:
+            raise ManifestError(f"{source}: shards[{i}] holds more rows or tokens than rows_per_shard and capacity allow")
+    if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
+        raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
 
 
 def validate_manifest(data: Any, source: str = MANIFEST_NAME) -> None:
-    """Check a decoded manifest against the contract; raise ManifestError naming the field."""
+    """Check a decoded manifest against the contract; raise ManifestError naming the field.
+
+    A manifest of a newer format version raises FormatVersionError before anything else is
+    checked, since its fields may have changed.
+    """
     if not isinstance(data, dict):
         raise ManifestError(f"{source}: the manifest must be a JSON object")
     if data.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: not a varpack manifest (format {data.get('format')!r})")
-    version = _require(data, "format_version", int, source)
-    if version > FORMAT_VERSION:
+    version = data.get("format_version")
+    if _is_json_type(version, "integer") and version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{source}: format version {version} is newer than this varpack reads ({FORMAT_VERSION}); upgrade varpack"
         )
-    if version < 1:
-        raise ManifestError(f"{source}: format version {version} is not a valid version")
-    _require(data, "fingerprint", str, source)
-    _require(data, "created_at", str, source)
-    capacity = _require(data, "capacity", int, source)
-    rows_per_shard = _require(data, "rows_per_shard", int, source)
-    if capacity < 1 or rows_per_shard < 1:
-        raise ManifestError(f"{source}: capacity and rows_per_shard must be positive")
-
-    inputs = _require(data, "inputs", dict, source)
-    for key, kind in (("template", str), ("loss_masking", str), ("max_len", int), ("overflow", str),
-                      ("packing", str), ("seed", int), ("package_version", str)):
-        _require(inputs, key, kind, source, "inputs.")
-    if inputs["overflow"] not in OVERFLOW_POLICIES:
-        raise ManifestError(f"{source}: unknown overflow policy {inputs['overflow']!r}")
-    if inputs["packing"] not in PACKING_ALGORITHMS:
-        raise ManifestError(f"{source}: unknown packing algorithm {inputs['packing']!r}")
-    dataset = _require(inputs, "dataset", dict, source, "inputs.")
-    for key in ("id", "split", "content_hash"):
-        _require(dataset, key, str, source, "inputs.dataset.")
-    tokenizer = _require(inputs, "tokenizer", dict, source, "inputs.")
-    for key, kind in (("name", str), ("content_hash", str), ("vocab_size", int)):
-        _require(tokenizer, key, kind, source, "inputs.tokenizer.")
-
-    shards = _require(data, "shards", list, source)
-    for i, shard in enumerate(shards):
-        where = f"shards[{i}]."
-        if not isinstance(shard, dict):
-            raise ManifestError(f"{source}: shards[{i}] must be an object")
-        for key, kind in (("path", str), ("rows", int), ("tokens", int), ("sha256", str), ("bytes", int)):
-            _require(shard, key, kind, source, where)
-        if Path(shard["path"]).is_absolute() or ".." in Path(shard["path"]).parts:
-            raise ManifestError(f"{source}: {where}path must be relative to the manifest's directory")
-        if not 0 < shard["rows"] <= rows_per_shard or not 0 < shard["tokens"] <= shard["rows"] * capacity:
-            raise ManifestError(f"{source}: {where}rows or tokens out of range")
-
-    stats = _require(data, "stats", dict, source)
-    for key in ("examples", "segments", "tokens", "rows", "capacity_tokens", "tokens_truncated", "tokens_dropped"):
-        _require(stats, key, int, source, "stats.")
-    _require(stats, "segments_per_row", dict, source, "stats.")
-    if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
-        raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
+    _check_node(data, _manifest_schema(), "", source)
+    _check_across_fields(data, source)

@@ -34,24 +34,40 @@ ROW_COLUMNS = tuple(ROW_SCHEMA.names)
 
 def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Offsets (rebased to 0) and flat values of a list column, without copying when possible."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(column, pa.ChunkedArray):
+        array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    else:
+        array = column
     offsets = array.offsets.to_numpy()
     values = array.values.to_numpy(zero_copy_only=False)
     return offsets - offsets[0], values[offsets[0] : offsets[-1]]
 
 
+def _column_names(schema: pa.Schema) -> str:
+    """The column names of a schema for an error message, even when a corrupt file garbled them."""
+    try:
+        return str(schema.names)
+    except UnicodeDecodeError:
+        return "(column names that are not valid UTF-8)"
+
+
 def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
     """Check every row invariant of a shard table; raise ShardError naming the first bad row.
 
-    Invariants: the schema matches ROW_SCHEMA; ``loss_mask`` and ``input_ids`` have the same
-    length; ``cu_seqlens`` starts at 0, strictly increases and ends at the row's token count,
-    which is at most ``capacity``; ``max_seqlen`` is the largest segment; one example id and
-    offset per segment.
+    Invariants: the schema matches ROW_SCHEMA and Arrow finds the data well formed;
+    ``loss_mask`` and ``input_ids`` have the same length; ``cu_seqlens`` starts at 0, strictly
+    increases and ends at the row's token count, which is at most ``capacity``; ``max_seqlen``
+    is the largest segment; one example id and offset per segment.
     """
     if not table.schema.remove_metadata().equals(ROW_SCHEMA.remove_metadata()):
-        raise ShardError(shard, f"schema {table.schema.names} does not match the packed-row schema {list(ROW_COLUMNS)}")
+        raise ShardError(shard, f"schema {_column_names(table.schema)} does not match the packed-row schema {list(ROW_COLUMNS)}")
     if table.num_rows == 0:
         raise ShardError(shard, "holds no rows")
+    try:
+        # Arrow's own check that offsets and buffers are in bounds, before any buffer is read.
+        table.validate(full=True)
+    except pa.ArrowInvalid as err:
+        raise ShardError(shard, f"is not valid Arrow data ({err}); rebuild it") from err
     for name in ROW_COLUMNS:
         if table.column(name).null_count:
             raise ShardError(shard, f"column {name!r} has nulls")
@@ -90,6 +106,5 @@ def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
     segment_row = np.repeat(np.arange(table.num_rows), n_segments)
     segment_lengths = steps[within_row]
     fail_at(np.bincount(segment_row[segment_lengths <= 0], minlength=table.num_rows) > 0, "cu_seqlens is not strictly increasing")
-    longest = np.zeros(table.num_rows, dtype=np.int64)
-    np.maximum.at(longest, segment_row, segment_lengths)
+    longest = np.maximum.reduceat(segment_lengths, np.cumsum(n_segments) - n_segments)
     fail_at(max_seqlen != longest, "max_seqlen is not the longest segment in cu_seqlens")
