@@ -1,0 +1,11 @@
+"""The read side: packed shards -> FlashAttention-2 varlen batches.
+
+Imports only torch, pyarrow, numpy and fsspec (which ships with torch), so it loads on a GPU
+machine without Beam, datasets or tokenizers.
+"""
+
+from loaders.collate import FixedShape
+from loaders.dataset import PackedIterableDataset
+from loaders.shard_reader import Shard, open_shard
+
+__all__ = ["FixedShape", "PackedIterableDataset", "Shard", "open_shard"]

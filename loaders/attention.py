@@ -1,0 +1,198 @@
+"""Attention backends for packed batches: FlashAttention-2 varlen, PyTorch's varlen_attn, sdpa.
+
+A packed batch is one long sequence ``[1, T]`` whose examples are delimited by ``cu_seq_lens``.
+Three kernels can train on it without letting examples attend to one another:
+
+- ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (package flash-attn, CUDA); in
+  transformers this is ``attn_implementation="flash_attention_2"``.
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA), the same
+  FA2 kernels shipped inside PyTorch. Registered in transformers as ``"varpack_varlen"`` by
+  ``register_varlen_attention()``, so ``from_pretrained(..., attn_implementation="varpack_varlen")``
+  works without the flash-attn package.
+- ``sdpa``: on CPU (tests). transformers then finds the example boundaries from ``position_ids``,
+  but only with ``config.use_cache=False`` and no ``attention_mask``.
+
+Imports only torch at module import; transformers is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+VARLEN_IMPLEMENTATION = "varpack_varlen"
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa")
+# The transformers attn_implementation that runs each backend.
+ATTN_IMPLEMENTATIONS = {"flash_attn": "flash_attention_2", "torch_varlen": VARLEN_IMPLEMENTATION, "sdpa": "sdpa"}
+
+
+def flash_attn_available() -> bool:
+    """True when CUDA is up and the flash-attn package can be imported."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def torch_varlen_available() -> bool:
+    """True when CUDA is up and this torch has ``torch.nn.attention.varlen`` (torch >= 2.10)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def available_backends() -> list[str]:
+    """The backends usable on this machine, best first."""
+    found = [name for name, ok in (("flash_attn", flash_attn_available()), ("torch_varlen", torch_varlen_available())) if ok]
+    return [*found, "sdpa"]
+
+
+def best_backend() -> str:
+    """The fastest backend available here: flash_attn, then torch_varlen, then sdpa."""
+    return available_backends()[0]
+
+
+def best_attn_implementation() -> str:
+    """The transformers ``attn_implementation`` of the best backend, registering ours if needed."""
+    backend = best_backend()
+    if backend == "torch_varlen":
+        register_varlen_attention()
+    return ATTN_IMPLEMENTATIONS[backend]
+
+
+def attn_implementation_for(backend: str) -> str:
+    """The transformers ``attn_implementation`` for ``backend`` ("auto" picks the best available)."""
+    if backend == "auto":
+        return best_attn_implementation()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if backend not in available_backends():
+        raise RuntimeError(f"attention backend {backend!r} is not available here (available: {', '.join(available_backends())})")
+    if backend == "torch_varlen":
+        register_varlen_attention()
+    return ATTN_IMPLEMENTATIONS[backend]
+
+
+@lru_cache(maxsize=1)
+def _torch_varlen_takes_gqa() -> bool:
+    """Whether this torch's varlen_attn has ``enable_gqa`` (later releases require it for GQA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    backend: str = "flash_attn",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_left: int = -1,
+) -> torch.Tensor:
+    """Attention over packed sequences: ``query`` [T, Hq, D], ``key``/``value`` [T, Hkv, D] -> [T, Hq, D].
+
+    ``cu_seqlens_*`` are int32 [n + 1]; ``backend`` is ``flash_attn`` or ``torch_varlen``.
+    ``window_left`` >= 0 limits each query to that many earlier keys (sliding window).
+    """
+    window = (window_left, 0 if causal else -1)
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale=softmax_scale, causal=causal, window_size=window,
+        )
+    if backend == "torch_varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        extra: dict[str, Any] = {}
+        if key.shape[1] != query.shape[1]:
+            if _torch_varlen_takes_gqa():
+                extra["enable_gqa"] = True
+            else:
+                groups = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        # varlen_attn reads causality from the window: (-1, 0) is causal, (-1, -1) full.
+        return varlen_attn(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            scale=softmax_scale, window_size=window, **extra,
+        )
+    raise ValueError(f"varlen_attention runs flash_attn or torch_varlen, not {backend!r}")
+
+
+def _half_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype to run the FA2 kernels in: the tensor's if half, else the autocast or bf16 dtype."""
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.dtype
+    if torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return torch.bfloat16
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (``AttentionInterface``) on torch's varlen_attn.
+
+    ``query`` is [B, Hq, S, D] and the result [B, S, Hq, D], as transformers expects. Example
+    boundaries come from ``cu_seq_lens_q/k`` and ``max_length_q/k`` (a PackedIterableDataset
+    batch, or ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); without them each
+    of the B rows is one whole sequence. transformers builds no attention mask for this
+    implementation, so padded batches are not supported: feed packed ones.
+    """
+    if dropout:
+        raise ValueError(f"{VARLEN_IMPLEMENTATION} does not do attention dropout (got {dropout}); set attention_dropout=0")
+    if softcap is not None:
+        raise ValueError(f"{VARLEN_IMPLEMENTATION} does not support attention logit softcapping; use flash_attention_2 or eager")
+    batch, heads, seq_len, head_dim = query.shape
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_len
+        max_length_q = seq_len
+    if cu_seq_lens_k is None:
+        cu_seq_lens_k, max_length_k = cu_seq_lens_q, max_length_q
+    causal = module.is_causal if is_causal is None else is_causal
+    dtype = _half_dtype(query)
+
+    def tokens_first(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(batch * x.shape[2], x.shape[1], head_dim).to(dtype)
+
+    out = varlen_attention(
+        tokens_first(query), tokens_first(key), tokens_first(value),
+        cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q), int(max_length_k),
+        backend="torch_varlen",
+        causal=causal,
+        softmax_scale=scaling,
+        window_left=sliding_window - 1 if sliding_window else -1,
+    )
+    return out.view(batch, seq_len, heads, head_dim), None
+
+
+def register_varlen_attention(name: str = VARLEN_IMPLEMENTATION) -> str:
+    """Register ``varlen_attention_forward`` with transformers under ``name``; returns the name.
+
+    Only the attention function is registered, not a mask function: transformers then skips
+    building a mask (and its host sync) and passes ``cu_seq_lens_*`` straight through.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, varlen_attention_forward)
+    return name

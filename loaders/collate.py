@@ -1,0 +1,114 @@
+"""Packed rows -> one FlashAttention-2 varlen batch, the keyword arguments transformers accepts.
+
+Rows are copied once from the memory-mapped shards into the batch's int64 buffers; labels and
+position ids are whole-batch numpy operations. The only Python loop is over rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loaders.shard_reader import Shard
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class FixedShape:
+    """The shape every batch is padded to, so torch.compile and CUDA graphs see one shape.
+
+    ``tokens`` is the length of ``input_ids``; ``cu_seqlens`` the length of ``cu_seq_lens_q``;
+    ``max_length`` the row capacity, which bounds every real segment and every pad chunk.
+    """
+
+    tokens: int
+    cu_seqlens: int
+    max_length: int
+
+
+def fixed_shape(tokens: int, max_segments: int, capacity: int) -> FixedShape:
+    """The fixed shape for batches of at most ``tokens`` tokens and ``max_segments`` segments.
+
+    The padding is cut into chunks of at most ``capacity`` tokens, so ``max_length`` stays
+    ``capacity`` and pad position ids stay below it; there are at most ``ceil(tokens / capacity)``.
+    """
+    pad_chunks = -(-tokens // capacity)
+    return FixedShape(tokens=tokens, cu_seqlens=max_segments + pad_chunks + 1, max_length=capacity)
+
+
+def collate_rows(
+    rows: Sequence[tuple[Shard, int]],
+    *,
+    fixed: FixedShape | None = None,
+    pad_token_id: int = 0,
+) -> dict[str, torch.Tensor | int]:
+    """Concatenate rows (shard, row index) into one batch of FA2 varlen keyword arguments.
+
+    ``labels`` is -100 where ``loss_mask`` is 0 and on the first token of every segment, so no
+    example learns to predict the start of the next. ``position_ids`` restart at 0 per
+    segment. With ``fixed``, a trailing pad (``pad_token_id``, labels -100) fills the batch to
+    ``fixed.tokens`` and ``cu_seq_lens`` repeats its last value up to ``fixed.cu_seqlens``.
+    """
+    token_ranges = []
+    cu_parts = []
+    max_length = 0
+    total = 0
+    for shard, i in rows:
+        t0, t1 = int(shard.token_offsets[i]), int(shard.token_offsets[i + 1])
+        c0, c1 = int(shard.cu_offsets[i]), int(shard.cu_offsets[i + 1])
+        token_ranges.append((shard, t0, t1))
+        cu_parts.append(shard.cu_seqlens[c0 + 1 : c1] + total)
+        max_length = max(max_length, int(shard.max_seqlen[i]))
+        total += t1 - t0
+
+    width = fixed.tokens if fixed is not None else total
+    if total > width:
+        raise ValueError(f"the batch holds {total} tokens, more than the fixed shape's {width}")
+    input_ids = np.empty(width, dtype=np.int64)
+    loss_mask = np.empty(width, dtype=np.uint8)
+    at = 0
+    for shard, t0, t1 in token_ranges:
+        input_ids[at : at + t1 - t0] = shard.input_ids[t0:t1]
+        loss_mask[at : at + t1 - t0] = shard.loss_mask[t0:t1]
+        at += t1 - t0
+
+    ends = [np.zeros(1, dtype=np.int64), *cu_parts]
+    if fixed is not None:
+        input_ids[total:] = pad_token_id
+        loss_mask[total:] = 0
+        ends.append(np.arange(total, width, fixed.max_length, dtype=np.int64)[1:])
+        ends.append(np.array([width], dtype=np.int64) if width > total else np.zeros(0, dtype=np.int64))
+        max_length = fixed.max_length
+    cu_seqlens = np.concatenate(ends).astype(np.int32)
+    starts = cu_seqlens[:-1].astype(np.int64)
+    lengths = np.diff(cu_seqlens).astype(np.int64)
+
+    # labels = input_ids where loss_mask else -100, without a boolean gather: (ids + 100) * mask - 100.
+    labels = np.add(input_ids, -IGNORE_INDEX)
+    np.multiply(labels, loss_mask, out=labels)
+    labels += IGNORE_INDEX
+    labels[starts] = IGNORE_INDEX
+    position_ids = np.arange(width, dtype=np.int64)
+    position_ids -= np.repeat(starts, lengths)
+
+    if fixed is not None:
+        if cu_seqlens.size > fixed.cu_seqlens:
+            raise ValueError(
+                f"the batch holds {cu_seqlens.size - 1} sequences, more than the fixed shape's "
+                f"{fixed.cu_seqlens - 1}: the manifest's stats.segments_per_row undercounts; rebuild the manifest"
+            )
+        cu_seqlens = np.concatenate((cu_seqlens, np.full(fixed.cu_seqlens - cu_seqlens.size, width, dtype=np.int32)))
+    cu = torch.from_numpy(cu_seqlens)
+    return {
+        "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
+        "labels": torch.from_numpy(labels).unsqueeze(0),
+        "position_ids": torch.from_numpy(position_ids).unsqueeze(0),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }

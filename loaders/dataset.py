@@ -1,0 +1,333 @@
+"""``PackedIterableDataset``: packed shards in, FlashAttention-2 varlen batches out.
+
+The stages, each in its own module: ``remote`` finds the build and caches remote shards;
+``shuffle`` orders the epoch's rows from (seed, epoch); ``partition`` cuts that order into
+batches and deals them to ranks and DataLoader workers; ``collate`` turns a batch's rows into
+tensors; ``resume`` records where a reader stands. This module ties them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from loaders.collate import FixedShape, collate_rows, fixed_shape
+from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
+from loaders.remote import locate
+from loaders.resume import Position, from_state_dict, to_state_dict
+from loaders.shard_reader import Shard, open_shard
+from loaders.shuffle import epoch_row_order
+from schemas import Manifest, ManifestError
+
+# Shards one shuffle window spans, by default: the window's rows come from about this many shards.
+DEFAULT_SHUFFLE_WINDOW_SHARDS = 4
+
+
+def check_manifest(
+    manifest: Manifest, source: str, expected_fingerprint: str | None, expected_tokenizer_hash: str | None
+) -> None:
+    """Raise ManifestError unless the build is the one expected and holds rows."""
+    if expected_fingerprint is not None and manifest.fingerprint != expected_fingerprint:
+        raise ManifestError(
+            f"{source}: fingerprint {manifest.fingerprint} differs from the expected {expected_fingerprint}: these "
+            "shards were built from other inputs; point at the right build or rebuild it"
+        )
+    tokenizer_hash = manifest.inputs.tokenizer.content_hash
+    if expected_tokenizer_hash is not None and tokenizer_hash != expected_tokenizer_hash:
+        raise ManifestError(
+            f"{source}: tokenizer content hash {tokenizer_hash} ({manifest.inputs.tokenizer.name}) differs from "
+            f"the expected {expected_tokenizer_hash}: the shards hold another tokenizer's ids; rebuild them with "
+            "the model's tokenizer"
+        )
+    if manifest.num_rows == 0:
+        raise ManifestError(f"{source}: the build holds no rows, so there is nothing to train on; check the input data")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class PackedIterableDataset(IterableDataset):
+    """Batches of packed rows as FlashAttention-2 varlen keyword arguments, for ``model(**batch)``.
+
+    Each batch is a dict: ``input_ids``, ``labels`` and ``position_ids`` ([1, T] int64; labels
+    are -100 on loss-masked tokens and on the first token of every example; positions restart
+    at 0 per example), ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32 [n + 1], one tensor),
+    ``max_length_q`` and ``max_length_k`` (Python ints). There is no ``attention_mask``.
+
+    Args:
+        source: a shard directory or manifest path, local or any fsspec URL (``s3://``,
+            ``gs://``, ``file://``, ``memory://``). Remote shards are copied into ``cache_dir``
+            (default ``$VARPACK_CACHE_DIR`` or ``~/.cache/varpack``) once and reused.
+        batch_rows: rows per batch (each row is up to ``manifest.capacity`` tokens).
+        tokens_per_batch: a token budget instead: each batch is as many whole rows as fit.
+            Must be at least the capacity, so any row fits. Give this or ``batch_rows``.
+        shuffle, seed: shuffle the shard order and the rows within a window of
+            ``shuffle_buffer_rows`` rows (default: four shards' worth), from (seed, epoch).
+        rank, world_size: the data-parallel rank and size; default torch.distributed's when
+            initialised, else (0, 1). Pass them under tensor or pipeline parallelism.
+        expected_fingerprint, expected_tokenizer_hash: refuse any other build or tokenizer.
+        verify_checksum: check every shard's sha256 once here (local shards; remote copies
+            are always verified when fetched). Sizes and row invariants are always checked.
+        pad_to_fixed_shape: give every batch the same shapes, for torch.compile and CUDA
+            graphs (``self.fixed_shape`` holds them): ``T = batch_rows * capacity`` (or
+            ``tokens_per_batch``) tokens, the rows followed by pad sequences of at most
+            ``capacity`` tokens (``pad_token_id``, labels -100, positions from 0);
+            ``cu_seq_lens`` of a fixed length, the most segments any batch can hold (the
+            fullest rows of the manifest's ``stats.segments_per_row``) plus the pad chunks
+            plus one, filled by repeating its last value (zero-length sequences, which FA2
+            skips); ``max_length`` = ``capacity``.
+
+    Epochs and ranks: the epoch's batches are one list cut from the shuffled rows; global
+    batch ``i`` goes to rank ``i % world_size``, and a rank's batch ``j`` to DataLoader
+    worker ``j % num_workers``, so batches arrive in the same order for any number of
+    workers. Every rank yields ``len(self)`` batches per epoch; to get there, the last
+    ``num_batches % world_size`` batches of each epoch are dropped, and in row mode the
+    ``num_rows % batch_rows`` rows that do not fill a batch: fewer than ``world_size *
+    batch_rows`` rows per epoch, a different set each epoch when shuffling. Nothing repeats.
+
+    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``. A reader that
+    finishes its pass moves on to the next epoch by itself, so persistent workers (which never
+    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order.
+
+    Resume: ``state_dict()`` / ``load_state_dict()`` hold (epoch, next batch). Iterating in
+    the training process (``num_workers=0``: far more than a GPU consumes, and faster than
+    workers, whose batches are copied between processes) the state is exact. With workers,
+    use torchdata's ``StatefulDataLoader``, which collects the workers' states;
+    ``dataset.load_state_dict(loader.state_dict())`` turns that back into the rank's
+    position, so a run can resume under another ``num_workers``. A plain ``DataLoader``
+    with workers loses only the resume.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        batch_rows: int = 1,
+        tokens_per_batch: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer_rows: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        expected_fingerprint: str | None = None,
+        expected_tokenizer_hash: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        verify_checksum: bool = True,
+        pad_to_fixed_shape: bool = False,
+        pad_token_id: int = 0,
+    ) -> None:
+        super().__init__()
+        location = locate(source)
+        manifest = location.read_manifest()
+        check_manifest(manifest, location.source, expected_fingerprint, expected_tokenizer_hash)
+        self.manifest = manifest
+        self.source = location.source
+        self.capacity = manifest.capacity
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.shuffle = bool(shuffle)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = int(seed)
+        if shuffle_buffer_rows is None:
+            shuffle_buffer_rows = DEFAULT_SHUFFLE_WINDOW_SHARDS * manifest.rows_per_shard
+        self.shuffle_buffer_rows = _positive_int("shuffle_buffer_rows", shuffle_buffer_rows)
+        if tokens_per_batch is None:
+            self.batch_rows: int | None = _positive_int("batch_rows", batch_rows)
+            self.tokens_per_batch: int | None = None
+        else:
+            if batch_rows != 1:
+                raise ValueError("give batch_rows or tokens_per_batch, not both")
+            self.batch_rows = None
+            self.tokens_per_batch = _positive_int("tokens_per_batch", tokens_per_batch)
+            if self.tokens_per_batch < self.capacity:
+                raise ValueError(
+                    f"tokens_per_batch={self.tokens_per_batch} is smaller than one row (capacity {self.capacity} "
+                    f"tokens), so a full row would not fit; use at least {self.capacity}, or rebuild with a "
+                    "smaller max_len"
+                )
+        self.pad_token_id = int(pad_token_id)
+
+        self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
+        row_tokens, row_segments = self._read_row_index(verify_checksum and location.is_local)
+        self._row_tokens = row_tokens
+        self._first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)
+        num_rows = int(self._first_row[-1])
+        if num_rows < self.world_size:
+            raise ValueError(
+                f"world size {self.world_size} is larger than the {num_rows} rows of {location.source}: "
+                "some ranks would get no data; use fewer ranks or more data"
+            )
+        self.fixed_shape: FixedShape | None = self._fixed_shape(row_segments) if pad_to_fixed_shape else None
+
+        self._position = Position(epoch=0)
+        self._loaded = False
+        self._plan_cache: tuple[int, EpochPlan] | None = None
+        self._open_shards: OrderedDict[int, Shard] = OrderedDict()
+        if len(self) == 0:
+            per_batch = f"{self.batch_rows} rows" if self.batch_rows else f"up to {self.tokens_per_batch} tokens"
+            raise ValueError(
+                f"{location.source}: {num_rows} rows make fewer batches of {per_batch} than the world size "
+                f"{self.world_size}, so every rank would get none; use smaller batches or fewer ranks"
+            )
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def _read_row_index(self, verify_checksum: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and segments of every row, read (and checked) from each shard once."""
+        tokens, segments = [], []
+        for path, info in zip(self._paths, self.manifest.shards):
+            shard = open_shard(path, self.capacity, expected=info, verify_checksum=verify_checksum)
+            tokens.append(np.diff(shard.token_offsets).astype(np.int32))
+            segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
+            if int(tokens[-1].sum()) != info.tokens:
+                raise ManifestError(
+                    f"{path}: holds {int(tokens[-1].sum())} tokens, the manifest says {info.tokens}; rebuild it"
+                )
+        return np.concatenate(tokens), np.concatenate(segments)
+
+    def _fixed_shape(self, row_segments: np.ndarray) -> FixedShape:
+        """The one batch shape: tokens from the batch size, sequences from the manifest's histogram."""
+        counts, rows = np.unique(row_segments, return_counts=True)
+        actual = {str(c): int(r) for c, r in zip(counts.tolist(), rows.tolist())}
+        declared = {k: v for k, v in self.manifest.stats.segments_per_row.items() if v}
+        if actual != declared:
+            raise ManifestError(
+                f"{self.source}: the manifest's stats.segments_per_row disagrees with the shards, so the fixed "
+                "cu_seqlens length cannot be trusted; rebuild the manifest"
+            )
+        if self.batch_rows is not None:
+            tokens, rows_per_batch = self.batch_rows * self.capacity, self.batch_rows
+        else:
+            tokens = self.tokens_per_batch
+            rows_per_batch = max_rows_per_batch(self._row_tokens, tokens)
+        return fixed_shape(tokens, max_segments_per_batch(declared, rows_per_batch), self.capacity)
+
+    def _identity(self) -> dict[str, Any]:
+        """The settings that fix the epoch's list of batches; a state only resumes under the same."""
+        return {
+            "fingerprint": self.manifest.fingerprint,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer_rows": self.shuffle_buffer_rows,
+            "batch_rows": self.batch_rows,
+            "tokens_per_batch": self.tokens_per_batch,
+            "world_size": self.world_size,
+        }
+
+    # ---- epochs, plans and shards ---------------------------------------------------------
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        """This rank's batches of ``epoch`` (cached for the latest epoch)."""
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
+            rows = epoch_row_order(
+                np.diff(self._first_row),
+                seed=self.seed,
+                epoch=epoch,
+                shuffle=self.shuffle,
+                buffer_rows=self.shuffle_buffer_rows,
+            )
+            plan = plan_epoch(
+                rows,
+                self._row_tokens,
+                rank=self.rank,
+                world_size=self.world_size,
+                batch_rows=self.batch_rows or 1,
+                tokens_per_batch=self.tokens_per_batch,
+            )
+            self._plan_cache = (epoch, plan)
+        return self._plan_cache[1]
+
+    def _shard(self, index: int) -> Shard:
+        """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound."""
+        shard = self._open_shards.get(index)
+        if shard is None:
+            shard = open_shard(self._paths[index], self.capacity, expected=self.manifest.shards[index])
+            self._open_shards[index] = shard
+            window_shards = -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard)
+            while len(self._open_shards) > 2 * window_shards + 2:
+                self._open_shards.popitem(last=False)
+        else:
+            self._open_shards.move_to_end(index)
+        return shard
+
+    def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
+        """The batch of the given global row ids."""
+        shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
+        local = rows - self._first_row[shard_of_row]
+        return collate_rows(
+            [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())],
+            fixed=self.fixed_shape,
+            pad_token_id=self.pad_token_id,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if epoch != self._position.epoch or self._position.finished:
+            self._position = Position(epoch=int(epoch))
+            self._loaded = False
+
+    @property
+    def epoch(self) -> int:
+        return self._position.epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (for the current epoch: under a token budget it can vary by a few)."""
+        return len(self._plan(self._position.epoch))
+
+    # ---- iteration and resume -----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
+        info = get_worker_info()
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        position = self._position
+        if position.finished and (position.num_workers == 1 or not self._loaded):
+            position = Position(epoch=position.epoch + 1)
+        pass_start, first = position.first_batch(worker_id, num_workers)
+        # Set the position now, not on the first next(): torchdata reads the state right after iter().
+        self._position = Position(position.epoch, pass_start, first, worker_id, num_workers)
+        self._loaded = False
+        return self._batches(position.epoch, first, num_workers)
+
+    def _batches(self, epoch: int, first: int, num_workers: int) -> Iterator[dict[str, torch.Tensor | int]]:
+        plan = self._plan(epoch)
+        for position in range(first, len(plan), num_workers):
+            batch = self._collate(plan.batch_rows(position))
+            self._position = dataclasses.replace(self._position, next_batch=position + num_workers)
+            yield batch
+        self._position = dataclasses.replace(self._position, finished=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader stands: plain values, for torch.save or JSON (see the class docstring)."""
+        return to_state_dict(self._position, self._identity(), self.rank)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the position in ``state_dict``: this dataset's own, or a whole StatefulDataLoader state.
+
+        The next iteration seeks straight to the next batch; nothing before it is read again.
+        """
+        position = from_state_dict(state_dict, self._identity())
+        if position.num_workers > 1 and get_worker_info() is None:
+            raise ValueError(
+                f"this state is DataLoader worker {position.worker_id}'s alone; load the StatefulDataLoader's "
+                "whole state_dict instead (dataset.load_state_dict(loader.state_dict()))"
+            )
+        self._position = position
+        self._loaded = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open memory maps and the cached plan stay behind; a worker reopens what it reads.
+        state = self.__dict__.copy()
+        state["_open_shards"] = OrderedDict()
+        state["_plan_cache"] = None
+        return state

@@ -1,0 +1,131 @@
+"""Where a build lives: a local directory, or any fsspec URL whose shards are cached locally.
+
+A local path (or ``file://`` URL) is read in place. Any other URL (``s3://``, ``gs://``,
+``memory://``, ...) is copied shard by shard into ``<cache_dir>/<fingerprint>/``, once: a
+later run finds the copies there and reuses them after checking their size and (unless
+``verify_checksum=False``) checksum; a copy that fails is fetched again.
+Every copy is verified against the manifest before it is renamed into place, so a reader
+never sees a partial or corrupt file, and concurrent ranks copying the same shard are safe.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from loaders.shard_reader import check_shard_file
+from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, read_manifest
+
+CACHE_ENV = "VARPACK_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "varpack")
+
+
+@dataclass(frozen=True)
+class BuildLocation:
+    """A build's manifest and shard directory on some filesystem."""
+
+    source: str  # as the user gave it, for messages
+    fs: fsspec.AbstractFileSystem
+    root: str  # the directory shard paths are relative to, in ``fs``'s terms
+    manifest_path: str
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def read_manifest(self) -> Manifest:
+        """Load and validate the manifest."""
+        if self.is_local:
+            return read_manifest(self.manifest_path)
+        url = self.fs.unstrip_protocol(self.manifest_path)
+        try:
+            text = self.fs.cat_file(self.manifest_path).decode("utf-8")
+        except FileNotFoundError as err:
+            raise ManifestError(
+                f"{url}: no manifest; the build is missing or was interrupted, run the pipeline again"
+            ) from err
+        except (OSError, UnicodeDecodeError) as err:
+            raise ManifestError(f"{url}: the manifest could not be read ({err})") from err
+        return Manifest.from_json(text, url)
+
+    def local_shards(
+        self, manifest: Manifest, cache_dir: str | os.PathLike[str] | None, verify_checksum: bool
+    ) -> list[Path]:
+        """Local paths of every shard, copying remote ones into the cache first.
+
+        Local shards are returned as they are (``open_shard`` checks them). A cached copy is
+        reused when its size (and checksum, when ``verify_checksum``) matches the manifest; a
+        fresh copy is always checksummed before it is renamed into place.
+        """
+        if self.is_local:
+            return [Path(self.root) / shard.path for shard in manifest.shards]
+        directory = Path(cache_dir if cache_dir is not None else default_cache_dir()) / manifest.fingerprint
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = [self._cached_copy(shard, directory, verify_checksum) for shard in manifest.shards]
+        manifest_copy = directory / MANIFEST_NAME
+        if not manifest_copy.is_file():
+            _atomic_write(manifest_copy, manifest.to_json().encode("utf-8"))
+        return paths
+
+    def _cached_copy(self, shard: ShardInfo, directory: Path, verify_checksum: bool) -> Path:
+        """The cached copy of ``shard``: reused when it checks out, else fetched and verified."""
+        path = directory / shard.path
+        if path.is_file():
+            try:
+                check_shard_file(path, shard, verify_checksum)
+                return path
+            except ShardError:
+                pass  # a stale or damaged copy: fetch it again below
+        url = self.fs.unstrip_protocol(posixpath.join(self.root, shard.path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            try:
+                self.fs.get_file(posixpath.join(self.root, shard.path), str(tmp))
+            except FileNotFoundError as err:
+                raise ShardError(url, "shard file is missing at the source; rebuild the shards or fix the URL") from err
+            try:
+                check_shard_file(tmp, shard, verify_checksum=True)
+            except ShardError as err:
+                raise ShardError(
+                    url, f"the copy does not match the manifest ({err}); the source shard is corrupt, rebuild it"
+                ) from err
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+
+def locate(source: str | os.PathLike[str]) -> BuildLocation:
+    """Where the build named by ``source`` lives: a shard directory or a manifest path, local or a URL."""
+    text = os.fspath(source)
+    fs, path = fsspec.core.url_to_fs(text)
+    if isinstance(fs, LocalFileSystem):
+        local = Path(path)
+        if local.is_dir():
+            return BuildLocation(text, fs, str(local), str(local / MANIFEST_NAME))
+        return BuildLocation(text, fs, str(local.parent), str(local))
+    path = path.rstrip("/")
+    if path.endswith(".json"):
+        return BuildLocation(text, fs, posixpath.dirname(path), path)
+    return BuildLocation(text, fs, path, posixpath.join(path, MANIFEST_NAME))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` under a temporary name, then rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,107 @@
+"""The loader's position in an epoch, as the state dict a checkpoint stores and a resume seeks to.
+
+A position is (epoch, batch): the rank's next batch in the epoch's fixed list of batches
+(``partition.py``). A reader that is one of ``num_workers`` DataLoader workers records its own
+next batch; one that reads in the training process (``num_workers == 1``) records the rank's.
+Because the list of batches does not depend on the number of workers, a rank-level position
+resumes under any number of workers: worker ``w`` starts at ``batch + w``.
+
+torchdata's ``StatefulDataLoader`` keeps one state per worker; ``from_loader_state`` turns its
+whole state dict back into the rank's position (the batch the epoch started at, plus the
+batches the loader yielded), which is how a run resumes with a different ``num_workers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+STATE_FORMAT = "varpack.loader_state"
+STATE_VERSION = 1
+
+# What must match between the run that saved a state and the one that loads it: together
+# they fix the epoch's list of batches.
+IDENTITY_KEYS = (
+    "fingerprint", "seed", "shuffle", "shuffle_buffer_rows", "batch_rows", "tokens_per_batch", "world_size",
+)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a reader stands: it yields the rank's batches ``next_batch``, ``next_batch + num_workers``, ..."""
+
+    epoch: int
+    pass_start: int = 0  # the rank's batch this pass over the epoch began at
+    next_batch: int = 0
+    worker_id: int = 0
+    num_workers: int = 1
+    finished: bool = False  # this reader has yielded its last batch of the epoch
+
+    def first_batch(self, worker_id: int, num_workers: int) -> tuple[int, int]:
+        """(pass_start, first batch) for worker ``worker_id`` of ``num_workers`` resuming here."""
+        if self.num_workers == 1:
+            return self.next_batch, self.next_batch + worker_id
+        if (self.worker_id, self.num_workers) == (worker_id, num_workers):
+            return self.pass_start, self.next_batch
+        raise ValueError(
+            f"this state was saved by DataLoader worker {self.worker_id} of {self.num_workers} and cannot place "
+            f"worker {worker_id} of {num_workers}; load the StatefulDataLoader's whole state_dict into the "
+            "dataset (dataset.load_state_dict(loader.state_dict())) to resume with another number of workers"
+        )
+
+
+def to_state_dict(position: Position, identity: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The state dict of ``position``: plain ints, strings and bools, safe for torch.save and JSON."""
+    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, "rank": rank, **dataclasses.asdict(position)}
+
+
+def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position:
+    """The position in a dataset state dict, or in a whole StatefulDataLoader state dict.
+
+    Raises ValueError when the state is of another kind, or was saved with settings that
+    make a different list of batches (another build, seed, batch size or world size).
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"expected a state dict, got {type(state).__name__}")
+    if "_snapshot" in state:
+        return _from_multiprocess_loader_state(state, identity)
+    if "_num_yielded" in state and "dataset_state" in state:
+        return from_state_dict(_dataset_state(state["dataset_state"]), identity)
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError("not a PackedIterableDataset or StatefulDataLoader state dict (no 'format' key)")
+    if state.get("version", 0) > STATE_VERSION:
+        raise ValueError(f"loader state version {state['version']} is newer than this varpack reads ({STATE_VERSION})")
+    changed = [
+        f"{key} {state.get(key)!r} -> {identity[key]!r}" for key in IDENTITY_KEYS if state.get(key) != identity[key]
+    ]
+    if changed:
+        raise ValueError(
+            "the state was saved with settings that give a different list of batches, so it cannot be resumed: "
+            + "; ".join(changed)
+        )
+    return Position(**{field.name: state[field.name] for field in dataclasses.fields(Position)})
+
+
+def _dataset_state(state: Any) -> dict[str, Any]:
+    if state is None:
+        raise ValueError("the StatefulDataLoader state holds no dataset state; was it saved from a PackedIterableDataset?")
+    return state
+
+
+def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, Any]) -> Position:
+    """The rank's position from a multi-worker StatefulDataLoader state: the pass's start plus the batches yielded."""
+    snapshot = state["_snapshot"]
+    workers = [from_state_dict(_dataset_state(w["dataset_state"]), identity) for w in snapshot["_worker_snapshots"].values()]
+    if not workers:
+        raise ValueError("the StatefulDataLoader state holds no worker states")
+    first = workers[0]
+    if any((w.epoch, w.pass_start) != (first.epoch, first.pass_start) for w in workers):
+        raise ValueError("the StatefulDataLoader's workers disagree on the epoch; the state is inconsistent")
+    yielded = snapshot["_snapshot_step"] + state["_steps_since_snapshot"]
+    return Position(
+        epoch=first.epoch,
+        pass_start=first.pass_start,
+        next_batch=first.pass_start + yielded,
+        finished=bool(state.get("_iterator_finished", False)),
+    )

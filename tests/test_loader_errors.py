@@ -1,0 +1,123 @@
+"""Bad builds and bad settings: a clear error before any batch, never wrong or duplicated data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+from shard_factory import build_shard_dir
+
+from loaders import PackedIterableDataset
+from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
+
+CAPACITY = 32
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    lengths = np.random.default_rng(5).integers(3, 40, 60)
+    return build_shard_dir(tmp_path_factory.mktemp("pristine"), lengths, capacity=CAPACITY, rows_per_shard=10)
+
+
+@pytest.fixture
+def build(pristine, tmp_path):
+    """A fresh copy of the build, free to damage."""
+    shutil.copytree(pristine.path, tmp_path / "build")
+    return dataclasses.replace(pristine, path=tmp_path / "build")
+
+
+def shard_file(build, index=0):
+    return build.path / build.manifest.shards[index].path
+
+
+def test_missing_shard(build):
+    shard_file(build, 2).unlink()
+    with pytest.raises(ShardError, match="shard-00002.arrow: shard file is missing"):
+        PackedIterableDataset(build.path)
+
+
+def test_truncated_shard(build):
+    path = shard_file(build)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ShardError, match="truncated"):
+        PackedIterableDataset(build.path, verify_checksum=False)
+
+
+def test_flipped_byte_fails_the_checksum(build):
+    path = shard_file(build, 1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="shard-00001.arrow: checksum mismatch"):
+        PackedIterableDataset(build.path)
+
+
+def test_garbage_shard_of_the_right_size(build):
+    path = shard_file(build)
+    path.write_bytes(b"\0" * path.stat().st_size)
+    with pytest.raises(ShardError, match="not a readable Arrow IPC file"):
+        PackedIterableDataset(build.path, verify_checksum=False)
+
+
+def test_no_manifest(tmp_path):
+    with pytest.raises(ManifestError, match="no manifest"):
+        PackedIterableDataset(tmp_path)
+
+
+def test_newer_manifest_version(build):
+    path = build.path / "manifest.json"
+    data = json.loads(path.read_text())
+    data["format_version"] += 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(FormatVersionError, match="upgrade varpack"):
+        PackedIterableDataset(build.path)
+
+
+def test_unexpected_fingerprint_or_tokenizer(build):
+    with pytest.raises(ManifestError, match="fingerprint .* differs from the expected 0123456789abcdef"):
+        PackedIterableDataset(build.path, expected_fingerprint="0123456789abcdef")
+    with pytest.raises(ManifestError, match="tokenizer content hash"):
+        PackedIterableDataset(build.path, expected_tokenizer_hash="sha-of-another-tokenizer")
+    inputs = build.manifest.inputs
+    PackedIterableDataset(
+        build.path, expected_fingerprint=build.manifest.fingerprint, expected_tokenizer_hash=inputs.tokenizer.content_hash
+    )
+
+
+def test_empty_build(build):
+    empty = dataclasses.replace(build.manifest, shards=[], stats=PackingStats())
+    write_manifest(empty, build.path)
+    with pytest.raises(ManifestError, match="holds no rows"):
+        PackedIterableDataset(build.path)
+
+
+def test_world_larger_than_the_rows(build):
+    rows = build.manifest.num_rows
+    with pytest.raises(ValueError, match=f"world size {rows + 1} is larger than the {rows} rows"):
+        PackedIterableDataset(build.path, rank=0, world_size=rows + 1)
+    with pytest.raises(ValueError, match="every rank would get none"):
+        PackedIterableDataset(build.path, batch_rows=rows // 2 + 1, rank=0, world_size=2)
+
+
+def test_bad_batch_settings(build):
+    with pytest.raises(ValueError, match="smaller than one row"):
+        PackedIterableDataset(build.path, tokens_per_batch=CAPACITY - 1)
+    with pytest.raises(ValueError, match="not both"):
+        PackedIterableDataset(build.path, batch_rows=2, tokens_per_batch=4 * CAPACITY)
+    with pytest.raises(ValueError, match="batch_rows must be a positive integer"):
+        PackedIterableDataset(build.path, batch_rows=0)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\)"):
+        PackedIterableDataset(build.path, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="both rank and world_size"):
+        PackedIterableDataset(build.path, rank=0)
+
+
+def test_fixed_shape_refuses_a_wrong_segment_histogram(build):
+    stats = dataclasses.replace(build.manifest.stats, segments_per_row={"1": build.manifest.num_rows})
+    write_manifest(dataclasses.replace(build.manifest, stats=stats), build.path)
+    PackedIterableDataset(build.path)  # only the fixed shape depends on it
+    with pytest.raises(ManifestError, match="segments_per_row disagrees"):
+        PackedIterableDataset(build.path, pad_to_fixed_shape=True)
