@@ -166,9 +166,15 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = MANIFEST_NAME) -> Manifest:
         validate_manifest(data, source)
+        inputs = BuildInputs.from_dict(data["inputs"])
+        if compute_fingerprint(inputs) != data["fingerprint"]:
+            raise ManifestError(
+                f"{source}: fingerprint {data['fingerprint']} does not match the manifest's inputs; "
+                "the manifest was edited or is corrupt, rebuild the shards"
+            )
         return cls(
             fingerprint=data["fingerprint"],
-            inputs=BuildInputs.from_dict(data["inputs"]),
+            inputs=inputs,
             capacity=data["capacity"],
             rows_per_shard=data["rows_per_shard"],
             shards=[ShardInfo(**s) for s in data["shards"]],

@@ -312,9 +312,17 @@ def test_the_code_rejects_what_the_schema_rejects(path: tuple[Any, ...], value: 
 )
 def test_the_code_accepts_what_the_schema_accepts(path: tuple[Any, ...], value: Any) -> None:
     data = changed(BASE, path, value)
+    data["fingerprint"] = compute_fingerprint(BuildInputs.from_dict(data["inputs"]))
     assert schema_accepts(data)
     assert code_accepts(data)
     assert Manifest.from_dict(data).to_dict()["inputs"]["dataset"]["id"] == "openai/gsm8k"
+
+
+def test_an_edited_input_no_longer_matches_the_fingerprint() -> None:
+    data = changed(BASE, ("inputs", "seed"), BASE["inputs"]["seed"] + 1)
+    assert schema_accepts(data)
+    with pytest.raises(ManifestError, match="does not match the manifest's inputs"):
+        Manifest.from_dict(data)
 
 
 def test_a_manifest_with_no_shards_is_valid() -> None:
