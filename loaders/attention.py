@@ -3,14 +3,19 @@
 A packed batch is one long sequence ``[1, T]`` whose examples are delimited by ``cu_seq_lens``.
 Three kernels can train on it without letting examples attend to one another:
 
-- ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (package flash-attn, CUDA); in
-  transformers this is ``attn_implementation="flash_attention_2"``.
+- ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (package flash-attn, CUDA), registered
+  in transformers as ``"varpack_fa2"`` (no "flash" in the name: transformers
+  takes any such name for a Hub kernel to download).
 - ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA), the same
-  FA2 kernels shipped inside PyTorch. Registered in transformers as ``"varpack_varlen"`` by
-  ``register_varlen_attention()``, so ``from_pretrained(..., attn_implementation="varpack_varlen")``
-  works without the flash-attn package.
+  FA2 kernels shipped inside PyTorch, registered as ``"varpack_varlen"``, so
+  ``from_pretrained(..., attn_implementation="varpack_varlen")`` works without flash-attn.
 - ``sdpa``: on CPU (tests). transformers then finds the example boundaries from ``position_ids``,
   but only with ``config.use_cache=False`` and no ``attention_mask``.
+
+Both registered functions take the boundaries from the batch (``cu_seq_lens_*``,
+``max_length_*``) and register no mask function, so transformers builds no mask for them and
+skips its packed-sequence check on ``position_ids``, a device-to-host sync every forward that
+its own ``"flash_attention_2"`` pays. That one stays usable: pass its name as the backend.
 
 Imports only torch at module import; transformers is imported inside the functions that need it.
 """
@@ -19,15 +24,18 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
 
+FLASH_IMPLEMENTATION = "varpack_fa2"
 VARLEN_IMPLEMENTATION = "varpack_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa")
 # The transformers attn_implementation that runs each backend.
-ATTN_IMPLEMENTATIONS = {"flash_attn": "flash_attention_2", "torch_varlen": VARLEN_IMPLEMENTATION, "sdpa": "sdpa"}
+ATTN_IMPLEMENTATIONS = {"flash_attn": FLASH_IMPLEMENTATION, "torch_varlen": VARLEN_IMPLEMENTATION, "sdpa": "sdpa"}
+# Transformers' own implementations, accepted as they are.
+TRANSFORMERS_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention")
 
 
 def flash_attn_available() -> bool:
@@ -52,23 +60,29 @@ def best_backend() -> str:
 
 
 def best_attn_implementation() -> str:
-    """The transformers ``attn_implementation`` of the best backend, registering ours if needed."""
-    backend = best_backend()
-    if backend == "torch_varlen":
-        register_varlen_attention()
-    return ATTN_IMPLEMENTATIONS[backend]
+    """The transformers ``attn_implementation`` of the best backend, registered if it is ours."""
+    return attn_implementation_for(best_backend())
 
 
 def attn_implementation_for(backend: str) -> str:
-    """The transformers ``attn_implementation`` for ``backend`` ("auto" picks the best available)."""
+    """The transformers ``attn_implementation`` for ``backend``, registered if it is ours.
+
+    ``backend`` is ``auto`` (the best available), one of BACKENDS, or one of transformers' own
+    implementations (TRANSFORMERS_IMPLEMENTATIONS), returned unchanged.
+    """
     if backend == "auto":
         return best_attn_implementation()
+    if backend in TRANSFORMERS_IMPLEMENTATIONS:
+        return backend
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose auto or one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {backend!r}; choose auto, one of {', '.join(BACKENDS)}, "
+            f"or a transformers implementation ({', '.join(TRANSFORMERS_IMPLEMENTATIONS)})"
+        )
     if backend not in available_backends():
         raise RuntimeError(f"attention backend {backend!r} is not available here (available: {', '.join(available_backends())})")
-    if backend == "torch_varlen":
-        register_varlen_attention()
+    if backend != "sdpa":
+        register_varlen_attention(backend)
     return ATTN_IMPLEMENTATIONS[backend]
 
 
@@ -135,6 +149,7 @@ def _half_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 
 def varlen_attention_forward(
+    backend: str,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -151,7 +166,7 @@ def varlen_attention_forward(
     max_length_k: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function (``AttentionInterface``) on torch's varlen_attn.
+    """A transformers attention function (``AttentionInterface``) on the varlen kernel of ``backend``.
 
     ``query`` is [B, Hq, S, D] and the result [B, S, Hq, D], as transformers expects. Example
     boundaries come from ``cu_seq_lens_q/k`` and ``max_length_q/k`` (a PackedIterableDataset
@@ -160,9 +175,9 @@ def varlen_attention_forward(
     implementation, so padded batches are not supported: feed packed ones.
     """
     if dropout:
-        raise ValueError(f"{VARLEN_IMPLEMENTATION} does not do attention dropout (got {dropout}); set attention_dropout=0")
+        raise ValueError(f"{ATTN_IMPLEMENTATIONS[backend]} does not do attention dropout (got {dropout}); set attention_dropout=0")
     if softcap is not None:
-        raise ValueError(f"{VARLEN_IMPLEMENTATION} does not support attention logit softcapping; use flash_attention_2 or eager")
+        raise ValueError(f"{ATTN_IMPLEMENTATIONS[backend]} does not support attention logit softcapping; use flash_attention_2 or eager")
     batch, heads, seq_len, head_dim = query.shape
     if cu_seq_lens_q is None:
         cu_seq_lens_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * seq_len
@@ -178,7 +193,7 @@ def varlen_attention_forward(
     out = varlen_attention(
         tokens_first(query), tokens_first(key), tokens_first(value),
         cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q), int(max_length_k),
-        backend="torch_varlen",
+        backend=backend,
         causal=causal,
         softmax_scale=scaling,
         window_left=sliding_window - 1 if sliding_window else -1,
@@ -186,13 +201,14 @@ def varlen_attention_forward(
     return out.view(batch, seq_len, heads, head_dim), None
 
 
-def register_varlen_attention(name: str = VARLEN_IMPLEMENTATION) -> str:
-    """Register ``varlen_attention_forward`` with transformers under ``name``; returns the name.
+def register_varlen_attention(backend: str = "torch_varlen") -> str:
+    """Register ``backend``'s varlen attention with transformers; returns its implementation name.
 
     Only the attention function is registered, not a mask function: transformers then skips
     building a mask (and its host sync) and passes ``cu_seq_lens_*`` straight through.
     """
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, varlen_attention_forward)
+    name = ATTN_IMPLEMENTATIONS[backend]
+    AttentionInterface.register(name, partial(varlen_attention_forward, backend))
     return name

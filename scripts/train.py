@@ -1,0 +1,355 @@
+"""Fine-tune a causal LM on varpack shards, with a plain PyTorch loop or the Hugging Face Trainer.
+
+    # a Hub model (or a local directory), plain loop, on the best attention backend available
+    python scripts/train.py --shards shards/ --model HuggingFaceTB/SmolLM2-135M --out runs/smol
+    # the same with the Hugging Face Trainer
+    python scripts/train.py --shards shards/ --model HuggingFaceTB/SmolLM2-135M --out runs/smol --trainer hf
+    # random init from a config spec: a model type with overrides, or a Hub id / directory's config
+    python scripts/train.py --shards shards/ --random-init llama:hidden_size=512,num_hidden_layers=8
+    # resume from the latest checkpoint in --out, the loader included (no batch replayed or skipped)
+    python scripts/train.py ... --resume
+
+Batches come from ``PackedIterableDataset`` as FA2 varlen kwargs (``cu_seq_lens_q`` ...; no
+attention mask). The loss is averaged per trained token over each optimizer step, in both loops.
+Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak GPU memory.
+Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loaders import PackedIterableDataset  # noqa: E402
+from loaders.attention import attn_implementation_for  # noqa: E402
+
+CHECKPOINT_PREFIX = "checkpoint-"
+LOADER_STATE = "loader_state.pt"
+# A batch key that carries the loader's position (after this batch) to the HF Trainer's loss.
+STATE_KEY = "varpack_loader_state"
+
+
+@dataclass
+class TrainConfig:
+    """One training run; the CLI maps onto it one to one."""
+
+    shards: str = "shards"
+    model: str = ""  # Hub id or local directory: fine-tune its weights
+    random_init: str = ""  # "llama", "llama:key=value,...", or a Hub id / directory whose config is used
+    trainer: str = "plain"  # plain | hf
+    attn: str = "auto"  # auto | flash_attn | torch_varlen | sdpa
+    out: str = "runs/train"
+    batch_rows: int = 1
+    tokens_per_batch: int = 0  # 0: batch_rows rows per batch
+    grad_accum: int = 1
+    max_steps: int = 100
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    precision: str = "bf16"  # bf16 | fp32
+    compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape)
+    log_every: int = 10
+    save_every: int = 0  # 0: save only at the end
+    resume: bool = False
+    seed: int = 0
+
+
+# ---- model, data, optimizer: shared by both loops and by bench_train.py ---------------------
+
+
+def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"llama:hidden_size=512,num_hidden_layers=4"`` -> ("llama", {...}); values parsed as JSON when they can be."""
+    name, _, overrides = spec.partition(":")
+    values: dict[str, Any] = {}
+    for item in filter(None, overrides.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--random-init {spec!r}: {item!r} is not key=value")
+        try:
+            values[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key.strip()] = raw
+    return name, values
+
+
+def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, checkpoint: Path | None = None):
+    """The model to train: a checkpoint's weights, a Hub id / directory's weights, or a random init."""
+    from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
+
+    if checkpoint is not None or config.model:
+        source = str(checkpoint or config.model)
+        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn_implementation, dtype=torch.float32)
+    elif config.random_init:
+        name, overrides = parse_random_init(config.random_init)
+        if name in CONFIG_MAPPING:
+            model_config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
+        else:
+            model_config = AutoConfig.from_pretrained(name, **overrides)
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation, dtype=torch.float32)
+    else:
+        raise ValueError("give --model (Hub id or directory) or --random-init (config spec)")
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the shards' tokenizer's "
+                         f"({vocab_size}): these shards were tokenized for another model")
+    # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
+    model.config.use_cache = False
+    return model
+
+
+def make_dataset(config: TrainConfig) -> PackedIterableDataset:
+    budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
+    return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile, **budget)
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer; identical layers share one graph (regional compilation)."""
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of layers to compile")
+    # Layers differ in integer attributes (layer_idx); left static, each layer would get its own
+    # graph and past the recompile limit run uncompiled.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    for layer in layers:
+        layer.compile(dynamic=False)
+
+
+def real_tokens(batch: dict, pad_token_id: int = 0) -> int:
+    """Tokens of a loader batch that are data: all but a fixed-shape batch's trailing pad (pad id, label -100)."""
+    data = (batch["input_ids"][0] != pad_token_id) | (batch["labels"][0] != -100)
+    return int(data.numel() - data.flip(0).int().argmax()) if bool(data.any()) else 0
+
+
+def loss_tokens(batch: dict) -> int:
+    """Positions that count in the loss (labels are unshifted; position 0 never predicts)."""
+    return int((batch["labels"][..., 1:] != -100).sum())
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    """The batch keys the model takes, on ``device``."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != STATE_KEY}
+
+
+def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup_steps``, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+
+
+def peak_memory_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+class Logger:
+    """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "log.jsonl"
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def log(self, step: int, **values: Any) -> dict:
+        now = time.perf_counter()
+        record = {"step": step, **values, "tokens_per_s": self.tokens / max(now - self.start, 1e-9), "peak_mem_gib": peak_memory_gib()}
+        self.tokens, self.start = 0, now
+        print(json.dumps(record), flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = sorted(out.glob(f"{CHECKPOINT_PREFIX}*"), key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+    return found[-1] if found else None
+
+
+# ---- the plain PyTorch loop -----------------------------------------------------------------
+
+
+def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> Path:
+    path = out / f"{CHECKPOINT_PREFIX}{step}"
+    model.save_pretrained(path)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
+               path / "training_state.pt")
+    torch.save(dataset.state_dict(), path / LOADER_STATE)
+    return path
+
+
+def train_plain(config: TrainConfig) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = make_dataset(config)
+    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
+    checkpoint = latest_checkpoint(out) if config.resume else None
+    model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
+    model.train()
+    if config.compile:
+        compile_layers(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = linear_warmup(optimizer, config.warmup_steps)
+    step = 0
+    if checkpoint is not None:
+        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        dataset.load_state_dict(torch.load(checkpoint / LOADER_STATE, weights_only=False))
+        print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
+    logger = Logger(out)
+    batches = iter(dataset)
+    losses = []
+    while step < config.max_steps:
+        window = []
+        for _ in range(config.grad_accum):
+            batch = next(batches, None)
+            if batch is None:  # end of an epoch: the loader's state moves on to the next one
+                batches = iter(dataset)
+                batch = next(batches)
+            window.append(batch)
+        num_items = torch.tensor(sum(loss_tokens(b) for b in window), device=device, dtype=torch.float32)
+        step_loss = torch.zeros((), device=device)
+        for batch in window:
+            with autocast:
+                loss = model(**model_inputs(batch, device), num_items_in_batch=num_items).loss
+            loss.backward()
+            step_loss += loss.detach()
+            logger.add_tokens(real_tokens(batch))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(step_loss)
+        if step % config.log_every == 0 or step == config.max_steps:
+            logger.log(step, loss=torch.stack(losses).mean().item(), lr=scheduler.get_last_lr()[0])
+            losses = []
+        if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
+            save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
+
+
+# ---- the Hugging Face Trainer ---------------------------------------------------------------
+
+
+class _WithLoaderState(torch.utils.data.IterableDataset):
+    """Yields the loader's batches, each carrying the loader state just after it."""
+
+    def __init__(self, dataset: PackedIterableDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        for batch in self.dataset:
+            yield {**batch, STATE_KEY: self.dataset.state_dict()}
+
+
+def train_hf(config: TrainConfig) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class PackedTrainer(Trainer):
+        """Trainer on loader batches: records the loader state of the batch last trained on, and
+        logs real tokens/s and peak memory."""
+
+        loader_state: dict | None = None
+        logger: Logger
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            # Saved at a checkpoint: the position after the last batch trained on, not after
+            # the one the dataloader fetched ahead.
+            self.loader_state = inputs.pop(STATE_KEY)
+            self.logger.add_tokens(real_tokens(inputs))
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+        def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+            if "loss" in logs:
+                record = self.logger.log(self.state.global_step, loss=logs["loss"], lr=logs.get("learning_rate"))
+                logs = {**logs, "tokens_per_s": record["tokens_per_s"], "peak_mem_gib": record["peak_mem_gib"]}
+            super().log(logs, *args, **kwargs)
+
+    class SaveLoaderState(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            path = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{state.global_step}"
+            torch.save(trainer.loader_state, path / LOADER_STATE)
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = make_dataset(config)
+    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
+    checkpoint = latest_checkpoint(out) if config.resume else None
+    if checkpoint is not None:
+        dataset.load_state_dict(torch.load(checkpoint / LOADER_STATE, weights_only=False))
+    model = load_model(config, vocab_size, attn_implementation_for(config.attn))
+    if config.compile:
+        compile_layers(model)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=config.max_steps,
+        per_device_train_batch_size=1,  # one loader batch per micro-step
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr,
+        weight_decay=config.weight_decay,
+        warmup_steps=config.warmup_steps,
+        lr_scheduler_type="constant_with_warmup",
+        max_grad_norm=config.max_grad_norm,
+        bf16=config.precision == "bf16",
+        logging_steps=config.log_every,
+        save_steps=config.save_every or config.max_steps,
+        seed=config.seed,
+        report_to="none",
+        remove_unused_columns=False,
+        ignore_data_skip=True,  # the loader resumes from its own state; do not replay batches
+        dataloader_num_workers=0,
+        # Dispatching slices every tensor along dim 0 as if it were the batch: it would cut cu_seq_lens.
+        accelerator_config={"dispatch_batches": False},
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = PackedTrainer(model=model, args=args, train_dataset=_WithLoaderState(dataset),
+                            data_collator=lambda features: features[0], callbacks=[SaveLoaderState()])
+    trainer.logger = Logger(out)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    config = TrainConfig(**vars(parser.parse_args(argv)))
+    if config.trainer not in ("plain", "hf"):
+        parser.error(f"--trainer must be plain or hf, not {config.trainer!r}")
+    if config.precision not in ("bf16", "fp32"):
+        parser.error(f"--precision must be bf16 or fp32, not {config.precision!r}")
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    print(json.dumps({"config": asdict(config)}), flush=True)
+    (train_hf if config.trainer == "hf" else train_plain)(config)
+
+
+if __name__ == "__main__":
+    main()
