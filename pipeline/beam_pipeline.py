@@ -1,0 +1,271 @@
+"""The Apache Beam graph: read -> tokenize -> collect lengths -> pack -> route tokens -> write shards -> manifest.
+
+Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a route, a piece
+of a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us
+per element through a shuffle.
+
+    read tasks --ReadAndEncode--> (batch key, EncodedBatch)
+        lengths --ToList--> Layout (ids in source order, groups)
+        lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
+            --> GroupSummary (shards, statistics) --ToList--> side input of the steps below
+            --> (shard, plan of its rows)           --+
+            --> (batch key, Route) as a side input    |
+    (batch key, EncodedBatch) --RouteTokens--> (shard, Piece) --+--GroupByKey(shard)--> WriteShard
+    shard infos --ToList--> WriteManifest (last; its presence marks a complete build)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from pipeline import progress, storage
+from pipeline.encode import EncodedBatch, Encoder
+from pipeline.errors import InputError
+from pipeline.formats import ExampleFormat
+from pipeline.layout import EXAMPLES_PER_GROUP, Layout, make_layout
+from pipeline.packing import PackingPlan
+from pipeline.routing import Piece, assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
+from pipeline.shard_writer import shard_name, write_shard
+from pipeline.sources import ReadTask
+from pipeline.tokenizer import LoadedTokenizer
+from schemas import MANIFEST_NAME, BuildInputs, Manifest, PackingStats, ShardInfo, validate_manifest, write_manifest
+
+_COUNTERS = "varpack"
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """Everything the workers need to make one build; pickled into the pipeline."""
+
+    tasks: tuple[ReadTask, ...]
+    tokenizer: LoadedTokenizer
+    example_format: ExampleFormat
+    inputs: BuildInputs
+    fingerprint: str
+    out_dir: str
+    rows_per_shard: int
+    batch_size: int
+    limit: int | None
+    known_examples: int | None = None  # for the progress bar
+    examples_per_group: int = EXAMPLES_PER_GROUP
+
+
+class ReadAndEncode(beam.DoFn):
+    """Read one task in batches and tokenize each batch: ``(batch key, EncodedBatch)``.
+
+    Batches are encoded on two threads, in order: the tokenizer releases the GIL while it
+    runs on all cores, so one batch's Python work (token lists to arrays, Beam's own) runs
+    while the next batch is being tokenized instead of leaving cores idle.
+    """
+
+    IN_FLIGHT = 2
+
+    def __init__(self, spec: BuildSpec):
+        self.spec = spec
+        self.examples = Metrics.counter(_COUNTERS, "examples_tokenized")
+        self.tokens = Metrics.counter(_COUNTERS, "tokens")
+
+    def setup(self):
+        inputs = self.spec.inputs
+        self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow)
+        self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
+
+    def teardown(self):
+        self.pool.shutdown(cancel_futures=True)
+
+    def process(self, element: tuple[int, ReadTask]):
+        task_index, task = element
+        pending: deque = deque()
+        batches = task.read(self.spec.example_format.column_types, self.spec.batch_size)
+        for part, (first_row, table) in enumerate(batches):
+            pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.origin, first_row)))
+            if len(pending) == self.IN_FLIGHT:
+                yield self._finish(task_index, *pending.popleft())
+        while pending:
+            yield self._finish(task_index, *pending.popleft())
+
+    def _finish(self, task_index: int, part: int, rows: int, encoding: Future):
+        batch = encoding.result()
+        self.examples.inc(rows)
+        self.tokens.inc(batch.tokens.size)
+        progress.advance("examples tokenized", rows, self.spec.known_examples, "ex")
+        return (task_index, part), batch
+
+
+class AssignGroups(beam.DoFn):
+    """Key each batch's kept lengths by its packing group: ``(group, (key, first id, lengths))``."""
+
+    def process(self, element, layout: Layout):
+        if getattr(self, "_layout", None) is not layout:
+            self._layout, self._index = layout, layout.index()
+        key, lengths = element
+        first_id, kept, group = self._index[key]
+        if kept:
+            yield group, (key, first_id, lengths[:kept])
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """What the steps after packing need to know about every group."""
+
+    group: int
+    shards: int
+    stats: PackingStats
+
+
+def first_shard(summaries: list[GroupSummary], group: int) -> int:
+    """The index of a group's first shard: the groups' shards follow each other in group order."""
+    return sum(s.shards for s in summaries if s.group < group)
+
+
+class RouteTokens(beam.DoFn):
+    """Cut a tokenized batch into the pieces its shards need: ``(shard, Piece)``."""
+
+    def process(self, element: tuple[tuple[int, int], EncodedBatch], batch_routes: dict):
+        key, batch = element
+        route = batch_routes.get(key)
+        if route is not None:
+            yield from route_tokens(batch, route)
+
+
+class WriteShard(beam.DoFn):
+    """Build one shard's rows from its plan and its pieces (grouped together), and write it: ``(shard, ShardInfo)``."""
+
+    def __init__(self, out_dir: str, capacity: int):
+        self.out_dir = out_dir
+        self.capacity = capacity
+        self.rows = Metrics.counter(_COUNTERS, "rows_written")
+        self.shards = Metrics.counter(_COUNTERS, "shards_written")
+
+    def process(self, element, summaries: list[GroupSummary]):
+        shard, values = element
+        values = list(values)
+        (plan,) = [v for v in values if isinstance(v, PackingPlan)]
+        table = assemble_shard(plan, [v for v in values if isinstance(v, Piece)])
+        name = shard_name(shard)
+        if storage.is_url(self.out_dir):
+            with tempfile.TemporaryDirectory() as tmp:
+                info = write_shard(table, tmp, name, self.capacity)
+                storage.publish(os.path.join(tmp, name), storage.join(self.out_dir, name))
+        else:
+            info = write_shard(table, self.out_dir, name, self.capacity)
+        self.rows.inc(info.rows)
+        self.shards.inc()
+        progress.advance("rows written", info.rows, sum(s.stats.rows for s in summaries), "rows")
+        yield shard, info
+
+
+@dataclass(frozen=True)
+class ManifestSpec:
+    """What the manifest records besides the shards and statistics."""
+
+    out_dir: str
+    fingerprint: str
+    inputs: BuildInputs
+    rows_per_shard: int
+
+
+def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[GroupSummary], spec: ManifestSpec) -> str:
+    """Write the manifest of the finished build, last and atomically; returns its path."""
+    stats = merge_stats([s.stats for s in sorted(summaries, key=lambda s: s.group)])
+    capacity = spec.inputs.max_len
+    if stats.rows == 0:
+        raise InputError(
+            f"nothing to write: all {stats.examples} examples were dropped as longer than --max-len {capacity}; "
+            "pass --overflow split or truncate, or a larger --max-len"
+        )
+    shards = sorted(shards, key=lambda item: item[0])
+    if [index for index, _ in shards] != list(range(len(shards))):
+        raise RuntimeError(f"shards {[index for index, _ in shards]} were written; expected 0..{len(shards) - 1}")
+    manifest = Manifest(
+        fingerprint=spec.fingerprint,
+        inputs=spec.inputs,
+        capacity=capacity,
+        rows_per_shard=spec.rows_per_shard,
+        shards=[info for _, info in shards],
+        stats=stats,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    if not storage.is_url(spec.out_dir):
+        return str(write_manifest(manifest, spec.out_dir))
+    validate_manifest(manifest.to_dict(), MANIFEST_NAME)
+    path = storage.join(spec.out_dir, MANIFEST_NAME)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as tmp:
+        tmp.write(manifest.to_json())
+    storage.publish(tmp.name, path)
+    return path
+
+
+def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
+    """Add the steps of one build to pipeline ``p``."""
+    # Steps below capture these small values, not ``spec``, which carries the whole tokenizer.
+    inputs, rows_per_shard = spec.inputs, spec.rows_per_shard
+    limit, examples_per_group = spec.limit, spec.examples_per_group
+    encoded = (
+        p
+        | "ReadTasks" >> beam.Create(list(enumerate(spec.tasks)))
+        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(spec))
+    )
+    lengths = encoded | "Lengths" >> beam.MapTuple(lambda key, batch: (key, batch.lengths))
+    layout = (
+        lengths
+        | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
+        | "CollectCounts" >> beam.combiners.ToList()
+        | "Layout" >> beam.Map(make_layout, limit, examples_per_group)
+    )
+    group_plans = (
+        lengths
+        | "AssignGroups" >> beam.ParDo(AssignGroups(), beam.pvalue.AsSingleton(layout))
+        | "GroupLengths" >> beam.GroupByKey()
+        | "PackGroups"
+        >> beam.MapTuple(
+            lambda group, batches: pack_group(group, list(batches), inputs.max_len, inputs.overflow, inputs.packing, inputs.seed)
+        )
+    )
+    summaries = beam.pvalue.AsSingleton(
+        group_plans
+        | "Summaries" >> beam.Map(lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats))
+        | "CollectSummaries" >> beam.combiners.ToList()
+    )
+    plans = group_plans | "ShardPlans" >> beam.FlatMap(
+        lambda gp, s: shard_plans(gp, first_shard(s, gp.group), rows_per_shard), summaries
+    )
+    batch_routes = group_plans | "Routes" >> beam.FlatMap(
+        lambda gp, s: routes(gp, first_shard(s, gp.group), rows_per_shard), summaries
+    )
+    pieces = encoded | "RouteTokens" >> beam.ParDo(RouteTokens(), beam.pvalue.AsDict(batch_routes))
+    shards = (
+        (plans, pieces)
+        | "PlansAndPieces" >> beam.Flatten()
+        | "GroupByShard" >> beam.GroupByKey()
+        | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len), summaries)
+    )
+    manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)
+    (
+        shards
+        | "CollectShards" >> beam.combiners.ToList()
+        | "WriteManifest" >> beam.Map(write_build_manifest, summaries, manifest)
+    )
+
+
+def run(spec: BuildSpec, beam_args: tuple[str, ...] = ()) -> None:
+    """Run the build on the runner ``beam_args`` name; Beam's in-process FnApiRunner by default."""
+    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+
+    options = PipelineOptions(list(beam_args))
+    runner = options.view_as(StandardOptions).runner
+    if runner is None:
+        # Not the DirectRunner: it tries to download a Prism binary on every run.
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        runner = FnApiRunner()
+    with beam.Pipeline(runner=runner, options=options) as p:
+        build_graph(p, spec)

@@ -1,0 +1,73 @@
+"""The settings of one pack run. The command line (``pipeline/pack.py``) maps onto PackConfig one to one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.errors import ConfigError
+from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS
+
+DEFAULT_DATASET = "gsm8k"
+DEFAULT_OUT = "shards"
+# The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/tokenizer.py).
+DEFAULT_TOKENIZER = "mistral-7b-v0.1"
+# Examples per Beam element: one tokenizer call and one shuffle record each.
+DEFAULT_BATCH_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """What to pack, with which tokenizer, into which directory, and how.
+
+    ``beam_args`` are Apache Beam pipeline options passed through unchanged (``--runner``,
+    ``--direct_num_workers``, ``--temp_location``, ...).
+    """
+
+    dataset: str = DEFAULT_DATASET
+    out: str = DEFAULT_OUT
+    tokenizer: str = DEFAULT_TOKENIZER
+    max_len: int = 4096
+    # None: the dataset's usual split ("train"; "test" for gsm8k, which embeds only that split).
+    split: str | None = None
+    # None: every example (synthetic datasets: 100,000).
+    num_examples: int | None = None
+    overflow: str = "split"
+    packing: str = "best_fit_decreasing"
+    seed: int = 0
+    force: bool = False
+    prompt_column: str | None = None
+    response_column: str | None = None
+    messages_column: str | None = None
+    text_column: str | None = None
+    # A Jinja chat template, or a file holding one; None: the tokenizer's own.
+    chat_template: str | None = None
+    train_on_prompt: bool = False
+    batch_size: int = DEFAULT_BATCH_SIZE
+    progress: bool = True
+    beam_args: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raise ConfigError for a setting, or a mix of settings, that cannot work."""
+        for name in ("max_len", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.num_examples is not None and (not isinstance(self.num_examples, int) or self.num_examples < 1):
+            raise ConfigError(f"--num-examples must be a positive integer, got {self.num_examples!r}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ConfigError(f"--overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
+        if self.packing not in PACKING_ALGORITHMS:
+            raise ConfigError(f"--packing must be one of {', '.join(PACKING_ALGORITHMS)}, got {self.packing!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"--seed must be a non-negative integer, got {self.seed!r}")
+        if (self.prompt_column is None) != (self.response_column is None):
+            raise ConfigError("--prompt-column and --response-column go together: pass both")
+        formats = [self.prompt_column is not None, self.messages_column is not None, self.text_column is not None]
+        if sum(formats) > 1:
+            raise ConfigError(
+                "choose one example format: --prompt-column/--response-column, --messages-column or --text-column"
+            )
+        if not self.dataset:
+            raise ConfigError("--dataset must not be empty")
+        if not self.out:
+            raise ConfigError("--out must not be empty")

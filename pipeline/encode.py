@@ -1,0 +1,204 @@
+"""Turn a batch of source rows into token ids and loss masks, one tokenizer call per batch.
+
+- prompt/response: ``[bos] prompt response [eos]``; prompt and response are tokenized
+  separately (in one call), so the mask boundary is exact. Mask 0 on BOS and prompt (1 with
+  ``--train-on-prompt``), 1 on response and EOS.
+- plain text: ``[bos] text [eos]``, mask 1 on every token that can be predicted (not BOS).
+- chat: the messages rendered with the chat template and tokenized whole; mask 1 on the
+  characters each assistant turn adds (its content and the template's end-of-turn tokens).
+
+BOS and EOS are what the tokenizer's own post-processor adds around one sequence, plus its
+EOS token at the end when the post-processor adds nothing there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.errors import InputError
+from pipeline.formats import CHAT, PROMPT_RESPONSE, ExampleFormat
+from pipeline.tokenizer import LoadedTokenizer
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class EncodedBatch:
+    """Examples as one flat buffer: example ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``."""
+
+    lengths: np.ndarray  # int64 [examples]
+    tokens: np.ndarray  # [sum(lengths)]: uint16 when the vocabulary fits, else int32 (see token_dtype)
+    loss_mask: np.ndarray  # uint8 [sum(lengths)]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.cumsum(self.lengths) - self.lengths
+
+
+def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
+    """The token ids the model expects before and after one sequence (e.g. ``[1]`` and ``[2]`` for Mistral)."""
+    backend = tokenizer.backend()
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    at = next((k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain), 0)
+    prefix, suffix = full[:at], full[at + len(plain) :]
+    eos = tokenizer.eos_token_id
+    if not suffix and eos is not None:
+        suffix = [eos]
+    return prefix, suffix
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype for token ids: tokens cross two shuffles, so 2 bytes instead of 4 matter."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+
+
+def _flatten(pieces: list[list[int]], piece_mask: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Concatenate token lists; each piece's tokens get that piece's mask value."""
+    piece_lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    total = int(piece_lengths.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=total)
+    return tokens, np.repeat(piece_mask.astype(np.uint8), piece_lengths), piece_lengths
+
+
+def _first(mask: pa.ChunkedArray | pa.Array) -> int:
+    return int(pc.index(mask, True).as_py())
+
+
+class Encoder:
+    """Encodes tables of source rows in one format with one tokenizer; checks every value on the way."""
+
+    def __init__(self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, max_len: int, overflow: str):
+        self.tokenizer = tokenizer
+        self.format = example_format
+        self.max_len = max_len
+        self.overflow = overflow
+        self.backend = tokenizer.backend()
+        self.prefix, self.suffix = special_affixes(tokenizer)
+        self.dtype = token_dtype(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
+        """Tokens and loss masks of the rows of ``table``, which start at row ``first_row`` of ``origin``."""
+        if self.format.kind == CHAT:
+            batch = self._encode_chat(table, origin, first_row)
+        else:
+            batch = self._encode_texts(table, origin, first_row)
+        empty = np.flatnonzero(batch.lengths == 0)
+        if empty.size:
+            raise InputError(f"{origin} row {first_row + int(empty[0])}: encodes to no tokens; remove it")
+        if self.overflow == "error":
+            long = np.flatnonzero(batch.lengths > self.max_len)
+            if long.size:
+                i = int(long[0])
+                raise InputError(
+                    f"{origin} row {first_row + i}: {int(batch.lengths[i])} tokens, more than --max-len {self.max_len}; "
+                    "pass --overflow split, truncate or drop"
+                )
+        return batch
+
+    def _texts(self, table: pa.Table, column: str, origin: str, first_row: int) -> list[str]:
+        """The values of a text column, which must all be non-empty strings."""
+        values = table.column(column)
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_null(values.type)):
+            raise InputError(f"{origin}: column {column!r} holds {values.type} values; it must hold strings")
+        if values.null_count:
+            row = first_row + _first(pc.is_null(values))
+            raise InputError(f"{origin} row {row}: {column!r} is null; every example needs a non-empty {column!r}")
+        empty = pc.equal(pc.binary_length(values), 0)
+        if pc.any(empty).as_py():
+            row = first_row + _first(empty)
+            raise InputError(f"{origin} row {row}: {column!r} is empty; every example needs a non-empty {column!r}")
+        return values.to_pylist()
+
+    def _encode_texts(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
+        n = table.num_rows
+        texts = [text for column in self.format.columns for text in self._texts(table, column, origin, first_row)]
+        ids = [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        text_parts = [ids[k * n : (k + 1) * n] for k in range(len(self.format.columns))]
+        text_mask = [1 if self.format.train_on_prompt else 0, 1] if self.format.kind == PROMPT_RESPONSE else [1]
+        parts = [[self.prefix] * n, *text_parts, [self.suffix] * n]
+        # Example i is pieces[i * len(parts) : (i + 1) * len(parts)]: prefix, its texts, suffix.
+        pieces: list[list[int]] = [[]] * (len(parts) * n)
+        for k, part in enumerate(parts):
+            pieces[k :: len(parts)] = part
+        tokens, mask, piece_lengths = _flatten(pieces, np.tile([0, *text_mask, 1], n), self.dtype)
+        return EncodedBatch(piece_lengths.reshape(n, len(parts)).sum(axis=1), tokens, mask)
+
+    def _encode_chat(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
+        column = self.format.columns[0]
+        conversations = table.column(column).to_pylist()
+        rendered, spans = [], []
+        for i, messages in enumerate(conversations):
+            text, assistant = self._render(messages, f"{origin} row {first_row + i}", column)
+            rendered.append(text)
+            spans.append(assistant)
+        encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        ids = itertools.chain.from_iterable(e.ids for e in encodings)
+        tokens = np.fromiter(ids, dtype=self.dtype, count=int(lengths.sum()))
+        masks = []
+        for encoding, assistant in zip(encodings, spans):
+            if self.format.train_on_prompt:
+                mask = np.ones(len(encoding), dtype=np.uint8)
+                if self.prefix and encoding.ids[: len(self.prefix)] == self.prefix:
+                    mask[: len(self.prefix)] = 0
+            else:
+                starts = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+                bounds = np.array(assistant, dtype=np.int64).ravel()
+                # A token is trained on when its first character lies inside an assistant span.
+                mask = (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
+            masks.append(mask)
+        loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
+        return EncodedBatch(lengths, tokens, loss_mask)
+
+    def _render(self, messages: object, where: str, column: str) -> tuple[str, list[tuple[int, int]]]:
+        """The chat rendered as text, and the character spans the assistant turns add."""
+        if not isinstance(messages, list) or not messages:
+            raise InputError(f"{where}: {column!r} must be a non-empty list of messages")
+        for message in messages:
+            if not isinstance(message, dict) or not message.get("role") or not message.get("content"):
+                raise InputError(f"{where}: every message needs a non-empty 'role' and 'content', got {message!r:.100}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise InputError(f"{where}: no assistant message, so nothing to train on; remove the example")
+        template = self.format.chat_template
+        if _GENERATION_TAG.search(template):
+            text, indices = self._apply_template(messages, where, with_generation_spans=True)
+            return text, [(int(a), int(b)) for a, b in indices]
+        text, _ = self._apply_template(messages, where)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before, _ = self._apply_template(messages[:i], where, add_generation_prompt=True)
+            through, _ = self._apply_template(messages[: i + 1], where)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise InputError(
+                    f"{where}: the chat template renders earlier turns differently once later turns are added, "
+                    "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
+                )
+            spans.append((len(before), len(through)))
+        return text, spans
+
+    def _apply_template(
+        self, messages: list, where: str, add_generation_prompt: bool = False, with_generation_spans: bool = False
+    ) -> tuple[str, list]:
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, indices = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.format.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                return_assistant_tokens_mask=with_generation_spans,
+                **self.tokenizer.special_tokens(),
+            )
+        except TemplateError as err:
+            raise InputError(f"{where}: the chat template rejected the messages: {err}") from err
+        return rendered[0], indices[0] if indices else []

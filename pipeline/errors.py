@@ -1,0 +1,24 @@
+"""Errors of the offline pipeline that the command line reports as one line and exit status 1.
+
+Each message names the dataset, file, row or column at fault and says what to do.
+"""
+
+from __future__ import annotations
+
+from schemas import VarpackError
+
+
+class ConfigError(VarpackError):
+    """A setting or a combination of settings that cannot work."""
+
+
+class InputError(VarpackError):
+    """The input data is missing, unreadable or malformed (a column, a row, a value)."""
+
+
+class HubUnreachableError(InputError):
+    """The Hugging Face Hub is needed and cannot be reached."""
+
+
+class OutputDirError(VarpackError):
+    """The output directory holds something a build must not overwrite."""

@@ -1,0 +1,166 @@
+"""``python -m pipeline.pack``: pack a dataset into reusable shards of packed rows.
+
+    python -m pipeline.pack [--dataset NAME] [--out DIR] [--tokenizer T] [--max-len 4096]
+        [--split S] [--num-examples N] [--overflow split|truncate|drop|error] [--seed S]
+        [--force] [column options] [Apache Beam options, passed through unchanged]
+
+With no arguments it packs the embedded GSM8K test set with the embedded Mistral-7B v0.1
+tokenizer into ./shards/gsm8k-<fingerprint>/. Every option maps onto a field of PackConfig.
+Errors print one line on stderr and exit with status 1; nothing is left half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import traceback
+from collections.abc import Sequence
+
+from pipeline.config import DEFAULT_BATCH_SIZE, DEFAULT_DATASET, DEFAULT_OUT, DEFAULT_TOKENIZER, PackConfig
+from pipeline.errors import ConfigError
+from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS, VarpackError
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.pack",
+        description="Pack a dataset into content-addressed shards of packed rows for FlashAttention-2 varlen training. "
+        "Unknown --options are Apache Beam pipeline options (--runner, --direct_num_workers, --direct_running_mode, "
+        "--temp_location, ...), passed through unchanged; the default runner is Beam's in-process FnApiRunner.",
+        allow_abbrev=False,
+    )
+    add = parser.add_argument
+    add("--dataset", default=DEFAULT_DATASET,
+        help="gsm8k (embedded, the default), flan, orcamath, synthetic-flan, synthetic-orcamath, hf:OWNER/NAME, "
+             "or local .jsonl/.json/.parquet/.arrow files, a directory or a glob")
+    add("--out", default=DEFAULT_OUT,
+        help="parent directory (or gs://, s3:// URL) of DATASET-FINGERPRINT/ (default: %(default)s)")
+    add("--tokenizer", default=DEFAULT_TOKENIZER,
+        help="a Hugging Face Hub id, a local directory or tokenizer.json (default: the embedded %(default)s)")
+    add("--max-len", type=int, default=4096, help="row capacity in tokens (default: %(default)s)")
+    add("--split", help="dataset split (default: train; gsm8k embeds only test)")
+    add("--num-examples", type=int, help="pack only the first N examples (synthetic datasets: generate N, default 100000)")
+    add("--overflow", choices=OVERFLOW_POLICIES, default="split",
+        help="what to do with examples longer than --max-len (default: %(default)s)")
+    add("--packing", choices=PACKING_ALGORITHMS, default="best_fit_decreasing", help="packing algorithm (default: %(default)s)")
+    add("--seed", type=int, default=0, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
+    add("--force", action="store_true", help="rebuild even when a build with the same fingerprint exists")
+    add("--prompt-column", help="column of prompts (with --response-column)")
+    add("--response-column", help="column of responses, trained on (with --prompt-column)")
+    add("--messages-column", help="column of chat messages ([{role, content}, ...]); loss on assistant turns")
+    add("--text-column", help="column of plain text; loss on every token")
+    add("--chat-template", help="Jinja chat template, or a file holding one (default: the tokenizer's; "
+                                "Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
+    add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
+    add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
+    return parser
+
+
+class _QuietBeam(logging.Filter):
+    """Drop two kinds of Beam log noise: the import-time warning that optional GCP clients are
+    missing (packing never uses them), and the traceback Beam logs for a failing step when the
+    failure is a VarpackError, which the command reports itself in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "apitools not found" in message:
+            return False
+        if record.exc_info and _varpack_message(record.exc_info[1]) is not None:
+            return False
+        # Multi-process runners relay the worker's log record of the same failure as text.
+        return not (record.name.startswith("apache_beam") and _WRAPPED_ERROR.search(message))
+
+
+def _check_beam_args(beam_args: list[str]) -> None:
+    """Reject Beam options Beam does not know, and the multi-threading direct runner."""
+    if not beam_args:
+        return
+    # A value may follow its option as the next word: --direct_num_workers 2.
+    takes_value = [i > 0 and beam_args[i - 1].startswith("--") and "=" not in beam_args[i - 1] for i in range(len(beam_args))]
+    stray = [a for a, follows_option in zip(beam_args, takes_value) if not a.startswith("-") and not follows_option]
+    if stray:
+        raise ConfigError(f"unexpected argument {stray[0]!r}; options start with --")
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+
+    options = PipelineOptions(beam_args)
+    beam_logger = logging.getLogger("apache_beam.options.pipeline_options")
+    level = beam_logger.level
+    beam_logger.setLevel(logging.ERROR)  # get_all_options warns about the unknown ones we report below
+    try:
+        unknown = set(options.get_all_options(retain_unknown_options=True)) - set(options.get_all_options())
+    finally:
+        beam_logger.setLevel(level)
+    if unknown:
+        names = [a.split("=", 1)[0] for a in beam_args if a.startswith("--")]
+        raw = [n for n in names if n[2:].replace("-", "_") in unknown] or sorted(unknown)
+        raise ConfigError(f"unknown option {raw[0]} (not a pack option nor an Apache Beam option); see --help")
+    if options.view_as(DirectOptions).direct_running_mode == "multi_threading":
+        raise ConfigError(
+            "--direct_running_mode=multi_threading loses elements through GroupByKey; "
+            "use multi_processing (with --direct_num_workers N) or the default in-process runner"
+        )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PackConfig:
+    """The PackConfig the command line describes; unknown --options become Beam options."""
+    args, beam_args = make_parser().parse_known_args(argv)
+    _check_beam_args(beam_args)
+    return PackConfig(**{k: v for k, v in vars(args).items()}, beam_args=tuple(beam_args))
+
+
+_WRAPPED_ERROR = re.compile(r"(?:pipeline|schemas)\.errors\.\w+: (.+)")
+
+
+def _varpack_message(err: BaseException) -> str | None:
+    """The message of the VarpackError behind ``err``: in its chain, or in the text of a worker's traceback."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, VarpackError):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    found = _WRAPPED_ERROR.findall(str(err)) if err is not None else []
+    return found[-1] if found else None
+
+
+def _one_line(message: str) -> str:
+    # Beam appends the step that failed: [while running 'ReadAndEncode']
+    message = re.sub(r"\s*\[while running '[^']*'\]", "", message)
+    return " ".join(message.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_QuietBeam())
+    try:
+        config = parse_args(argv)
+        from pipeline.build import build
+        from pipeline.report import format_report
+
+        result = build(config)
+    except KeyboardInterrupt:
+        print("varpack: interrupted; the next run starts the build again", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        message = _varpack_message(err)
+        if message is None:
+            if not isinstance(err, OSError):  # not bad input but a bug: show where
+                traceback.print_exc()
+            message = f"{type(err).__name__}: {err}"
+        print(f"varpack: error: {_one_line(message)}", file=sys.stderr)
+        return EXIT_ERROR
+    manifest = result.manifest
+    verb = "reusing" if result.reused else "wrote"
+    print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
+    print(format_report(manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

