@@ -3,7 +3,7 @@
 A tokenizer is a Hugging Face Hub id, a local directory, a ``tokenizer.json`` file, or the
 embedded default: the Mistral-7B v0.1 tokenizer that ships inside ``mistral-common``. The
 default is converted once to a fast tokenizer through transformers and cached under
-``$VARPACK_CACHE`` (default ``~/.cache/varpack``); later runs load the cached
+``$VARPACK_CACHE_DIR/tokenizers`` (default ``~/.cache/varpack``); later runs load the cached
 ``tokenizer.json`` with ``tokenizers`` alone, without importing transformers.
 """
 
@@ -37,10 +37,8 @@ MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE = (
 
 
 def cache_dir() -> Path:
-    """Where converted tokenizers are kept: $VARPACK_CACHE, else $XDG_CACHE_HOME/varpack, else ~/.cache/varpack."""
-    if os.environ.get("VARPACK_CACHE"):
-        return Path(os.environ["VARPACK_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "varpack"
+    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``: the cache the loaders use for remote shards too."""
+    return Path(os.environ.get("VARPACK_CACHE_DIR") or Path.home() / ".cache" / "varpack")
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,14 @@ class BuildInputs:
 
 
 def compute_fingerprint(inputs: BuildInputs) -> str:
-    """A content address for a build: sha256 over the canonical JSON of its inputs, 16 hex digits."""
-    canonical = json.dumps(inputs.to_dict(), sort_keys=True, separators=(",", ":"))
+    """A content address for a build: sha256 over the canonical JSON of its inputs, 16 hex digits.
+
+    The tokenizer counts by content alone: the same tokenizer loaded from another path or Hub
+    id gives the same fingerprint.
+    """
+    covered = inputs.to_dict()
+    del covered["tokenizer"]["name"]
+    canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

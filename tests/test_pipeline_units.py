@@ -189,7 +189,7 @@ def test_gsm8k_is_embedded(tmp_path):
 
 def test_file_formats_read_the_same_rows(tmp_path):
     records = [{"prompt": f"p{i}", "response": f"r{i}", "extra": i} for i in range(25)]
-    write_jsonl(tmp_path / "d.jsonl", records[:10] + [{}] * 0 + records[10:])
+    write_jsonl(tmp_path / "d.jsonl", records)
     (tmp_path / "d.json").write_text(json.dumps(records))
     table = pa.Table.from_pylist(records)
     pq.write_table(table, tmp_path / "d.parquet", row_group_size=7)
@@ -206,6 +206,10 @@ def test_file_formats_read_the_same_rows(tmp_path):
                 rows += batch["response"].to_pylist()
         assert rows == [f"r{i}" for i in range(25)], name
     assert len(scan_file(str(tmp_path / "d.parquet")).tasks) == 4  # one task per row group
+    for name in ("d.jsonl", "d.parquet", "d.arrow"):
+        limited = resolve_source(PackConfig(dataset=str(tmp_path / name), num_examples=10))
+        rows = [r for task in limited.tasks for _, b in task.read(columns, 4) for r in b["prompt"].to_pylist()]
+        assert limited.known_examples == 10 and rows == [f"p{i}" for i in range(10)], name
 
 
 def test_json_lines_rows_are_counted_across_tasks(tmp_path, monkeypatch):
