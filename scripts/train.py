@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
+from schemas import VarpackError  # noqa: E402
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LOADER_STATE = "loader_state.pt"
@@ -348,7 +349,10 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     print(json.dumps({"config": asdict(config)}), flush=True)
-    (train_hf if config.trainer == "hf" else train_plain)(config)
+    try:
+        (train_hf if config.trainer == "hf" else train_plain)(config)
+    except VarpackError as err:
+        raise SystemExit(f"train.py: error: {err}") from None
 
 
 if __name__ == "__main__":
