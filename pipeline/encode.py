@@ -13,7 +13,7 @@ EOS token at the end when the post-processor adds nothing there.
 
 from __future__ import annotations
 
-import itertools
+import array
 import re
 from dataclasses import dataclass
 
@@ -59,12 +59,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
 
 
-def _flatten(pieces: list[list[int]], piece_mask: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Concatenate token lists; each piece's tokens get that piece's mask value."""
-    piece_lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
-    total = int(piece_lengths.sum())
-    tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=total)
-    return tokens, np.repeat(piece_mask.astype(np.uint8), piece_lengths), piece_lengths
+def gather_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Indices ``starts[j] : starts[j] + lengths[j]`` for all j, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
+
+
+def token_ids(encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of all ``encodings`` as one flat array of ``dtype``, and how many ids each one has."""
+    ids = array.array("I")
+    # Filling one C array keeps a single id list alive at a time: about 3x faster than
+    # flattening the lists of all encodings at once, and tokenizers has no array output.
+    for encoding in encodings:
+        ids.fromlist(encoding.ids)
+    lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    return np.frombuffer(ids, dtype=np.uintc).astype(dtype), lengths
 
 
 def _first(mask: pa.ChunkedArray | pa.Array) -> int:
@@ -117,18 +126,21 @@ class Encoder:
         return values.to_pylist()
 
     def _encode_texts(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
-        n = table.num_rows
+        n, columns = table.num_rows, len(self.format.columns)
         texts = [text for column in self.format.columns for text in self._texts(table, column, origin, first_row)]
-        ids = [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
-        text_parts = [ids[k * n : (k + 1) * n] for k in range(len(self.format.columns))]
+        ids, text_lengths = token_ids(self.backend.encode_batch_fast(texts, add_special_tokens=False), self.dtype)
+        # Example i is its pieces (prefix, its texts, suffix) in a row; they are gathered from
+        # one buffer holding the prefix, the suffix, then every text's tokens, column by column.
+        affixes = np.array(self.prefix + self.suffix, dtype=self.dtype)
+        text_starts = (np.cumsum(text_lengths) - text_lengths + affixes.size).reshape(columns, n).T
+        piece_starts = np.column_stack([np.zeros(n, np.int64), text_starts, np.full(n, len(self.prefix))])
+        piece_lengths = np.column_stack(
+            [np.full(n, len(self.prefix)), text_lengths.reshape(columns, n).T, np.full(n, len(self.suffix))]
+        )
+        tokens = np.concatenate([affixes, ids])[gather_index(piece_starts.ravel(), piece_lengths.ravel())]
         text_mask = [1 if self.format.train_on_prompt else 0, 1] if self.format.kind == PROMPT_RESPONSE else [1]
-        parts = [[self.prefix] * n, *text_parts, [self.suffix] * n]
-        # Example i is pieces[i * len(parts) : (i + 1) * len(parts)]: prefix, its texts, suffix.
-        pieces: list[list[int]] = [[]] * (len(parts) * n)
-        for k, part in enumerate(parts):
-            pieces[k :: len(parts)] = part
-        tokens, mask, piece_lengths = _flatten(pieces, np.tile([0, *text_mask, 1], n), self.dtype)
-        return EncodedBatch(piece_lengths.reshape(n, len(parts)).sum(axis=1), tokens, mask)
+        piece_mask = np.tile(np.array([0, *text_mask, 1], dtype=np.uint8), n)
+        return EncodedBatch(piece_lengths.sum(axis=1), tokens, np.repeat(piece_mask, piece_lengths.ravel()))
 
     def _encode_chat(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
         column = self.format.columns[0]
@@ -139,9 +151,7 @@ class Encoder:
             rendered.append(text)
             spans.append(assistant)
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
-        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
-        ids = itertools.chain.from_iterable(e.ids for e in encodings)
-        tokens = np.fromiter(ids, dtype=self.dtype, count=int(lengths.sum()))
+        tokens, lengths = token_ids(encodings, self.dtype)
         masks = []
         for encoding, assistant in zip(encodings, spans):
             if self.format.train_on_prompt:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.encode import EncodedBatch
+from pipeline.encode import EncodedBatch, gather_index
 from pipeline.layout import BatchKey
 from pipeline.packing import PackingPlan, pack
 from pipeline.shard_writer import build_rows
@@ -108,15 +108,9 @@ def routes(group_plan: GroupPlan, first_shard: int, rows_per_shard: int) -> list
     ]
 
 
-def _gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Indices of tokens ``starts[j] : starts[j] + lengths[j]`` for all j, concatenated."""
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
-
-
 def route_tokens(batch: EncodedBatch, route: Route) -> list[tuple[int, Piece]]:
     """Split a batch's tokens into one Piece per shard that needs some of them."""
-    index = _gather(batch.starts[route.example] + route.offset, route.length)
+    index = gather_index(batch.starts[route.example] + route.offset, route.length)
     tokens, loss_mask = batch.tokens[index], batch.loss_mask[index]
     token_ends = np.cumsum(route.length)
     cuts = np.flatnonzero(np.diff(route.shard)) + 1
