@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from pipeline.errors import InputError
 from pipeline.formats import CHAT, PROMPT_RESPONSE, ExampleFormat
+from pipeline.shard_writer import gather_index
 from pipeline.tokenizer import LoadedTokenizer
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -57,12 +58,6 @@ def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest dtype for token ids: tokens cross two shuffles, so 2 bytes instead of 4 matter."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
-
-
-def gather_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Indices ``starts[j] : starts[j] + lengths[j]`` for all j, concatenated."""
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
 
 
 def token_ids(encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.encode import EncodedBatch, gather_index
+from pipeline.encode import EncodedBatch
 from pipeline.layout import BatchKey
 from pipeline.packing import PackingPlan, pack
-from pipeline.shard_writer import build_rows
+from pipeline.shard_writer import build_rows, gather_index
 from schemas import PackingStats
 
 

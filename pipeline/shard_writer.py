@@ -30,16 +30,20 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
 
 
-def _gather_index(segment_starts: np.ndarray, lengths: np.ndarray, ends: np.ndarray, buffer_size: int) -> np.ndarray:
+def gather_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Indices ``starts[j] : starts[j] + lengths[j]`` for all j, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
+
+
+def _segment_gather(segment_starts: np.ndarray, lengths: np.ndarray, buffer_size: int) -> np.ndarray:
     """Position in the flat token buffer of every token of the segments, in segment order."""
     starts = np.asarray(segment_starts, dtype=np.int64)
     if starts.shape != lengths.shape:
         raise ValueError(f"segment_starts has {starts.size} entries, the plan has {lengths.size} segments")
     if np.any(starts < 0) or np.any(starts + lengths > buffer_size):
         raise ValueError(f"segment_starts point outside the token buffer of {buffer_size} tokens")
-    gather = np.repeat(starts - (ends - lengths), lengths)
-    gather += np.arange(int(ends[-1]), dtype=np.int64)
-    return gather
+    return gather_index(starts, lengths)
 
 
 def build_rows(
@@ -69,7 +73,7 @@ def build_rows(
     ends = np.cumsum(lengths)
     if ends[-1] > INT32_MAX:
         raise ValueError(f"{int(ends[-1])} tokens do not fit one table's int32 offsets; build rows one shard at a time")
-    gather = _gather_index(segment_starts, lengths, ends, tokens.size)
+    gather = _segment_gather(segment_starts, lengths, tokens.size)
     input_ids = tokens[gather]
     if input_ids.min() < 0 or input_ids.max() > INT32_MAX:
         raise ValueError("input_ids: token ids must lie in [0, 2**31 - 1]")
