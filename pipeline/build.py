@@ -175,6 +175,8 @@ def build(
     """
     started = time.perf_counter()
     plan = plan_build(config)
+    for note in plan.source.notes:
+        log(note)
     existing = check_output(plan, log)
     if existing is not None:
         return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started)

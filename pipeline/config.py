@@ -29,6 +29,8 @@ class PackConfig:
     max_len: int = 4096
     # None: the dataset's usual split ("train"; "test" for gsm8k, which embeds only that split).
     split: str | None = None
+    # Hub datasets: the commit (or branch or tag) to read; None: the main branch's commit now.
+    revision: str | None = None
     # None: every example (synthetic datasets: 100,000).
     num_examples: int | None = None
     overflow: str = "split"

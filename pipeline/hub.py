@@ -11,7 +11,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from pipeline.errors import HubUnreachableError
+from pipeline.errors import HubUnreachableError, InputError
 
 CONNECT_TIMEOUT_S = 3.0
 _TRUE = {"1", "true", "yes", "on"}
@@ -43,13 +43,13 @@ def local_files_hint(what: str, repo: str) -> str:
     """How to use local files instead of a Hub dataset or tokenizer."""
     if what == "tokenizer":
         return (
-            f"download it where there is network (huggingface-cli download {repo} --local-dir DIR) "
+            f"download it where there is network (hf download {repo} --local-dir DIR) "
             "and pass --tokenizer DIR (or DIR/tokenizer.json)"
         )
     return (
-        f"download it where there is network (huggingface-cli download --repo-type dataset {repo} --local-dir DIR) "
-        "and pass the files: --dataset 'DIR/**/*.parquet' (or .jsonl/.json/.arrow, a directory or a glob) "
-        "with --prompt-column/--response-column, --messages-column or --text-column"
+        f"download it where there is network (hf download --repo-type dataset {repo} --local-dir DIR) "
+        "and pass --dataset DIR (its files of --split are read, as from the Hub), or a glob such as "
+        "--dataset 'DIR/**/*.parquet'"
     )
 
 
@@ -58,6 +58,24 @@ def unreachable_error(what: str, repo: str, reason: str) -> HubUnreachableError:
     return HubUnreachableError(
         f"{what} {repo} is on the Hugging Face Hub, which cannot be reached ({reason}); {local_files_hint(what, repo)}"
     )
+
+
+def dataset_revision(repo: str) -> str:
+    """The commit the main branch of Hub dataset ``repo`` points at now; raises HubUnreachableError offline."""
+    if is_offline():
+        raise unreachable_error("dataset", repo, "HF_HUB_OFFLINE is set")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return HfApi().dataset_info(repo).sha
+    except HfHubHTTPError as err:
+        raise InputError(f"dataset {repo}: {str(err).splitlines()[0]}") from err
+
+
+def dataset_url(repo: str, revision: str) -> str:
+    """The fsspec URL of Hub dataset ``repo`` at ``revision`` (read through ``huggingface_hub.HfFileSystem``)."""
+    return f"hf://datasets/{repo}@{revision}"
 
 
 def require_reachable(what: str, repo: str) -> None:

@@ -44,6 +44,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="a Hugging Face Hub id, a local directory or tokenizer.json (default: the embedded %(default)s)")
     add("--max-len", type=int, default=4096, help="row capacity in tokens (default: %(default)s)")
     add("--split", help="dataset split (default: train; gsm8k embeds only test)")
+    add("--revision", help="Hub datasets: the commit, branch or tag to read (default: the main branch's "
+                            "current commit, recorded in the manifest)")
     add("--num-examples", type=int, help="pack only the first N examples (synthetic datasets: generate N, default 100000)")
     add("--overflow", choices=OVERFLOW_POLICIES, default="split",
         help="what to do with examples longer than --max-len (default: %(default)s)")

@@ -253,6 +253,28 @@ def scan_file(path: str) -> FileScan:
         raise InputError(f"{path}: cannot be read ({err})") from err
 
 
+def scan_file_header(path: str) -> FileScan:
+    """Columns and read tasks of a data file without reading it all (for files behind a pinned revision).
+
+    Parquet files are cut at row groups with their row counts, from the footer; any other file is
+    one task of uncounted rows, with the columns of its first JSON record or its Arrow schema.
+    """
+    fmt = file_format(path)
+    if fmt == "parquet":
+        return _scan_parquet(path, "")
+    try:
+        with storage.open_read(path) as f:
+            if fmt == "jsonl":
+                columns = _first_record_keys(path, f.readline())
+            elif fmt == "arrow":
+                columns = tuple(_read_arrow(path).column_names)
+            else:
+                return _scan_json(path, f.read(), "")
+    except (OSError, pa.ArrowException) as err:
+        raise InputError(f"{path}: cannot be read ({err})") from err
+    return FileScan(path, "", columns, (FileTask(path, fmt),))
+
+
 def _scan_json(path: str, data: bytes, sha256: str) -> FileScan:
     if data.lstrip()[:1] != b"[":  # JSON lines saved as .json
         columns, tasks = _scan_json_lines(path, io.BytesIO(data), hashlib.sha256())

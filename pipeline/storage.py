@@ -1,7 +1,8 @@
 """Files on the local disk or on any filesystem Apache Beam supports (``gs://``, ``s3://``, ...).
 
 Local paths use the standard library; URLs go through Beam's ``FileSystems``, imported only
-when a URL is met, so checking a local build for reuse never loads Beam.
+when a URL is met, so checking a local build for reuse never loads Beam. Hub files
+(``hf://``), which Beam cannot read, are read through fsspec (``huggingface_hub.HfFileSystem``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import os
 import shutil
 from pathlib import Path
 from typing import IO
+
+
+HUB_SCHEME = "hf://"
 
 
 def is_url(path: str) -> bool:
@@ -50,6 +54,10 @@ def is_dir(path: str) -> bool:
 
 def open_read(path: str) -> IO[bytes]:
     """A binary file object for reading ``path`` (seekable for local files and Beam's URLs)."""
+    if path.startswith(HUB_SCHEME):
+        import fsspec
+
+        return fsspec.open(path, "rb").open()
     if is_url(path):
         from apache_beam.io.filesystem import CompressionTypes
 

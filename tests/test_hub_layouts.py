@@ -1,0 +1,153 @@
+"""Hub datasets are read through their data files at a pinned revision, chosen by split the way
+the Hub lays them out, whatever loading script sits beside them.
+
+The Hub is reached through fsspec's ``hf://`` protocol. Offline, a local filesystem registered
+for that protocol stands in for ``huggingface_hub.HfFileSystem``: it serves
+``hf://datasets/OWNER/NAME@REVISION/...`` from ``ROOT/datasets/OWNER/NAME@REVISION/...``, so
+the whole read path (listing, split choice, reading) is varpack's and datasets' real code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import _registry as fsspec_implementations
+
+from pipeline import repo_files
+from pipeline.build import build
+from pipeline.config import PackConfig
+from pipeline.errors import HubUnreachableError, InputError
+from pipeline.sources import resolve_source
+from tests.test_pipeline_e2e import assert_holds_encoded_examples
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+FLAN_TASKS = ("anli_r1", "cosmos_qa", "glue_mrpc")
+
+
+def make_flan_repo(root: Path) -> Path:
+    """A repository laid out like Muennighoff/flan: a loading script, a card, and JSON lines by split."""
+    root.mkdir(parents=True)
+    (root / "flan.py").write_text("import datasets  # a loading script datasets >= 4 refuses to run\n")
+    (root / "README.md").write_text("---\nlicense: apache-2.0\n---\n# FLAN\n")
+    for split in ("train", "validation", "test"):
+        (root / split).mkdir()
+        for t, task in enumerate(FLAN_TASKS):
+            records = [
+                {"inputs": f"{split} {task} question {i}?", "targets": f"answer {t}.{i}", "task": task}
+                for i in range(4 + t)
+            ]
+            (root / split / f"{task}_10templates_{split}.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    return root
+
+
+def make_orcamath_repo(root: Path) -> Path:
+    """A repository laid out like microsoft/orca-math-word-problems-200k: Parquet named in the card's configs."""
+    (root / "data").mkdir(parents=True)
+    (root / "README.md").write_text(
+        "---\nlicense: mit\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: data/train-*\n---\n# Orca-Math\n"
+    )
+    table = pa.table({"question": [f"What is {i} + 1?" for i in range(30)], "answer": [f"{i + 1}" for i in range(30)]})
+    pq.write_table(table, root / "data" / "train-00000-of-00001.parquet", row_group_size=8)
+    return root
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A local stand-in for the Hub's ``hf://`` filesystem, rooted at ``tmp_path / 'hub'``; returns that root."""
+    root = tmp_path / "hub"
+
+    class LocalHub(DirFileSystem):
+        protocol = "hf"
+
+        def __init__(self, *args, **storage_options):
+            super().__init__(path=str(root), fs=LocalFileSystem())
+
+    monkeypatch.setitem(fsspec_implementations, "hf", LocalHub)
+    LocalHub.clear_instance_cache()
+    return root
+
+
+def flan_texts(root: Path, split: str) -> list[str]:
+    return sorted(
+        json.loads(line)["inputs"] for path in sorted((root / split).glob("*.jsonl")) for line in path.read_text().splitlines()
+    )
+
+
+def test_a_directory_laid_out_by_split_reads_one_split(tmp_path):
+    root = make_flan_repo(tmp_path / "flan")
+    train = resolve_source(PackConfig(dataset=str(root)))
+    assert train.columns == ("inputs", "targets", "task") and train.known_examples == 4 + 5 + 6
+    assert all("/train/" in task.origin for task in train.tasks)
+    validation = resolve_source(PackConfig(dataset=str(root), split="validation"))
+    assert all("/validation/" in task.origin for task in validation.tasks)
+    assert validation.inputs.content_hash != train.inputs.content_hash
+    with pytest.raises(InputError, match=r"no split 'dev' \(its splits are train, validation, test: pass --split NAME\)"):
+        resolve_source(PackConfig(dataset=str(root), split="dev"))
+
+
+def test_files_naming_no_split_all_belong_to_train(tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n")
+    assert repo_files.split_files(str(tmp_path), "train").files == (str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="empty: no split 'train' \\(it holds no .jsonl"):
+        repo_files.split_files(str(tmp_path / "empty"), "train")
+
+
+def test_flan_is_read_through_its_data_files_ignoring_the_script(hub, tmp_path, capsys):
+    repo = make_flan_repo(hub / "datasets" / "Muennighoff" / f"flan@{REVISION}")
+    source = resolve_source(PackConfig(dataset="flan", revision=REVISION))
+    assert source.notes == ("Muennighoff/flan: ignoring its loading script flan.py; reading its train data files",)
+    assert source.inputs.revision == REVISION and source.inputs.id == "Muennighoff/flan"
+    assert [t.origin for t in source.tasks] == [
+        f"hf://datasets/Muennighoff/flan@{REVISION}/train/{task}_10templates_train.jsonl" for task in FLAN_TASKS
+    ]
+    columns = {"inputs": pa.string(), "targets": pa.string()}
+    texts = [s for task in source.tasks for _, batch in task.read(columns, 3) for s in batch["inputs"].to_pylist()]
+    assert sorted(texts) == flan_texts(repo, "train")
+    test_split = resolve_source(PackConfig(dataset="flan", revision=REVISION, split="test"))
+    assert test_split.inputs.content_hash != source.inputs.content_hash
+
+    config = PackConfig(dataset="flan", revision=REVISION, out=str(tmp_path / "out"), max_len=64, progress=False)
+    result = build(config)
+    assert "ignoring its loading script flan.py" in capsys.readouterr().err
+    assert result.manifest.inputs.dataset.revision == REVISION
+    rows = [json.loads(line) for path in sorted((repo / "train").glob("*.jsonl")) for line in path.read_text().splitlines()]
+    assert_holds_encoded_examples(result.out_dir, config, pa.Table.from_pylist(rows))
+
+
+def test_the_revision_is_pinned_into_the_fingerprint(hub, tmp_path):
+    other = "f" * 40
+    make_flan_repo(hub / "datasets" / "Muennighoff" / f"flan@{REVISION}")
+    make_flan_repo(hub / "datasets" / "Muennighoff" / f"flan@{other}")
+    first = resolve_source(PackConfig(dataset="flan", revision=REVISION)).inputs
+    second = resolve_source(PackConfig(dataset="flan", revision=other)).inputs
+    assert first.content_hash != second.content_hash and second.revision == other
+    with pytest.raises(InputError, match=r"dataset Muennighoff/flan: no split 'train'"):
+        resolve_source(PackConfig(dataset="flan", revision="0" * 40))
+
+
+def test_orcamath_reads_the_files_its_card_names(hub):
+    make_orcamath_repo(hub / "datasets" / "microsoft" / f"orca-math-word-problems-200k@{REVISION}")
+    source = resolve_source(PackConfig(dataset="orcamath", revision=REVISION))
+    assert source.notes == () and source.known_examples == 30 and len(source.tasks) == 4  # one task per row group
+    assert source.default_format.columns == ("question", "answer")
+    limited = resolve_source(PackConfig(dataset="orcamath", revision=REVISION, num_examples=10))
+    columns = {"question": pa.string()}
+    assert [q for t in limited.tasks for _, b in t.read(columns, 4) for q in b["question"].to_pylist()] == [
+        f"What is {i} + 1?" for i in range(10)
+    ]
+    with pytest.raises(InputError, match=r"no split 'test' \(its splits are train: pass --split NAME\)"):
+        resolve_source(PackConfig(dataset="orcamath", revision=REVISION, split="test"))
+
+
+def test_hub_repos_without_a_revision_fail_fast_offline():
+    with pytest.raises(HubUnreachableError, match=r"HF_HUB_OFFLINE is set.*hf download --repo-type dataset .* --dataset DIR"):
+        resolve_source(PackConfig(dataset="hf:owner/name"))
