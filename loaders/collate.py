@@ -15,6 +15,15 @@ import torch
 from loaders.shard_reader import Shard
 
 IGNORE_INDEX = -100
+# Batch keys that hold counts (Python ints), not model inputs: real (non-pad) tokens and
+# positions with a loss (labels != -100).
+NUM_REAL_TOKENS = "num_real_tokens"
+NUM_LOSS_TOKENS = "num_loss_tokens"
+COUNT_KEYS = (NUM_REAL_TOKENS, NUM_LOSS_TOKENS)
+# Bucketed fixed shapes: sequences in cu_seqlens rounded up to a multiple of this, max_length
+# to a power of two of at least MIN_BUCKET_LENGTH (FA2's query block is 128 tokens).
+SEGMENT_BUCKET = 64
+MIN_BUCKET_LENGTH = 128
 
 
 @dataclass(frozen=True)
@@ -23,21 +32,39 @@ class FixedShape:
 
     ``tokens`` is the length of ``input_ids``; ``cu_seqlens`` the length of ``cu_seq_lens_q``;
     ``max_length`` the row capacity, which bounds every real segment and every pad chunk.
+
+    With ``buckets``, only ``tokens`` is fixed: ``max_length`` is the batch's longest sequence
+    rounded up to a power of two (at most ``max_length``), pad chunks are at most that long,
+    and the sequences in ``cu_seq_lens`` are rounded up to a multiple of ``SEGMENT_BUCKET``.
+    FA2 launches ``ceil(max_length / 128)`` query blocks per sequence and head, empty ones
+    included, so worst-case padding (about 170 sequences of 4096 per FLAN-shaped row) launches
+    mostly empty blocks; buckets keep a handful of shapes, each compiled once when
+    ``cu_seq_lens`` is marked dynamic.
     """
 
     tokens: int
     cu_seqlens: int
     max_length: int
+    buckets: bool = False
 
 
-def fixed_shape(tokens: int, max_segments: int, capacity: int) -> FixedShape:
+def fixed_shape(tokens: int, max_segments: int, capacity: int, buckets: bool = False) -> FixedShape:
     """The fixed shape for batches of at most ``tokens`` tokens and ``max_segments`` segments.
 
     The padding is cut into chunks of at most ``capacity`` tokens, so ``max_length`` stays
     ``capacity`` and pad position ids stay below it; there are at most ``ceil(tokens / capacity)``.
     """
     pad_chunks = -(-tokens // capacity)
-    return FixedShape(tokens=tokens, cu_seqlens=max_segments + pad_chunks + 1, max_length=capacity)
+    return FixedShape(tokens=tokens, cu_seqlens=max_segments + pad_chunks + 1, max_length=capacity, buckets=buckets)
+
+
+def bucket_length(longest: int, capacity: int) -> int:
+    """``longest`` rounded up to a power of two, at least MIN_BUCKET_LENGTH, at most ``capacity``.
+
+    >>> [bucket_length(n, 4096) for n in (90, 300, 2049, 4096)]
+    [128, 512, 4096, 4096]
+    """
+    return min(capacity, max(MIN_BUCKET_LENGTH, 1 << max(0, longest - 1).bit_length()))
 
 
 def collate_rows(
@@ -51,7 +78,10 @@ def collate_rows(
     ``labels`` is -100 where ``loss_mask`` is 0 and on the first token of every segment, so no
     example learns to predict the start of the next. ``position_ids`` restart at 0 per
     segment. With ``fixed``, a trailing pad (``pad_token_id``, labels -100) fills the batch to
-    ``fixed.tokens`` and ``cu_seq_lens`` repeats its last value up to ``fixed.cu_seqlens``.
+    ``fixed.tokens`` and ``cu_seq_lens`` repeats its last value up to ``fixed.cu_seqlens`` (or,
+    with ``fixed.buckets``, up to the next multiple of SEGMENT_BUCKET sequences).
+    ``num_real_tokens`` and ``num_loss_tokens`` count the data tokens and the labels that are
+    not -100, as Python ints, so a training step needs no device sync to know them.
     """
     token_ranges = []
     cu_parts = []
@@ -80,9 +110,9 @@ def collate_rows(
     if fixed is not None:
         input_ids[total:] = pad_token_id
         loss_mask[total:] = 0
-        ends.append(np.arange(total, width, fixed.max_length, dtype=np.int64)[1:])
+        max_length = bucket_length(max_length, fixed.max_length) if fixed.buckets else fixed.max_length
+        ends.append(np.arange(total, width, max_length, dtype=np.int64)[1:])
         ends.append(np.array([width], dtype=np.int64) if width > total else np.zeros(0, dtype=np.int64))
-        max_length = fixed.max_length
     cu_seqlens = np.concatenate(ends).astype(np.int32)
     starts = cu_seqlens[:-1].astype(np.int64)
     lengths = np.diff(cu_seqlens).astype(np.int64)
@@ -96,12 +126,16 @@ def collate_rows(
     position_ids -= np.repeat(starts, lengths)
 
     if fixed is not None:
-        if cu_seqlens.size > fixed.cu_seqlens:
+        if fixed.buckets:
+            size = -(-(cu_seqlens.size - 1) // SEGMENT_BUCKET) * SEGMENT_BUCKET + 1
+        elif cu_seqlens.size > fixed.cu_seqlens:
             raise ValueError(
                 f"the batch holds {cu_seqlens.size - 1} sequences, more than the fixed shape's "
                 f"{fixed.cu_seqlens - 1}: the manifest's stats.segments_per_row undercounts; rebuild the manifest"
             )
-        cu_seqlens = np.concatenate((cu_seqlens, np.full(fixed.cu_seqlens - cu_seqlens.size, width, dtype=np.int32)))
+        else:
+            size = fixed.cu_seqlens
+        cu_seqlens = np.concatenate((cu_seqlens, np.full(size - cu_seqlens.size, width, dtype=np.int32)))
     cu = torch.from_numpy(cu_seqlens)
     return {
         "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
@@ -111,4 +145,6 @@ def collate_rows(
         "cu_seq_lens_k": cu,
         "max_length_q": max_length,
         "max_length_k": max_length,
+        NUM_REAL_TOKENS: total,
+        NUM_LOSS_TOKENS: int(np.count_nonzero(labels != IGNORE_INDEX)),
     }

@@ -85,6 +85,17 @@ class PackedIterableDataset(IterableDataset):
             fullest rows of the manifest's ``stats.segments_per_row``) plus the pad chunks
             plus one, filled by repeating its last value (zero-length sequences, which FA2
             skips); ``max_length`` = ``capacity``.
+        bucket_shapes: with ``pad_to_fixed_shape``, keep ``T`` fixed but bound the rest by
+            buckets instead of the worst case: ``max_length`` is the batch's longest sequence
+            rounded up to a power of two, and ``cu_seq_lens`` holds a multiple of 64
+            sequences. FA2 then launches no blocks for the worst case's empty sequences; the
+            few shapes compile once each when ``cu_seq_lens`` and ``max_length`` are dynamic
+            (``scripts/train.py``'s ``compile_layers``).
+
+    Every batch also carries ``num_real_tokens`` and ``num_loss_tokens`` (Python ints): the
+    data tokens (the pad excluded) and the labels that are not -100. Under ``torch.compile``
+    take them out before ``model(**batch)`` (an int argument would be compiled in as a
+    constant), or let ``loaders.loss_head.use_loss_position_head`` consume them.
 
     Epochs and ranks: the epoch's batches are one list cut from the shuffled rows; global
     batch ``i`` goes to rank ``i % world_size``, and a rank's batch ``j`` to DataLoader
@@ -123,6 +134,7 @@ class PackedIterableDataset(IterableDataset):
         cache_dir: str | os.PathLike[str] | None = None,
         verify_checksum: bool = True,
         pad_to_fixed_shape: bool = False,
+        bucket_shapes: bool = False,
         pad_token_id: int = 0,
     ) -> None:
         super().__init__()
@@ -155,6 +167,9 @@ class PackedIterableDataset(IterableDataset):
                     "smaller max_len"
                 )
         self.pad_token_id = int(pad_token_id)
+        if bucket_shapes and not pad_to_fixed_shape:
+            raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
+        self.bucket_shapes = bool(bucket_shapes)
 
         self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
         row_tokens, row_segments = self._read_row_index(verify_checksum and location.is_local)
@@ -209,7 +224,7 @@ class PackedIterableDataset(IterableDataset):
         else:
             tokens = self.tokens_per_batch
             rows_per_batch = max_rows_per_batch(self._row_tokens, tokens)
-        return fixed_shape(tokens, max_segments_per_batch(declared, rows_per_batch), self.capacity)
+        return fixed_shape(tokens, max_segments_per_batch(declared, rows_per_batch), self.capacity, self.bucket_shapes)
 
     def _identity(self) -> dict[str, Any]:
         """The settings that fix the epoch's list of batches; a state only resumes under the same."""

@@ -10,7 +10,10 @@
     python scripts/train.py ... --resume
 
 Batches come from ``PackedIterableDataset`` as FA2 varlen kwargs (``cu_seq_lens_q`` ...; no
-attention mask). The loss is averaged per trained token over each optimizer step, in both loops.
+attention mask) with their real-token and loss-token counts as Python ints, so a step never waits
+on the GPU to count them. The loss is averaged per trained token over each optimizer step, in both
+loops, and computed by ``loaders.loss_head`` at labelled positions only (``--full-logits``: the
+model's own LM head over every token).
 Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak GPU memory.
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
 """
@@ -33,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
+from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
+from loaders.loss_head import use_loss_position_head  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -60,7 +65,8 @@ class TrainConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     precision: str = "bf16"  # bf16 | fp32
-    compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape)
+    compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
+    full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
     log_every: int = 10
     save_every: int = 0  # 0: save only at the end
     resume: bool = False
@@ -112,7 +118,8 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
 
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
-    return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile, **budget)
+    return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile,
+                                 bucket_shapes=config.compile, **budget)
 
 
 def compile_layers(model: torch.nn.Module) -> None:
@@ -124,23 +131,24 @@ def compile_layers(model: torch.nn.Module) -> None:
     # graph and past the recompile limit run uncompiled.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for layer in layers:
-        layer.compile(dynamic=False)
+        # Fixed shapes never change; bucketed ones change only cu_seq_lens' length and max_length,
+        # which dynamo then makes dynamic: the layer compiles at most three times, not per bucket.
+        layer.compile(dynamic=None)
 
 
-def real_tokens(batch: dict, pad_token_id: int = 0) -> int:
-    """Tokens of a loader batch that are data: all but a fixed-shape batch's trailing pad (pad id, label -100)."""
-    data = (batch["input_ids"][0] != pad_token_id) | (batch["labels"][0] != -100)
-    return int(data.numel() - data.flip(0).int().argmax()) if bool(data.any()) else 0
+def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
+    """The batch keys the model takes, on ``device``: the loss-position head consumes the counts;
+    the model's own forward would pass them to its layers, where compile bakes ints in."""
+    drop = {STATE_KEY, *COUNT_KEYS} if full_logits else {STATE_KEY}
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
 
 
-def loss_tokens(batch: dict) -> int:
-    """Positions that count in the loss (labels are unshifted; position 0 never predicts)."""
-    return int((batch["labels"][..., 1:] != -100).sum())
-
-
-def model_inputs(batch: dict, device: torch.device) -> dict:
-    """The batch keys the model takes, on ``device``."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != STATE_KEY}
+def count_on_device(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` as a float32 scalar on ``device``, copied without waiting for the GPU to drain."""
+    value = torch.tensor(float(count))
+    if device.type == "cuda":
+        value = value.pin_memory()
+    return value.to(device, non_blocking=True)
 
 
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -200,6 +208,8 @@ def train_plain(config: TrainConfig) -> None:
     checkpoint = latest_checkpoint(out) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
     model.train()
+    if not config.full_logits:
+        use_loss_position_head(model)
     if config.compile:
         compile_layers(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -228,14 +238,14 @@ def train_plain(config: TrainConfig) -> None:
                 batches = iter(dataset)
                 batch = next(batches)
             window.append(batch)
-        num_items = torch.tensor(sum(loss_tokens(b) for b in window), device=device, dtype=torch.float32)
+        num_items = count_on_device(sum(b[NUM_LOSS_TOKENS] for b in window), device)
         step_loss = torch.zeros((), device=device)
         for batch in window:
             with autocast:
-                loss = model(**model_inputs(batch, device), num_items_in_batch=num_items).loss
+                loss = model(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items).loss
             loss.backward()
             step_loss += loss.detach()
-            logger.add_tokens(real_tokens(batch))
+            logger.add_tokens(batch[NUM_REAL_TOKENS])
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -277,7 +287,9 @@ def train_hf(config: TrainConfig) -> None:
             # Saved at a checkpoint: the position after the last batch trained on, not after
             # the one the dataloader fetched ahead.
             self.loader_state = inputs.pop(STATE_KEY)
-            self.logger.add_tokens(real_tokens(inputs))
+            self.logger.add_tokens(inputs[NUM_REAL_TOKENS])
+            if config.full_logits:
+                inputs = {k: v for k, v in inputs.items() if k not in COUNT_KEYS}
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
         def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -299,6 +311,8 @@ def train_hf(config: TrainConfig) -> None:
     if checkpoint is not None:
         dataset.load_state_dict(torch.load(checkpoint / LOADER_STATE, weights_only=False))
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
+    if not config.full_logits:
+        use_loss_position_head(model)
     if config.compile:
         compile_layers(model)
     args = TrainingArguments(

@@ -14,7 +14,8 @@ import loaders.collate
 from loaders import PackedIterableDataset, open_shard
 
 CAPACITY = 64
-BATCH_KEYS = {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+BATCH_KEYS = {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+              "num_real_tokens", "num_loss_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,8 @@ def test_batch_is_fa2_varlen_kwargs(shards):
         expected_positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
         assert torch.equal(positions[0], expected_positions)
         assert bool((labels[0, cu[:-1].long()] == -100).all()), "the first token of a segment must not be a target"
+        assert type(batch["num_real_tokens"]) is int and batch["num_real_tokens"] == ids.shape[1]
+        assert type(batch["num_loss_tokens"]) is int and batch["num_loss_tokens"] == int((labels[0, 1:] != -100).sum())
 
 
 def test_labels_follow_the_loss_mask(shards, row_index):
@@ -224,25 +227,52 @@ def test_resume_with_stateful_dataloader_and_another_num_workers(shards):
         assert_same_batches(head + rest, expected)
 
 
-def test_fixed_shape_batches_have_one_shape(shards, row_index):
+@pytest.mark.parametrize("buckets", [False, True], ids=["worst-case", "buckets"])
+def test_fixed_shape_batches_have_one_shape(shards, row_index, buckets):
     for settings in ({"batch_rows": 3}, {"tokens_per_batch": 150}):
-        fixed = PackedIterableDataset(shards.path, pad_to_fixed_shape=True, pad_token_id=7, **settings)
+        fixed = PackedIterableDataset(shards.path, pad_to_fixed_shape=True, bucket_shapes=buckets, pad_token_id=7, **settings)
         plain = list(PackedIterableDataset(shards.path, **settings))
         batches = list(fixed)
         shape = fixed.fixed_shape
         assert len(batches) == len(plain)
         for batch, unpadded in zip(batches, plain):
-            assert batch["input_ids"].shape == (1, shape.tokens) and batch["cu_seq_lens_q"].shape == (shape.cu_seqlens,)
-            assert batch["max_length_q"] == batch["max_length_k"] == CAPACITY
+            assert batch["input_ids"].shape == (1, shape.tokens)
+            longest = unpadded["max_length_q"]
+            if buckets:
+                # max_length: the longest sequence rounded up to a power of two (>= 128, <= capacity);
+                # sequences: a multiple of 64.
+                assert batch["max_length_q"] == min(CAPACITY, max(128, 1 << (longest - 1).bit_length()))
+                assert (batch["cu_seq_lens_q"].numel() - 1) % 64 == 0
+            else:
+                assert batch["cu_seq_lens_q"].shape == (shape.cu_seqlens,) and batch["max_length_q"] == CAPACITY
+            assert batch["max_length_k"] == batch["max_length_q"] >= longest
             real = int(unpadded["cu_seq_lens_q"][-1])
+            assert batch["num_real_tokens"] == real and batch["num_loss_tokens"] == unpadded["num_loss_tokens"]
             for key in ("input_ids", "labels", "position_ids"):
                 assert torch.equal(batch[key][0, :real], unpadded[key][0])
             assert bool((batch["input_ids"][0, real:] == 7).all()) and bool((batch["labels"][0, real:] == -100).all())
             cu = batch["cu_seq_lens_q"]
             lengths = cu.diff()
-            assert int(cu[-1]) == shape.tokens and bool((lengths >= 0).all()) and int(lengths.max()) <= CAPACITY
+            assert int(cu[-1]) == shape.tokens and bool((lengths >= 0).all()) and int(lengths.max()) <= batch["max_length_q"]
             real_segments = unpadded["cu_seq_lens_q"].numel()
             assert torch.equal(cu[:real_segments], unpadded["cu_seq_lens_q"])
             # Pad position ids restart per pad chunk, so the whole batch reads as sequences of cu_seqlens.
             nonempty = lengths[lengths > 0].tolist()
             assert torch.equal(batch["position_ids"][0], torch.cat([torch.arange(n) for n in nonempty]))
+
+
+def test_bucketed_shapes_are_few_and_tight(tmp_path):
+    """Short examples in long rows: max_length follows the longest example, not the capacity."""
+    from loaders.collate import bucket_length
+
+    lengths = np.random.default_rng(4).integers(20, 300, 400)
+    build = build_shard_dir(tmp_path, lengths, capacity=1024, vocab_size=100, seed=4)
+    dataset = PackedIterableDataset(build.path, batch_rows=2, pad_to_fixed_shape=True, bucket_shapes=True)
+    plain = list(PackedIterableDataset(build.path, batch_rows=2))
+    shapes = set()
+    for batch, unpadded in zip(dataset, plain):
+        assert batch["max_length_q"] == bucket_length(unpadded["max_length_q"], 1024) < 1024
+        assert batch["input_ids"].shape == (1, 2048) and int(batch["cu_seq_lens_q"].diff().max()) <= batch["max_length_q"]
+        shapes.add((batch["cu_seq_lens_q"].numel(), batch["max_length_q"]))
+    assert 1 < len(shapes) <= 4
+    assert [bucket_length(n, 4096) for n in (1, 128, 129, 4000)] == [128, 128, 256, 4096]

@@ -1,0 +1,175 @@
+"""Logits only where there is a loss: the LM head and cross-entropy over the labelled positions.
+
+SFT batches train on a fraction of their tokens (about 1 in 5 for FLAN-shaped data), yet a
+causal LM computes ``[tokens, vocab]`` logits for all of them and upcasts them to fp32 for the
+loss. Here the hidden states of the positions whose next-token label is not -100 are gathered
+first, and the LM head and cross-entropy run over them in chunks of rows, each chunk's
+gradients computed at once, so no ``[tokens, vocab]`` tensor is ever held. Loss and gradients
+are those of ``model(**batch).loss``; only the unused logits are not computed.
+
+    >>> model = use_loss_position_head(AutoModelForCausalLM.from_pretrained(name))
+    >>> model(**batch).loss.backward()        # a plain loop, or Trainer(model=model, ...)
+
+For example, with labels ``[-100, 5, 7, -100 | -100, 9]`` (two packed examples) the targets are
+positions 0, 1 and 4 predicting 5, 7 and 9: three rows go through the LM head, not six.
+
+Imports only torch at module import; transformers is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
+
+# Logits per chunk (rows x vocab): 2**27 is 512 MiB in fp32, about 4k rows of a 32k vocabulary.
+CHUNK_LOGITS = 2**27
+# Config attributes that change logits after the LM head's matmul; such models need their own head.
+LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scaling")
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, chunk by chunk.
+
+    The forward pass computes each chunk's fp32 log-softmax and, when gradients are needed, its
+    gradients for ``hidden``, ``weight`` and ``bias`` right away; backward only scales them.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                chunk_rows: int) -> torch.Tensor:
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Accumulated over chunks in fp32, as one matmul over all rows would accumulate.
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias else None
+        for start in range(0, hidden.shape[0], chunk_rows):
+            h = hidden[start : start + chunk_rows]
+            t = targets[start : start + chunk_rows]
+            logits = torch.nn.functional.linear(h, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if need_hidden or need_weight or need_bias:
+                # d(sum of CE)/d(logits) = softmax - one_hot, in the logits' dtype as autograd would have it.
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad.scatter_add_(1, t[:, None], torch.full_like(grad[:, :1], -1.0))
+                grad = grad.to(h.dtype)
+                if need_hidden:
+                    grad_hidden[start : start + chunk_rows] = grad @ weight
+                if need_weight:
+                    grad_weight += grad.t() @ h
+                if need_bias:
+                    grad_bias += grad.float().sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = grad_output.float()
+        return (
+            None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
+            None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype),
+            None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype),
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         bias: torch.Tensor | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of the logits ``hidden @ weight.T + bias`` ([N, H] x [V, H]) against
+    ``targets`` ([N], every one a class): fp32 softmax, never more than ``chunk_rows`` rows of logits."""
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_LOGITS // weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows)
+
+
+def loss_positions(labels: torch.Tensor, num_loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat indices into ``hidden[:, :-1]`` that predict a label, and those labels.
+
+    ``labels`` [B, S] are unshifted, as transformers takes them: position ``s`` predicts
+    ``labels[:, s + 1]``. With ``num_loss_tokens`` (the batch's count of labels that are not
+    -100) the indices are found without a device-to-host sync.
+
+    >>> loss_positions(torch.tensor([[-100, 5, 7, -100, -100, 9]]), 3)
+    (tensor([0, 1, 4]), tensor([5, 7, 9]))
+    """
+    targets = labels[:, 1:].reshape(-1)
+    mask = targets != IGNORE_INDEX
+    if num_loss_tokens is None:
+        index = mask.nonzero().squeeze(1)
+    else:
+        index = torch.nonzero_static(mask, size=num_loss_tokens).squeeze(1)
+    return index, targets[index]
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise ValueError unless the model's logits are its output embedding's linear map of the last hidden states."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__}: the LM head is a {type(head).__name__}, not an nn.Linear; "
+                         "the loss-position head needs logits = lm_head(hidden_states)")
+    config = getattr(model, "config", None)
+    for name in LOGIT_MODIFIERS:
+        value = getattr(config, name, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__}: config.{name}={value!r} changes the logits after the LM head; "
+                             "the loss-position head does not apply it, so train this model with its full logits")
+
+
+def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor,
+                       num_items_in_batch: int | torch.Tensor | None = None, num_loss_tokens: int | None = None,
+                       chunk_rows: int | None = None) -> torch.Tensor:
+    """The causal-LM loss of ``model``'s LM head on ``hidden_states`` [B, S, H], at labelled positions only.
+
+    Equals transformers' ``ForCausalLMLoss``: the summed cross-entropy over labels that are not
+    -100, divided by ``num_items_in_batch`` when given, else by their number.
+    """
+    head = model.get_output_embeddings()
+    index, targets = loss_positions(labels, num_loss_tokens)
+    states = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])[index]
+    total = linear_cross_entropy(states, head.weight, targets, head.bias, chunk_rows)
+    if num_items_in_batch is None:
+        return total / targets.numel()
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None) -> torch.nn.Module:
+    """Make ``model(..., labels=...)`` compute its loss at labelled positions only; returns ``model``.
+
+    Works on a transformers causal LM whose logits are ``lm_head(hidden_states)`` (Llama, Qwen,
+    Mistral, GPT-2, ...): the forward with labels runs the base model, then the chunked LM head
+    and cross-entropy over the positions with a label, and returns a ``CausalLMOutputWithPast``
+    with the loss and no logits. Without labels the model runs as before. ``num_items_in_batch``
+    is honoured as in transformers (the HF Trainer passes it), and a PackedIterableDataset
+    batch's ``num_loss_tokens`` and ``num_real_tokens`` are consumed here, not passed to the
+    layers, so ``model(**batch)`` needs no device sync and compiled layers see no int arguments.
+    """
+    check_supported(model)
+    full_forward = model.forward
+
+    @functools.wraps(full_forward)
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any):
+        num_loss_tokens = kwargs.pop(NUM_LOSS_TOKENS, None)
+        kwargs.pop(NUM_REAL_TOKENS, None)
+        if labels is None:
+            return full_forward(input_ids=input_ids, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        kwargs.pop("logits_to_keep", None)
+        outputs = model.base_model(input_ids=input_ids, **kwargs)
+        loss = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows)
+        return CausalLMOutputWithPast(loss=loss, hidden_states=getattr(outputs, "hidden_states", None),
+                                      attentions=getattr(outputs, "attentions", None))
+
+    model.forward = forward
+    return model

@@ -1,0 +1,151 @@
+"""The loss-position LM head gives the loss and gradients of the full computation (CPU, fp32).
+
+``use_loss_position_head`` computes logits only where a label is not -100, in chunks; the loss
+and every parameter's gradient must equal ``model(**batch).loss`` with all logits, on packed
+loader batches and on ordinary padded ones, for several architectures (untied and tied heads).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from shard_factory import build_shard_dir
+
+from loaders import PackedIterableDataset
+from loaders.collate import COUNT_KEYS
+from loaders.loss_head import linear_cross_entropy, loss_positions, use_loss_position_head
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def packed_batch(tmp_path_factory) -> dict:
+    lengths = np.random.default_rng(5).integers(4, 60, 80)
+    shards = build_shard_dir(tmp_path_factory.mktemp("loss-head"), lengths, capacity=128, vocab_size=VOCAB, seed=5)
+    batch = next(iter(PackedIterableDataset(shards.path, batch_rows=2, shuffle=False)))
+    assert batch["num_loss_tokens"] < batch["num_real_tokens"], "want prompt tokens without a loss"
+    return batch
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, attn_implementation="sdpa")
+    elif kind == "qwen2-tied":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True, attn_implementation="sdpa")
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0,
+                                         attn_implementation="sdpa")
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.config.use_cache = False
+    return model.train()
+
+
+def loss_and_grads(model: torch.nn.Module, batch: dict, **extra) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, **extra).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got: tuple[float, dict], want: tuple[float, dict]) -> None:
+    assert got[0] == pytest.approx(want[0], rel=RTOL)
+    assert got[1].keys() == want[1].keys()
+    for name, ref in want[1].items():
+        err = ((got[1][name] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        assert err < 1e-4, f"{name}: relative gradient error {err:.3g}"
+
+
+def padded_batch() -> dict:
+    """Two right-padded rows with a prompt of -100 labels and an attention mask."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 24), generator=gen)
+    labels = ids.clone()
+    labels[0, :9] = -100
+    labels[1, :4] = -100
+    labels[1, 17:] = -100
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 4096])
+def test_linear_cross_entropy_equals_the_full_logits(chunk_rows):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    grad_scale = torch.tensor(0.37, dtype=torch.float64)
+
+    want = F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="sum")
+    want_grads = torch.autograd.grad(want * grad_scale, (hidden, weight, bias))
+    got = linear_cross_entropy(hidden, weight, targets, bias, chunk_rows=chunk_rows)
+    got_grads = torch.autograd.grad(got * grad_scale, (hidden, weight, bias))
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.to(w.dtype), w, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_positions_are_the_shifted_labels():
+    labels = torch.tensor([[-100, 5, 7, -100], [-100, -100, 9, 2]])
+    index, targets = loss_positions(labels)
+    assert index.tolist() == [0, 1, 4, 5] and targets.tolist() == [5, 7, 9, 2]  # rows of 3 predicting positions
+    index_known, targets_known = loss_positions(labels, 4)
+    assert torch.equal(index, index_known) and torch.equal(targets, targets_known)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-tied", "gpt2"])
+def test_model_loss_and_grads_equal_the_full_logits(kind):
+    full = tiny_model(kind)
+    head = use_loss_position_head(copy.deepcopy(full), chunk_rows=7)
+    batch = padded_batch()
+    assert_same(loss_and_grads(head, batch), loss_and_grads(full, batch))
+    # As the HF Trainer calls it, with the step's count of trained tokens.
+    assert_same(loss_and_grads(head, batch, num_items_in_batch=torch.tensor(40)),
+                loss_and_grads(full, batch, num_items_in_batch=torch.tensor(40)))
+    out = head(**batch)
+    assert out.logits is None and out.loss is not None
+    # Without labels, the model runs as before.
+    with torch.no_grad():
+        plain = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        torch.testing.assert_close(head(**plain).logits, full(**plain).logits)
+
+
+def test_packed_batch_with_counts(packed_batch):
+    full = tiny_model("llama")
+    head = use_loss_position_head(copy.deepcopy(full))
+    plain = {k: v for k, v in packed_batch.items() if k not in COUNT_KEYS}
+    # The head takes the loader's batch as it is: it consumes the counts itself.
+    assert_same(loss_and_grads(head, packed_batch), loss_and_grads(full, plain))
+
+
+def test_the_check_has_teeth(packed_batch):
+    """A head that trained on one position fewer, or on the unshifted labels, would be caught."""
+    full = tiny_model("llama")
+    plain = {k: v for k, v in packed_batch.items() if k not in COUNT_KEYS}
+    want = loss_and_grads(full, plain)
+    fewer = dict(plain, labels=plain["labels"].clone())
+    fewer["labels"][0, int(fewer["labels"][0].ne(-100).nonzero()[-1])] = -100
+    with pytest.raises(AssertionError):
+        assert_same(loss_and_grads(use_loss_position_head(copy.deepcopy(full)), fewer), want)
+
+
+def test_logit_modifiers_are_refused():
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        use_loss_position_head(model)
