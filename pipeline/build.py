@@ -50,6 +50,7 @@ class BuildResult:
     out_dir: str
     reused: bool
     elapsed_s: float
+    layout: str = ""  # how each example is laid out, for the report
 
 
 def package_version() -> str:
@@ -77,10 +78,15 @@ def plan_build(config: PackConfig) -> BuildPlan:
     source = resolve_source(config)
     if source.known_examples == 0:
         raise InputError(f"{config.dataset}: holds no examples")
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token)
     example_format = resolve_format(
         config, source.columns, config.dataset, source.default_format, _chat_template(config, tokenizer)
     )
+    if not example_format.is_chat and not tokenizer.suffix_ids:
+        raise ConfigError(
+            f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "
+            "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>')"
+        )
     inputs = BuildInputs(
         dataset=source.inputs,
         tokenizer=tokenizer.inputs(),
@@ -179,7 +185,7 @@ def build(
         log(note)
     existing = check_output(plan, log)
     if existing is not None:
-        return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started)
+        return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
     from pipeline import beam_pipeline, progress
 
     spec = beam_pipeline.BuildSpec(
@@ -207,4 +213,11 @@ def build(
         raise
     finally:
         progress.close()
-    return BuildResult(_read_manifest(plan.out_dir), plan.out_dir, False, time.perf_counter() - started)
+    return BuildResult(_read_manifest(plan.out_dir), plan.out_dir, False, time.perf_counter() - started, _layout(plan))
+
+
+def _layout(plan: BuildPlan) -> str:
+    """How each example is laid out and which special tokens go around it."""
+    if plan.example_format.is_chat:
+        return plan.example_format.describe()
+    return f"{plan.example_format.describe()} ({plan.tokenizer.describe_affixes()})"

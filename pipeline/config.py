@@ -43,6 +43,12 @@ class PackConfig:
     text_column: str | None = None
     # A Jinja chat template, or a file holding one; None: the tokenizer's own.
     chat_template: str | None = None
+    # Prompt/response: how they are joined (None: formats.DEFAULT_PROMPT_TEMPLATE), or --as-chat.
+    prompt_template: str | None = None
+    as_chat: bool = False
+    # Special tokens around each prompt/response or text example; None: the tokenizer's own.
+    bos_token: str | None = None
+    eos_token: str | None = None
     train_on_prompt: bool = False
     batch_size: int = DEFAULT_BATCH_SIZE
     progress: bool = True

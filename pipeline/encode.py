@@ -1,8 +1,10 @@
 """Turn a batch of source rows into token ids and loss masks, one tokenizer call per batch.
 
-- prompt/response: ``[bos] prompt response [eos]``; prompt and response are tokenized
-  separately (in one call), so the mask boundary is exact. Mask 0 on BOS and prompt (1 with
-  ``--train-on-prompt``), 1 on response and EOS.
+- prompt/response: ``[bos] prompt response [eos]``, joined by ``--prompt-template`` (default
+  ``{prompt}\n\n{response}``): the prompt with the template's text before and after it, and the
+  response with the text after it, are tokenized separately (in one call), so the mask boundary
+  is exact. Mask 0 on BOS and prompt (1 with ``--train-on-prompt``), 1 on response and EOS. With
+  ``--as-chat`` they are rendered as a user turn and an assistant turn, like chat data.
 - plain text: ``[bos] text [eos]``, mask 1 on every token that can be predicted (not BOS).
 - chat: the messages rendered with the chat template and tokenized whole; mask 1 on the
   characters each assistant turn adds (its content and the template's end-of-turn tokens).
@@ -22,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import InputError
-from pipeline.formats import CHAT, PROMPT_RESPONSE, ExampleFormat
+from pipeline.formats import PROMPT_RESPONSE, ExampleFormat, split_prompt_template
 from pipeline.shard_writer import gather_index
 from pipeline.tokenizer import LoadedTokenizer
 
@@ -43,16 +45,8 @@ class EncodedBatch:
 
 
 def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
-    """The token ids the model expects before and after one sequence (e.g. ``[1]`` and ``[2]`` for Mistral)."""
-    backend = tokenizer.backend()
-    plain = backend.encode("a", add_special_tokens=False).ids
-    full = backend.encode("a", add_special_tokens=True).ids
-    at = next((k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain), 0)
-    prefix, suffix = full[:at], full[at + len(plain) :]
-    eos = tokenizer.eos_token_id
-    if not suffix and eos is not None:
-        suffix = [eos]
-    return prefix, suffix
+    """The token ids that go before and after one example (e.g. ``[1]`` and ``[2]`` for Mistral)."""
+    return list(tokenizer.prefix_ids), list(tokenizer.suffix_ids)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -89,8 +83,10 @@ class Encoder:
 
     def encode(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, which start at row ``first_row`` of ``origin``."""
-        if self.format.kind == CHAT:
-            batch = self._encode_chat(table, origin, first_row)
+        if self.format.as_chat:
+            batch = self._encode_chat(self._as_messages(table, origin, first_row), "messages", origin, first_row)
+        elif self.format.is_chat:
+            batch = self._encode_chat(table.column(self.format.columns[0]).to_pylist(), self.format.columns[0], origin, first_row)
         else:
             batch = self._encode_texts(table, origin, first_row)
         empty = np.flatnonzero(batch.lengths == 0)
@@ -106,7 +102,7 @@ class Encoder:
                 )
         return batch
 
-    def _texts(self, table: pa.Table, column: str, origin: str, first_row: int) -> list[str]:
+    def _texts(self, table: pa.Table, column: str, origin: str, first_row: int) -> pa.ChunkedArray:
         """The values of a text column, which must all be non-empty strings."""
         values = table.column(column)
         if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_null(values.type)):
@@ -118,11 +114,28 @@ class Encoder:
         if pc.any(empty).as_py():
             row = first_row + _first(empty)
             raise InputError(f"{origin} row {row}: {column!r} is empty; every example needs a non-empty {column!r}")
-        return values.to_pylist()
+        return values
+
+    def _pieces(self, table: pa.Table, origin: str, first_row: int) -> list[str]:
+        """The texts to tokenize, column by column: for prompt/response, each joined with its part of the template."""
+        columns = [self._texts(table, column, origin, first_row) for column in self.format.columns]
+        if self.format.kind == PROMPT_RESPONSE:
+            before, between, after = split_prompt_template(self.format.prompt_template)
+            prompts, responses = columns
+            columns = [pc.binary_join_element_wise(before, prompts, between, ""), pc.binary_join_element_wise(responses, after, "")]
+        return [text for values in columns for text in values.to_pylist()]
+
+    def _as_messages(self, table: pa.Table, origin: str, first_row: int) -> list[list[dict[str, str]]]:
+        """Prompt/response rows as user/assistant conversations."""
+        prompts, responses = (self._texts(table, column, origin, first_row).to_pylist() for column in self.format.columns)
+        return [
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            for prompt, response in zip(prompts, responses)
+        ]
 
     def _encode_texts(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
         n, columns = table.num_rows, len(self.format.columns)
-        texts = [text for column in self.format.columns for text in self._texts(table, column, origin, first_row)]
+        texts = self._pieces(table, origin, first_row)
         ids, text_lengths = token_ids(self.backend.encode_batch_fast(texts, add_special_tokens=False), self.dtype)
         # Example i is its pieces (prefix, its texts, suffix) in a row; they are gathered from
         # one buffer holding the prefix, the suffix, then every text's tokens, column by column.
@@ -137,9 +150,7 @@ class Encoder:
         piece_mask = np.tile(np.array([0, *text_mask, 1], dtype=np.uint8), n)
         return EncodedBatch(piece_lengths.sum(axis=1), tokens, np.repeat(piece_mask, piece_lengths.ravel()))
 
-    def _encode_chat(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
-        column = self.format.columns[0]
-        conversations = table.column(column).to_pylist()
+    def _encode_chat(self, conversations: list, column: str, origin: str, first_row: int) -> EncodedBatch:
         rendered, spans = [], []
         for i, messages in enumerate(conversations):
             text, assistant = self._render(messages, f"{origin} row {first_row + i}", column)

@@ -11,12 +11,33 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from pipeline.config import PackConfig
-from pipeline.errors import InputError
+from pipeline.errors import ConfigError, InputError
 from pipeline.readers import MESSAGES_TYPE, TEXT_TYPE
 
 PROMPT_RESPONSE = "prompt_response"
 CHAT = "chat"
 TEXT = "text"
+# How a prompt and its response are joined into one example, unless --prompt-template says otherwise.
+DEFAULT_PROMPT_TEMPLATE = "{prompt}\n\n{response}"
+
+
+def split_prompt_template(template: str) -> tuple[str, str, str]:
+    """The text before ``{prompt}``, between it and ``{response}``, and after ``{response}``.
+
+    ``\\n`` and ``\\t`` written literally (as shells pass ``'{prompt}\\n{response}'``) mean a newline and a tab.
+
+    >>> split_prompt_template("Q: {prompt}\\nA: {response}")
+    ('Q: ', '\nA: ', '')
+    """
+    text = template.replace("\\n", "\n").replace("\\t", "\t")
+    if text.count("{prompt}") != 1 or text.count("{response}") != 1 or text.index("{prompt}") > text.index("{response}"):
+        raise ConfigError(
+            f"--prompt-template {template!r} must hold {{prompt}} once, then {{response}} once, "
+            "e.g. '{prompt}\\n\\n{response}'"
+        )
+    before, rest = text.split("{prompt}")
+    between, after = rest.split("{response}")
+    return before, between, after
 
 # Tried in order when no column option is given.
 _AUTODETECT = (
@@ -37,6 +58,14 @@ class ExampleFormat:
     columns: tuple[str, ...]
     train_on_prompt: bool = False
     chat_template: str | None = None
+    # Prompt/response only: how they are joined, or rendered as a user/assistant chat instead.
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    as_chat: bool = False
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether examples are rendered with the chat template (chat data, or prompt/response ``--as-chat``)."""
+        return self.kind == CHAT or self.as_chat
 
     @property
     def column_types(self) -> dict[str, pa.DataType]:
@@ -47,9 +76,18 @@ class ExampleFormat:
     @property
     def template(self) -> str:
         """How the tokens are laid out, for the fingerprint (the chat template in full for chat data)."""
+        if self.kind == PROMPT_RESPONSE and self.as_chat:
+            prompt, response = self.columns
+            return (
+                f"varpack.prompt_response_chat.v1 user={prompt} assistant={response}: the chat template below, "
+                f"tokenized whole\n{self.chat_template}"
+            )
         if self.kind == PROMPT_RESPONSE:
             prompt, response = self.columns
-            return f"varpack.prompt_response.v1 prompt={prompt} response={response}: [bos] prompt response [eos]"
+            return (
+                f"varpack.prompt_response.v2 prompt={prompt} response={response}: "
+                f"[bos] prompt response [eos] joined as {self.prompt_template!r}"
+            )
         if self.kind == CHAT:
             return f"varpack.chat.v1 messages={self.columns[0]}: the chat template below, tokenized whole\n{self.chat_template}"
         return f"varpack.text.v1 text={self.columns[0]}: [bos] text [eos]"
@@ -61,7 +99,17 @@ class ExampleFormat:
             return "all_tokens"
         if self.train_on_prompt:
             return "all_tokens"
-        return "response_and_eos" if self.kind == PROMPT_RESPONSE else "assistant_turns"
+        return "assistant_turns" if self.is_chat else "response_and_eos"
+
+    def describe(self) -> str:
+        """The layout of one example, for the report."""
+        if self.is_chat:
+            source = "messages" if self.kind == CHAT else "prompt as user, response as assistant"
+            return f"chat template ({source}); loss on {'every token' if self.train_on_prompt else 'assistant turns'}"
+        if self.kind == TEXT:
+            return "[bos] text [eos]; loss on every token"
+        shown = self.prompt_template.replace("\n", "\\n").replace("\t", "\\t")
+        return f"[bos] {shown} [eos]; loss on {'every token' if self.train_on_prompt else 'response and EOS'}"
 
 
 def resolve_format(
@@ -101,14 +149,21 @@ def resolve_format(
                 f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); "
                 "choose columns with --prompt-column/--response-column, --messages-column or --text-column"
             )
-    if chosen.kind == CHAT and not chat_template:
+    as_chat = config.as_chat and chosen.kind == PROMPT_RESPONSE
+    if config.as_chat and not as_chat:
+        raise ConfigError(f"--as-chat renders prompt/response data as a chat; {where} is {chosen.kind} data")
+    if (chosen.kind == CHAT or as_chat) and not chat_template:
         raise InputError(
-            f"{where}: chat data needs a chat template and the tokenizer has none; "
+            f"{where}: {'--as-chat' if as_chat else 'chat data'} needs a chat template and the tokenizer has none; "
             "pass --chat-template (a Jinja template, or a file holding one)"
         )
+    template = config.prompt_template or chosen.prompt_template
+    split_prompt_template(template)
     return ExampleFormat(
         chosen.kind,
         chosen.columns,
         train_on_prompt=config.train_on_prompt,
-        chat_template=chat_template if chosen.kind == CHAT else None,
+        chat_template=chat_template if chosen.kind == CHAT or as_chat else None,
+        prompt_template=template,
+        as_chat=as_chat,
     )

@@ -58,6 +58,15 @@ def make_parser() -> argparse.ArgumentParser:
     add("--text-column", help="column of plain text; loss on every token")
     add("--chat-template", help="Jinja chat template, or a file holding one (default: the tokenizer's; "
                                 "Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
+    add("--prompt-template",
+        help="how a prompt and its response are joined, holding {prompt} then {response}; \\n is a newline "
+             "(default: '{prompt}\\n\\n{response}')")
+    add("--as-chat", action="store_true",
+        help="render prompt/response data as a user turn and an assistant turn with the chat template")
+    add("--bos-token", help="token before each prompt/response or text example, or 'none' "
+                            "(default: what the tokenizer adds before a sequence)")
+    add("--eos-token", help="token after each prompt/response or text example (default: the tokenizer's EOS, "
+                            "from its config, post-processor or special tokens)")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
     add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
@@ -160,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = result.manifest
     verb = "reusing" if result.reused else "wrote"
     print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
-    print(format_report(manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused))
+    stats, shards = manifest.stats, len(manifest.shards)
+    print(format_report(stats, manifest.capacity, shards, result.out_dir, result.elapsed_s, result.reused, result.layout))
     return 0
 
 

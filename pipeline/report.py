@@ -14,10 +14,13 @@ def examples_per_row(stats: PackingStats) -> tuple[float, int, int]:
     return sum(k * v for k, v in counts.items()) / rows, min(counts), max(counts)
 
 
-def format_report(stats: PackingStats, capacity: int, shards: int, out_dir: str, elapsed_s: float, reused: bool) -> str:
-    """A few aligned lines: examples, tokens, rows and fill, what overflow did, examples per row, time, path."""
+def format_report(
+    stats: PackingStats, capacity: int, shards: int, out_dir: str, elapsed_s: float, reused: bool, layout: str = ""
+) -> str:
+    """A few aligned lines: the example layout, examples, tokens, rows and fill, overflow, examples per row, time, path."""
     mean, low, high = examples_per_row(stats)
     lines = [
+        *([("example", layout)] if layout else []),
         ("examples", f"{stats.examples:,}"),
         ("tokens", f"{stats.tokens:,} packed"),
         ("overflow", f"{stats.tokens_split:,} tokens split ({stats.examples_split:,} examples), "

@@ -163,7 +163,9 @@ def _synthetic(name: str, config: PackConfig) -> Source:
     }
     content_hash = hashlib.sha256(json.dumps(parameters, sort_keys=True).encode()).hexdigest()
     inputs = DatasetInputs(id=name, split=config.split or "train", content_hash=content_hash, num_examples=count)
-    return Source(name, inputs, ("prompt", "response"), tasks, ExampleFormat(PROMPT_RESPONSE, ("prompt", "response")))
+    # The generated lengths are exact for prompt and response joined as they are.
+    joined = ExampleFormat(PROMPT_RESPONSE, ("prompt", "response"), prompt_template="{prompt}{response}")
+    return Source(name, inputs, ("prompt", "response"), tasks, joined)
 
 
 def _hub(repo: str, config: PackConfig, name: str, default_format: ExampleFormat | None) -> Source:

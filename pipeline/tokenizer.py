@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +41,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VARPACK_CACHE_DIR") or Path.home() / ".cache" / "varpack")
 
 
+# Names models give their end- and beginning-of-sequence tokens, most common first: used when a
+# tokenizer (a bare tokenizer.json) does not say which of its special tokens they are.
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>", "<|eot_id|>")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+# --bos-token none: put no BOS before examples.
+NO_TOKEN = "none"
+
+
 @dataclass(frozen=True)
 class LoadedTokenizer:
     """A fast tokenizer as its serialized ``tokenizer.json`` plus the special tokens the model expects.
 
-    It pickles as text, so Beam ships it to workers, which rebuild the Rust tokenizer once each.
+    ``prefix_ids`` and ``suffix_ids`` go around every prompt/response or text example: what the
+    tokenizer's post-processor adds around one sequence (``[1]`` before, for Mistral), with its
+    EOS after when the post-processor adds nothing there. ``bos_token`` and ``eos_token`` are
+    the special tokens chat templates use. It pickles as text, so Beam ships it to workers,
+    which rebuild the Rust tokenizer once each.
     """
 
     name: str
@@ -54,23 +66,56 @@ class LoadedTokenizer:
     eos_token: str | None
     chat_template: str | None
     content_hash: str
+    prefix_ids: tuple[int, ...] = ()
+    suffix_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_backend(
         cls, name: str, backend: Any, bos_token: str | None, eos_token: str | None, chat_template: str | None
     ) -> LoadedTokenizer:
-        """Describe a ``tokenizers.Tokenizer``.
+        """Describe a ``tokenizers.Tokenizer``; BOS and EOS not given are found in its special tokens.
 
         The hash covers its own serialization, which lists the vocabulary, merges, added tokens,
         normalizer and pre/post-processors in a fixed order whatever the file's layout, plus
-        the special tokens.
+        the special tokens and what goes around each example.
         """
-        serialized = backend.to_str()
-        digest = hashlib.sha256(serialized.encode())
-        digest.update(json.dumps({"bos_token": bos_token, "eos_token": eos_token}, sort_keys=True).encode())
-        loaded = cls(name, serialized, bos_token, eos_token, chat_template, digest.hexdigest())
+        prefix, suffix = _post_processor_affixes(backend)
+        specials = _special_tokens(backend)
+        bos_token = bos_token or _named(specials, prefix[:1] or (), BOS_NAMES, backend)
+        eos_token = eos_token or _named(specials, suffix[-1:] or (), EOS_NAMES, backend)
+        if not suffix and eos_token is not None:
+            suffix = (backend.token_to_id(eos_token),)
+        loaded = cls(name, backend.to_str(), bos_token, eos_token, chat_template, "", prefix, suffix)
+        return loaded._rehashed(backend)
+
+    def _rehashed(self, backend: Any) -> LoadedTokenizer:
+        """This tokenizer with its content hash computed; ``backend`` is cached under it."""
+        digest = hashlib.sha256(self.serialized.encode())
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "prefix": self.prefix_ids, "suffix": self.suffix_ids}
+        digest.update(json.dumps(specials, sort_keys=True).encode())
+        loaded = replace(self, content_hash=digest.hexdigest())
         _BACKENDS[loaded.content_hash] = backend
         return loaded
+
+    def with_special_tokens(self, bos_token: str | None, eos_token: str | None) -> LoadedTokenizer:
+        """This tokenizer with ``--bos-token`` / ``--eos-token`` applied (None: keep; ``none`` BOS: no BOS)."""
+        if bos_token is None and eos_token is None:
+            return self
+        backend, changed = self.backend(), self
+        if bos_token == NO_TOKEN:
+            changed = replace(changed, prefix_ids=())
+        elif bos_token is not None:
+            changed = replace(changed, bos_token=bos_token, prefix_ids=(self._id_of(bos_token, "--bos-token"),))
+        if eos_token is not None:
+            changed = replace(changed, eos_token=eos_token, suffix_ids=(self._id_of(eos_token, "--eos-token"),))
+        return changed._rehashed(backend)
+
+    def _id_of(self, token: str, option: str) -> int:
+        token_id = self.backend().token_to_id(token)
+        if token_id is None:
+            known = ", ".join(_special_tokens(self.backend())[:8]) or "none"
+            raise ConfigError(f"{option} {token!r} is not a token of tokenizer {self.name} (its special tokens: {known})")
+        return token_id
 
     def backend(self):
         """The Rust ``tokenizers.Tokenizer``, built once per process."""
@@ -88,19 +133,49 @@ class LoadedTokenizer:
     def eos_token_id(self) -> int | None:
         return self.token_id(self.eos_token)
 
+    def describe_affixes(self) -> str:
+        """What goes around each example, for the report: ``BOS <s> (1), EOS </s> (2)``."""
+        backend = self.backend()
+
+        def names(ids: tuple[int, ...]) -> str:
+            return " ".join(f"{backend.id_to_token(i)} ({i})" for i in ids) or "none"
+
+        return f"BOS {names(self.prefix_ids)}, EOS {names(self.suffix_ids)}"
+
     def inputs(self) -> TokenizerInputs:
         """The tokenizer's part of the fingerprint."""
         return TokenizerInputs(
             name=self.name,
             content_hash=self.content_hash,
             vocab_size=self.backend().get_vocab_size(with_added_tokens=True),
-            bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
+            bos_token_id=self.prefix_ids[-1] if self.prefix_ids else None,
+            eos_token_id=self.suffix_ids[-1] if self.suffix_ids else self.eos_token_id,
         )
 
     def special_tokens(self) -> dict[str, str]:
         """The special tokens a chat template may use (``bos_token``, ``eos_token``)."""
         return {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v is not None}
+
+
+def _post_processor_affixes(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids the tokenizer's post-processor adds before and after one sequence."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    at = next((k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain), 0)
+    return tuple(full[:at]), tuple(full[at + len(plain) :])
+
+
+def _special_tokens(backend: Any) -> list[str]:
+    """The contents of the tokenizer's special added tokens, in id order."""
+    decoder = backend.get_added_tokens_decoder()
+    return [decoder[i].content for i in sorted(decoder) if decoder[i].special]
+
+
+def _named(specials: list[str], added: tuple[int, ...], names: tuple[str, ...], backend: Any) -> str | None:
+    """The token the post-processor adds (``added``), else the first special token with a usual name."""
+    if added:
+        return backend.id_to_token(added[0])
+    return next((name for name in names if name in specials), None)
 
 
 _BACKENDS: dict[str, Any] = {}
@@ -214,8 +289,13 @@ def _from_transformers(spec: str) -> LoadedTokenizer:
     return LoadedTokenizer.from_backend(spec, backend, tokenizer.bos_token, tokenizer.eos_token, template)
 
 
-def load_tokenizer(spec: str = DEFAULT_TOKENIZER) -> LoadedTokenizer:
-    """Load the tokenizer named by ``spec``: the default, a tokenizer.json, a directory or a Hub id."""
+def load_tokenizer(spec: str = DEFAULT_TOKENIZER, bos_token: str | None = None, eos_token: str | None = None) -> LoadedTokenizer:
+    """Load the tokenizer named by ``spec`` (the default, a tokenizer.json, a directory or a Hub id),
+    with ``--bos-token`` / ``--eos-token`` applied."""
+    return _load(spec).with_special_tokens(bos_token, eos_token)
+
+
+def _load(spec: str) -> LoadedTokenizer:
     if spec == DEFAULT_TOKENIZER:
         return load_default_tokenizer()
     path = Path(spec)

@@ -71,9 +71,11 @@ def test_default_tokenizer_is_mistral_with_bos_and_eos(tokenizer):
 def test_tokenizer_hash_covers_content_not_file_layout(tokenizer, tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(json.loads(tokenizer.serialized), indent=4))  # same content, other layout
-    assert load_tokenizer(str(path)).content_hash != tokenizer.content_hash  # no tokenizer_config.json: no BOS/EOS
+    # Without tokenizer_config.json, BOS and EOS are found in the post-processor and special tokens.
+    assert load_tokenizer(str(path)).content_hash == tokenizer.content_hash
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     assert load_tokenizer(str(path)).content_hash == tokenizer.content_hash
+    assert load_tokenizer(str(path), eos_token="<unk>").content_hash != tokenizer.content_hash
     changed = json.loads(tokenizer.serialized)
     changed["added_tokens"].append({**changed["added_tokens"][-1], "id": 32000, "content": "<extra>"})
     path.write_text(json.dumps(changed))
@@ -90,14 +92,19 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
 # --- encoding ----------------------------------------------------------------------------
 
 
-def test_prompt_response_layout_and_mask(tokenizer):
-    batch = encoder(tokenizer, PROMPT_RESPONSE, ("q", "a")).encode(
+@pytest.mark.parametrize(
+    "template, joined",
+    [(None, ("{q}\n\n", "{a}")), ("Q: {prompt}\\nA: {response}", ("Q: {q}\nA: ", "{a}")), ("{prompt}{response}.", ("{q}", "{a}."))],
+)
+def test_prompt_response_layout_and_mask(tokenizer, template, joined):
+    fmt = ExampleFormat(PROMPT_RESPONSE, ("q", "a"), **({"prompt_template": template} if template else {}))
+    batch = Encoder(tokenizer, fmt, 4096, "split").encode(
         pa.table({"q": ["Hello world", "What is 2+2?"], "a": ["Hi", "Four"]}), "t", 0
     )
     backend = tokenizer.backend()
     for (tokens, mask), (q, a) in zip(split_examples(batch), [("Hello world", "Hi"), ("What is 2+2?", "Four")]):
-        prompt = backend.encode(q, add_special_tokens=False).ids
-        response = backend.encode(a, add_special_tokens=False).ids
+        prompt = backend.encode(joined[0].format(q=q), add_special_tokens=False).ids
+        response = backend.encode(joined[1].format(a=a), add_special_tokens=False).ids
         assert tokens.tolist() == [BOS, *prompt, *response, EOS]
         assert mask.tolist() == [0] * (1 + len(prompt)) + [1] * (len(response) + 1)
 
@@ -257,7 +264,8 @@ def test_hub_datasets_fail_fast_offline():
 
 def test_synthetic_lengths_follow_the_shape_exactly(tokenizer):
     table = generate_block(SHAPES["synthetic-flan"], 0, 300)
-    batch = encoder(tokenizer, PROMPT_RESPONSE, ("prompt", "response")).encode(table, "t", 0)
+    joined = resolve_source(PackConfig(dataset="synthetic-flan")).default_format
+    batch = Encoder(tokenizer, joined, 4096, "split").encode(table, "t", 0)
     rng = np.random.default_rng([1, 0])
     assert np.array_equal(batch.lengths, SHAPES["synthetic-flan"].lengths(rng, 8192)[:300])
     assert generate_block(SHAPES["synthetic-flan"], 0, 300).equals(table)
