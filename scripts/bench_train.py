@@ -1,33 +1,40 @@
 """Training throughput on one GPU: varpack shards against what users do today, in one run.
 
 On the same model (Llama, random init, bf16 weights, FlashAttention-2 kernels) and the same
-examples, at the same real tokens per optimizer step:
+examples, at two step sizes (``--rows-per-step`` rows, about 8k real tokens, and
+``--budget-rows`` rows, about 32k), every mode trains on the same examples per cell:
 
-1. ``padded``: batches padded to the longest example, with ``attention_mask``
-   (transformers' ``flash_attention_2``);
-2. ``flatten``: the reference, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
-   (transformers' ``flash_attention_2``);
-3. ours: ``PackedIterableDataset`` batches of ``--rows-per-step`` rows, measured three ways:
-   ``ours_fa2`` (transformers' ``flash_attention_2``), ``ours_eager`` (varpack's registered
-   ``varpack_fa2``, same kernel, no per-forward host sync) and, with ``--compile``,
-   ``ours_compiled`` (``pad_to_fixed_shape`` and per-layer ``torch.compile``); the fastest is mode 3;
-4. ``ours_budget``: ``--budget-rows`` rows per step, chosen for throughput, run the way the
-   fastest mode 3 ran.
+- ``padded``: batches padded to the longest example, with ``attention_mask`` (transformers'
+  ``flash_attention_2``); small steps only (mode 1);
+- ``flatten``: the reference, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``,
+  eager (transformers' ``flash_attention_2``; mode 2, "eager reference");
+- ``flatten_compiled_fa2`` / ``flatten_compiled_varpack``: the same batches with every decoder
+  layer under ``torch.compile(dynamic=True)``, with transformers' ``flash_attention_2`` or
+  varpack's registered ``varpack_fa2``; the faster is the "compiled reference" (mode 2c);
+- ``ours_*``: ``PackedIterableDataset`` batches, eager on exact shapes (``ours_eager``) or with
+  per-layer ``torch.compile`` on fixed shapes padded to the worst case (``ours_fixed``) or to
+  buckets (``ours_buckets``: ``bucket_shapes=True``, prewarmed so no bucket compiles twice),
+  with the loss-position LM head (``_head``: ``loaders.loss_head``) and per-layer CUDA graphs
+  (``_graphs``: ``mode="reduce-overhead"`` on the single worst-case shape). The fastest is
+  varpack's best mode.
 
-Same data: mode 3's first ``--warmup-steps`` and next ``--timed-steps`` batches form a warm-up
-and a timed window; modes 1 and 2 train on exactly the examples of each window (cut out of the
-batches by ``cu_seq_lens``), shuffled and cut into as many steps of equal real tokens; mode 4's
-windows are the same rows in fewer, larger steps. Throughput counts real (non-pad) tokens
-over the timed window; peak memory is that of the whole mode, model and optimizer included.
-Every mode starts from the same initial weights.
+Same data: the loader's first warm-up and timed batches of each step size form the two windows;
+the reference modes train on exactly the examples of each window (cut out of the batches by
+``cu_seq_lens``), shuffled and cut into as many steps of equal real tokens. Throughput counts
+real (non-pad) tokens over the timed window; peak memory is that of the whole mode, model and
+optimizer included; warm-up time (compilation included) is that of the warm-up window, and
+``graphs_compiled_timed`` counts compilations inside the timed window (0 when warm). MFU is
+model FLOPs per real token (``FLOP_FORMULA``, the same for every mode of a cell) times
+tokens/s over the dense bf16 peak. Every mode starts from the same initial weights.
+``--profile`` adds one profiled step per mode: GPU time by kernel group and the GPU's idle time.
 
-``--convergence-steps N`` instead trains modes 1 and 3 for N steps on identical data per step
-(mode 1's batch is mode 3's batch cut back into its examples and padded) and writes the loss
-per step (per trained token, the same average in both) to ``--convergence-csv``.
-The last line printed is one JSON object.
+``--convergence-steps N`` instead trains modes 1 and ``--convergence-mode`` for N steps on
+identical data per step (mode 1's batch is the packed batch cut back into its examples and
+padded) and writes the loss per step (per trained token, the same average in both) to
+``--convergence-csv``. The last line printed is one JSON object.
 
     python scripts/bench_train.py --shards flan=shards/flan --shards orcamath=shards/orcamath \
-        --compile --out benchmarks/bench_train_h200.json
+        --out benchmarks/bench_train_h200.json
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import itertools
 import json
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,11 +58,63 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
+from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
+from loaders.loss_head import use_loss_position_head  # noqa: E402
 from schemas import read_manifest  # noqa: E402
-from train import compile_layers, linear_warmup, loss_tokens, real_tokens  # noqa: E402
+from train import compile_layers, count_on_device, linear_warmup, prewarm_buckets  # noqa: E402
 
 Batch = dict[str, torch.Tensor | int]
 DEVICE = torch.device("cuda")
+# NVIDIA H200 SXM, dense bf16 tensor-core peak (datasheet).
+PEAK_BF16_FLOPS = 989.4e12
+FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / sum(n_i): N_matmul = the weights "
+                "of every nn.Linear (decoder layers and LM head over all tokens; embeddings excluded), L layers, "
+                "d_attn = query heads x head dim, n_i the length of each example (causal attention, forward and "
+                "backward, half the square); the same model FLOPs for every mode, so the loss-position head's "
+                "skipped logits are not credited")
+FA2 = "flash_attention_2"
+DEFAULT_MODES = ("padded,flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_eager,ours_fixed,"
+                 "ours_buckets,ours_fixed_head,ours_buckets_head,ours_fixed_head_graphs")
+DEFAULT_BUDGET_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_fixed,ours_buckets,"
+                        "ours_fixed_head,ours_buckets_head,ours_fixed_head_graphs")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How one mode builds its batches and runs the model."""
+
+    data: str  # padded | flatten | packed
+    attn: str = "varpack"  # varpack (varpack_fa2) | fa2 (transformers' flash_attention_2)
+    compiled: bool = False
+    shapes: str = "exact"  # packed batches: exact | fixed (worst case) | buckets
+    loss_head: bool = False
+    cuda_graphs: bool = False
+
+    @property
+    def attn_implementation(self) -> str:
+        return FA2 if self.attn == "fa2" else attn_implementation_for("flash_attn")
+
+
+MODES = {
+    "padded": Mode("padded", "fa2"),
+    "flatten": Mode("flatten", "fa2"),
+    "flatten_compiled_fa2": Mode("flatten", "fa2", compiled=True),
+    "flatten_compiled_varpack": Mode("flatten", compiled=True),
+    "ours_eager": Mode("packed"),
+    "ours_fixed": Mode("packed", compiled=True, shapes="fixed"),
+    "ours_buckets": Mode("packed", compiled=True, shapes="buckets"),
+    "ours_fixed_head": Mode("packed", compiled=True, shapes="fixed", loss_head=True),
+    "ours_buckets_head": Mode("packed", compiled=True, shapes="buckets", loss_head=True),
+    "ours_fixed_head_graphs": Mode("packed", compiled=True, shapes="fixed", loss_head=True, cuda_graphs=True),
+}
+# Kernel groups of a profiled step, matched on the lower-cased kernel name, first match wins.
+KERNEL_GROUPS = (
+    ("attention", ("flash", "fmha")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("cross_entropy", ("softmax", "nll_loss", "logsumexp", "cross_entropy")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_")),
+    ("fused_elementwise", ("triton",)),
+)
 
 
 @dataclass
@@ -68,15 +128,20 @@ class BenchConfig:
     num_heads: int = 16
     num_kv_heads: int = 8
     rows_per_step: int = 2
-    budget_rows: int = 8
+    budget_rows: int = 8  # 0: no large-step cell
+    modes: str = DEFAULT_MODES
+    budget_modes: str = DEFAULT_BUDGET_MODES
     # Mode 1 splits a step into micro-batches (gradient accumulation) above this many padded tokens.
     padded_token_cap: int = 49152
     warmup_steps: int = 8
-    timed_steps: int = 48
+    timed_steps: int = 40
+    budget_warmup_steps: int = 6
+    budget_timed_steps: int = 16
     lr: float = 3e-4
     warmup_lr_steps: int = 20
-    compile: bool = False
+    profile: bool = False
     convergence_steps: int = 0
+    convergence_mode: str = "ours_buckets_head"
     convergence_csv: str = ""
     seed: int = 0
     out: str = ""
@@ -105,11 +170,19 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
     return model
 
 
+def flops_per_token(model, config: BenchConfig, mean_square_length: float) -> float:
+    """FLOP_FORMULA for ``model`` on examples whose sum(n^2) / sum(n) is ``mean_square_length``."""
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    d_attn = config.num_heads * (config.hidden_size // config.num_heads)
+    return 6 * matmul_params + 6 * config.num_layers * d_attn * mean_square_length
+
+
 # ---- the steps of each mode ---------------------------------------------------------------
 
 
 def to_device(batch: dict) -> Batch:
-    return {k: v.to(DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """Tensors pinned and copied without waiting for the GPU, as a DataLoader with pin_memory=True does."""
+    return {k: v.pin_memory().to(DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass
@@ -121,14 +194,21 @@ class Step:
     loss_tokens: int
 
 
-def packed_steps(source: str, config: BenchConfig, batch_rows: int, fixed_shape: bool) -> Iterator[Step]:
-    """Modes 3 and 4: PackedIterableDataset batches of ``batch_rows`` rows, epoch after epoch."""
-    dataset = PackedIterableDataset(source, batch_rows=batch_rows, shuffle=True, seed=config.seed, pad_to_fixed_shape=fixed_shape)
+def packed_dataset(source: str, config: BenchConfig, batch_rows: int, shapes: str = "exact") -> PackedIterableDataset:
+    return PackedIterableDataset(source, batch_rows=batch_rows, shuffle=True, seed=config.seed,
+                                 pad_to_fixed_shape=shapes != "exact", bucket_shapes=shapes == "buckets")
+
+
+def packed_steps(source: str, config: BenchConfig, batch_rows: int, mode: Mode) -> Iterator[Step]:
+    """Our modes: PackedIterableDataset batches of ``batch_rows`` rows, epoch after epoch. The
+    loss-position head consumes the counts; the model's own forward must not see them."""
+    dataset = packed_dataset(source, config, batch_rows, mode.shapes)
     epoch = 0
     while True:
         dataset.set_epoch(epoch)
         for batch in dataset:
-            yield Step([to_device(batch)], real_tokens(batch), loss_tokens(batch))
+            inputs = batch if mode.loss_head else {k: v for k, v in batch.items() if k not in COUNT_KEYS}
+            yield Step([to_device(inputs)], batch[NUM_REAL_TOKENS], batch[NUM_LOSS_TOKENS])
         epoch += 1
 
 
@@ -138,7 +218,7 @@ def examples_of(batches: list[dict]) -> tuple[list[np.ndarray], list[np.ndarray]
     for batch in batches:
         bounds = batch["cu_seq_lens_q"].tolist()
         ids, lab = batch["input_ids"][0].numpy(), batch["labels"][0].numpy()
-        end_of_data = real_tokens(batch)
+        end_of_data = batch[NUM_REAL_TOKENS]
         for a, b in zip(bounds[:-1], bounds[1:]):
             if a < b <= end_of_data:
                 tokens.append(ids[a:b])
@@ -166,9 +246,9 @@ def padded_micro_batches(tokens: list[np.ndarray], labels: list[np.ndarray], cap
     return batches
 
 
-def baseline_step(mode: str, tokens: list[np.ndarray], labels: list[np.ndarray], collator, cap: int) -> Step:
+def baseline_step(data: str, tokens: list[np.ndarray], labels: list[np.ndarray], collator, cap: int) -> Step:
     """One step of mode 1 (``padded``) or 2 (``flatten``: the collator gets lists, as from datasets)."""
-    if mode == "padded":
+    if data == "padded":
         micro = padded_micro_batches(tokens, labels, cap)
     else:
         micro = [to_device(collator([{"input_ids": t.tolist(), "labels": l.tolist()} for t, l in zip(tokens, labels)]))]
@@ -176,9 +256,9 @@ def baseline_step(mode: str, tokens: list[np.ndarray], labels: list[np.ndarray],
     return Step(micro, sum(t.size for t in tokens), loss)
 
 
-def baseline_steps(mode: str, windows: list[list[dict]], config: BenchConfig) -> Iterator[Step]:
-    """Modes 1 and 2 over exactly the examples of mode 3's windows (warm-up, timed): each
-    window's examples shuffled and cut into as many steps of equal real tokens."""
+def baseline_steps(data: str, windows: list[list[dict]], config: BenchConfig) -> Iterator[Step]:
+    """The reference modes over exactly the examples of the loader's windows (warm-up, timed):
+    each window's examples shuffled and cut into as many steps of equal real tokens."""
     from transformers import DataCollatorWithFlattening
 
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
@@ -189,16 +269,18 @@ def baseline_steps(mode: str, windows: list[list[dict]], config: BenchConfig) ->
         ends = np.cumsum([tokens[i].size for i in order])
         cuts = np.searchsorted(ends, ends[-1] * np.arange(1, len(window)) / len(window)) + 1
         for step in np.split(order, cuts):
-            yield baseline_step(mode, [tokens[i] for i in step], [labels[i] for i in step], collator, config.padded_token_cap)
+            yield baseline_step(data, [tokens[i] for i in step], [labels[i] for i in step], collator, config.padded_token_cap)
 
 
 # ---- training ----------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, scheduler, step: Step) -> torch.Tensor:
+def train_step(model, optimizer, scheduler, step: Step, mode: Mode) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, then one optimizer step; the loss
     (per trained token, averaged over the whole step) stays on the GPU."""
-    num_items = torch.tensor(step.loss_tokens, device=DEVICE, dtype=torch.float32)
+    if mode.cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    num_items = count_on_device(step.loss_tokens, DEVICE)
     total = torch.zeros((), device=DEVICE)
     for batch in step.micro_batches:
         loss = model(**batch, num_items_in_batch=num_items).loss
@@ -222,137 +304,202 @@ def free_gpu() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
+def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
+    """A fresh model from the shared initial weights, set up as ``mode`` runs it."""
+    torch._dynamo.reset()  # each mode compiles afresh and starts with the whole recompile budget
+    model = make_model(config, vocab_size, mode.attn_implementation)
+    if mode.loss_head:
+        use_loss_position_head(model)
+    if mode.compiled:
+        # The reference compiles with dynamic shapes, its batches differ in length; ours start static.
+        compile_layers(model, dynamic=True if mode.data == "flatten" else None,
+                       mode="reduce-overhead" if mode.cuda_graphs else None)
+    return model
+
+
+def kernel_group(name: str) -> str:
+    lower = name.lower()
+    return next((group for group, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
+
+
+def profile_step(model, optimizer, scheduler, step: Step, mode: Mode) -> dict:
+    """GPU milliseconds of one step by kernel group, and the GPU's idle time within the step's wall time."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        train_step(model, optimizer, scheduler, step, mode)
+        torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - start)
+    groups: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            groups[kernel_group(event.name)] += event.time_range.elapsed_us() / 1000
+    busy = sum(groups.values())
+    return {"wall_ms_profiled": wall_ms, "gpu_busy_ms": busy, "gpu_idle_ms": max(0.0, wall_ms - busy),
+            "gpu_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+
+
+def graphs_compiled() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def measure(name: str, steps: Iterator[Step], warmup: int, timed: int, config: BenchConfig, vocab_size: int,
-            attn_implementation: str, compiled: bool) -> dict:
+            mean_square_length: float) -> dict:
     """Train ``warmup`` then ``timed`` steps; real tokens/s over the timed ones, peak memory of all."""
+    mode = MODES[name]
     free_gpu()
-    model = make_model(config, vocab_size, attn_implementation)
-    if compiled:
-        compile_layers(model)
+    model = prepare_model(mode, config, vocab_size)
     optimizer, scheduler = make_optimizer(model, config)
     start = time.perf_counter()
+    if mode.shapes == "buckets":
+        first = next(steps)
+        prewarm_buckets(model, first.micro_batches[0])
+        steps = itertools.chain([first], steps)
     for step in itertools.islice(steps, warmup):
-        train_step(model, optimizer, scheduler, step)
+        train_step(model, optimizer, scheduler, step, mode)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
+    compiled_before = graphs_compiled()
     real = trained = 0
     losses = []
     start = time.perf_counter()
-    for step in itertools.islice(steps, timed):
-        losses.append(train_step(model, optimizer, scheduler, step))
+    timed_steps = list(itertools.islice(steps, timed + config.profile))
+    for step in timed_steps[:timed]:
+        losses.append(train_step(model, optimizer, scheduler, step, mode))
         real += step.real_tokens
         trained += step.loss_tokens
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    tokens_per_s = real / elapsed
+    per_token = flops_per_token(model, config, mean_square_length)
     result = {
         "mode": name,
-        "attn_implementation": attn_implementation,
-        "compiled": compiled,
-        "tokens_per_s": real / elapsed,
+        **asdict(mode),
+        "attn_implementation": mode.attn_implementation,
+        "tokens_per_s": tokens_per_s,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "real_tokens_per_step": real / timed,
         "loss_tokens_per_step": trained / timed,
         "step_ms": 1000 * elapsed / timed,
         "warmup_s": warmup_s,
+        "graphs_compiled_timed": graphs_compiled() - compiled_before,
+        "flops_per_token": per_token,
+        "mfu": per_token * tokens_per_s / PEAK_BF16_FLOPS,
         "mean_loss_timed": float(torch.stack(losses).mean()),
     }
+    if config.profile:
+        result["profile"] = profile_step(model, optimizer, scheduler, timed_steps[-1], mode)
     print(json.dumps(result), flush=True)
     del model, optimizer, scheduler
     free_gpu()
     return result
 
 
+def measure_guarded(name: str, *args) -> dict:
+    """``measure``, with a failure (a compile error, out of memory) reported in the JSON instead of ending the run."""
+    try:
+        return measure(name, *args)
+    except Exception as err:  # reported in the JSON; the other modes still run
+        result = {"mode": name, "error": repr(err)[:1000]}
+        print(json.dumps(result), flush=True)
+        free_gpu()
+        return result
+
+
+def bench_cell(source: str, config: BenchConfig, rows: int, warmup: int, timed: int, modes: list[str], vocab_size: int) -> dict:
+    """Every mode at ``rows`` rows per step on the same examples; ratios against both references."""
+    first = list(itertools.islice(packed_dataset(source, config, rows), warmup + timed))
+    windows = [first[:warmup], first[warmup:]]
+    tokens, _ = examples_of(windows[1])
+    lengths = np.array([t.size for t in tokens], dtype=np.float64)
+    mean_square_length = float((lengths**2).sum() / lengths.sum())
+    results = {}
+    for name in modes:
+        mode = MODES[name]
+        steps = packed_steps(source, config, rows, mode) if mode.data == "packed" else baseline_steps(mode.data, windows, config)
+        results[name] = measure_guarded(name, steps, warmup, timed, config, vocab_size, mean_square_length)
+    ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
+    fastest = lambda names: max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None  # noqa: E731
+    reference_compiled = fastest([k for k in ok if MODES[k].data == "flatten" and MODES[k].compiled])
+    best = fastest([k for k in ok if MODES[k].data == "packed"])
+    cell = {"rows_per_step": rows, "mean_square_length": mean_square_length, "modes": results,
+            "reference_eager": "flatten" if "flatten" in ok else None, "reference_compiled": reference_compiled,
+            "best_ours": best}
+    for key in ("reference_eager", "reference_compiled"):
+        ref = cell[key]
+        if ref is None:
+            continue
+        tag = key.removeprefix("reference_")
+        for name, result in ok.items():
+            result[f"speed_vs_{tag}_reference"] = result["tokens_per_s"] / ok[ref]["tokens_per_s"]
+            result[f"mem_vs_{tag}_reference"] = result["peak_mem_gib"] / ok[ref]["peak_mem_gib"]
+        if best is not None:
+            cell[f"best_speed_vs_{tag}_reference"] = ok[best][f"speed_vs_{tag}_reference"]
+            cell[f"best_mem_vs_{tag}_reference"] = ok[best][f"mem_vs_{tag}_reference"]
+    return cell
+
+
 def bench_dataset(source: str, config: BenchConfig) -> dict:
-    """Modes 1-4 on one shard directory; ratios 3/1, 3/2 and 4/2."""
+    """Both step sizes on one shard directory."""
     manifest = read_manifest(source)
     if manifest.stats.examples_split:
-        raise ValueError(f"{source}: {manifest.stats.examples_split} examples are split across rows; modes 1 and 2 "
-                         "need whole examples: rebuild with a max_len of at least the longest example")
-    if config.budget_rows % config.rows_per_step or (config.warmup_steps * config.rows_per_step) % config.budget_rows \
-            or (config.timed_steps * config.rows_per_step) % config.budget_rows:
-        raise ValueError("--budget-rows must divide the rows of the warm-up and timed windows and be a multiple of --rows-per-step")
+        raise ValueError(f"{source}: {manifest.stats.examples_split} examples are split across rows; the reference "
+                         "modes need whole examples: rebuild with a max_len of at least the longest example")
     vocab_size = manifest.inputs.tokenizer.vocab_size
-    w, t = config.warmup_steps, config.timed_steps
-    first = list(itertools.islice(PackedIterableDataset(source, batch_rows=config.rows_per_step, shuffle=True, seed=config.seed), w + t))
-    windows = [first[:w], first[w:]]
-    fa2 = "flash_attention_2"
-    ours = attn_implementation_for("flash_attn")
-    rows = config.rows_per_step
-
-    def run(name: str, steps: Iterator[Step], implementation: str, compiled: bool, scale: int = 1) -> dict:
-        return measure(name, steps, w // scale, t // scale, config, vocab_size, implementation, compiled)
-
-    results = {
-        "padded": run("padded", baseline_steps("padded", windows, config), fa2, False),
-        "flatten": run("flatten", baseline_steps("flatten", windows, config), fa2, False),
-        "ours_fa2": run("ours_fa2", packed_steps(source, config, rows, False), fa2, False),
-        "ours_eager": run("ours_eager", packed_steps(source, config, rows, False), ours, False),
-    }
-    if config.compile:
-        try:
-            results["ours_compiled"] = run("ours_compiled", packed_steps(source, config, rows, True), ours, True)
-        except Exception as err:  # reported in the JSON; mode 3 is then the fastest eager run
-            results["ours_compiled"] = {"mode": "ours_compiled", "error": repr(err)[:1000]}
-            print(json.dumps(results["ours_compiled"]), flush=True)
-            free_gpu()
-    best = max((k for k in results if k.startswith("ours") and "tokens_per_s" in results[k]), key=lambda k: results[k]["tokens_per_s"])
-    mode3 = results[best]
-    scale = config.budget_rows // rows
-    results["ours_budget"] = run("ours_budget", packed_steps(source, config, config.budget_rows, mode3["compiled"]),
-                                 mode3["attn_implementation"], mode3["compiled"], scale)
-    padded, flatten, budget = results["padded"], results["flatten"], results["ours_budget"]
+    cells = {"small": bench_cell(source, config, config.rows_per_step, config.warmup_steps, config.timed_steps,
+                                 config.modes.split(","), vocab_size)}
+    if config.budget_rows:
+        cells["large"] = bench_cell(source, config, config.budget_rows, config.budget_warmup_steps,
+                                    config.budget_timed_steps, config.budget_modes.split(","), vocab_size)
     return {
         "dataset": manifest.inputs.dataset.id,
         "tokenizer": manifest.inputs.tokenizer.name,
         "capacity": manifest.capacity,
         "fill": manifest.stats.fill,
-        "mode3": best,
-        "modes": results,
-        "ratio_3_1": mode3["tokens_per_s"] / padded["tokens_per_s"],
-        "mem_ratio_3_1": mode3["peak_mem_gib"] / padded["peak_mem_gib"],
-        "ratio_3_2": mode3["tokens_per_s"] / flatten["tokens_per_s"],
-        "mem_ratio_3_2": mode3["peak_mem_gib"] / flatten["peak_mem_gib"],
-        "ratio_4_2": budget["tokens_per_s"] / flatten["tokens_per_s"],
+        "cells": cells,
     }
 
 
 def unpack_to_padded(step: Step, cap: int) -> Step:
-    """Mode 1's version of a mode 3 step: the same examples, cut out by cu_seq_lens and padded."""
+    """Mode 1's version of a packed step: the same examples, cut out by cu_seq_lens and padded."""
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in step.micro_batches[0].items()}
+    cpu[NUM_REAL_TOKENS] = step.real_tokens
     tokens, labels = examples_of([cpu])
     return Step(padded_micro_batches(tokens, labels, cap), step.real_tokens, step.loss_tokens)
 
 
 def convergence(source: str, config: BenchConfig) -> dict:
-    """Modes 1 and 3 for ``convergence_steps`` on identical data per step; loss per step to CSV."""
+    """Modes 1 and ``convergence_mode`` for ``convergence_steps`` on identical data per step; loss per step to CSV."""
     manifest = read_manifest(source)
     vocab_size = manifest.inputs.tokenizer.vocab_size
     rows: list[dict] = []
     summary = {}
-    for mode in ("ours", "padded"):
+    ours = MODES[config.convergence_mode]
+    for label, mode in (("ours", ours), ("padded", MODES["padded"])):
         free_gpu()
-        implementation = attn_implementation_for("flash_attn") if mode == "ours" else "flash_attention_2"
-        compiled = config.compile and mode == "ours"
-        model = make_model(config, vocab_size, implementation)
-        if compiled:
-            compile_layers(model)
+        model = prepare_model(mode, config, vocab_size)
         optimizer, scheduler = make_optimizer(model, config)
-        steps = packed_steps(source, config, config.rows_per_step, compiled)
+        # Mode 1 trains on the examples of ours' batches; its model never sees the counts.
+        steps = packed_steps(source, config, config.rows_per_step, ours)
+        if mode.shapes == "buckets":
+            first = next(steps)
+            prewarm_buckets(model, first.micro_batches[0])
+            steps = itertools.chain([first], steps)
         losses, tokens = [], []
         start = time.perf_counter()
         for step in itertools.islice(steps, config.convergence_steps):
-            if mode == "padded":
+            if label == "padded":
                 step = unpack_to_padded(step, config.padded_token_cap)
-            losses.append(train_step(model, optimizer, scheduler, step))
+            losses.append(train_step(model, optimizer, scheduler, step, mode))
             tokens.append(step.real_tokens)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         values = torch.stack(losses).float().cpu().tolist()
-        rows += [{"mode": mode, "step": i + 1, "loss": v, "real_tokens": n} for i, (v, n) in enumerate(zip(values, tokens))]
-        summary[mode] = {"attn_implementation": implementation, "compiled": compiled, "seconds": elapsed,
-                         "mean_loss_last20": float(np.mean(values[-20:])),
-                         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-        print(json.dumps({"convergence": mode, **summary[mode]}), flush=True)
+        rows += [{"mode": label, "step": i + 1, "loss": v, "real_tokens": n} for i, (v, n) in enumerate(zip(values, tokens))]
+        summary[label] = {**asdict(mode), "attn_implementation": mode.attn_implementation, "seconds": elapsed,
+                          "mean_loss_last20": float(np.mean(values[-20:])),
+                          "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+        print(json.dumps({"convergence": label, **summary[label]}), flush=True)
         del model, optimizer, scheduler
     if config.convergence_csv:
         Path(config.convergence_csv).parent.mkdir(parents=True, exist_ok=True)
@@ -394,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "config": asdict(config)}
+            "config": asdict(config), "peak_bf16_flops": PEAK_BF16_FLOPS, "flop_formula": FLOP_FORMULA}
     if config.convergence_steps:
         result = {**meta, "convergence": convergence(next(iter(sources.values())), config)}
     else:

@@ -122,8 +122,13 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
                                  bucket_shapes=config.compile, **budget)
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    """torch.compile each decoder layer; identical layers share one graph (regional compilation)."""
+def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:
+    """torch.compile each decoder layer; identical layers share one graph (regional compilation).
+
+    ``dynamic=None``: shapes start static and what changes between calls becomes dynamic. Fixed
+    shapes then compile once; bucketed ones change only ``cu_seq_lens``' length and
+    ``max_length``, so after ``prewarm_buckets`` no bucket compiles again.
+    """
     layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no ModuleList of layers to compile")
@@ -131,9 +136,24 @@ def compile_layers(model: torch.nn.Module) -> None:
     # graph and past the recompile limit run uncompiled.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for layer in layers:
-        # Fixed shapes never change; bucketed ones change only cu_seq_lens' length and max_length,
-        # which dynamo then makes dynamic: the layer compiles at most three times, not per bucket.
-        layer.compile(dynamic=None)
+        layer.compile(dynamic=dynamic, mode=mode)
+
+
+def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
+    """Compile a model with compiled layers for every bucket of ``bucket_shapes`` batches at once.
+
+    Runs ``batch`` (on the model's device, counts consumed or removed), then the same batch with
+    64 more empty sequences and twice the ``max_length`` (both still valid bounds), forward and
+    backward, and drops the gradients: dynamo sees both change and makes them dynamic, so no
+    later bucket compiles. The weights and the optimizer are untouched.
+    """
+    cu = batch["cu_seq_lens_q"]
+    wider = torch.cat((cu, cu[-1:].expand(64)))
+    variant = {**batch, "cu_seq_lens_q": wider, "cu_seq_lens_k": wider,
+               "max_length_q": 2 * batch["max_length_q"], "max_length_k": 2 * batch["max_length_k"]}
+    for inputs in (batch, variant):
+        model(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
@@ -227,6 +247,9 @@ def train_plain(config: TrainConfig) -> None:
         print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
+    if config.compile:
+        with autocast:
+            prewarm_buckets(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
     logger = Logger(out)
     batches = iter(dataset)
     losses = []
