@@ -12,11 +12,11 @@ examples, at two step sizes (``--rows-per-step`` rows, about 8k real tokens, and
   layer under ``torch.compile(dynamic=True)``, with transformers' ``flash_attention_2`` or
   varpack's registered ``varpack_fa2``; the faster is the "compiled reference" (mode 2c);
 - ``ours_*``: ``PackedIterableDataset`` batches, eager on exact shapes (``ours_eager``) or with
-  per-layer ``torch.compile`` on fixed shapes padded to the worst case (``ours_fixed``) or to
-  buckets (``ours_buckets``: ``bucket_shapes=True``, prewarmed so no bucket compiles twice),
-  with the loss-position LM head (``_head``: ``loaders.loss_head``) and per-layer CUDA graphs
-  (``_graphs``: ``mode="reduce-overhead"`` on the single worst-case shape). The fastest is
-  varpack's best mode.
+  per-layer ``torch.compile`` on exact shapes (``ours_exact_*``, dynamic after the first change),
+  on fixed shapes padded to the worst case (``ours_fixed*``) or to buckets (``ours_buckets*``:
+  ``bucket_shapes=True``, prewarmed so no bucket compiles again); ``_head``: the loss-position
+  LM head (``loaders.loss_head``); ``_graphs``: per-layer CUDA graphs (``mode="reduce-overhead"``,
+  one recording per shape). The fastest is varpack's best mode.
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
@@ -74,9 +74,9 @@ FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / 
                 "skipped logits are not credited")
 FA2 = "flash_attention_2"
 DEFAULT_MODES = ("padded,flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_eager,ours_fixed,"
-                 "ours_buckets,ours_fixed_head,ours_buckets_head,ours_fixed_head_graphs")
-DEFAULT_BUDGET_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_fixed,ours_buckets,"
-                        "ours_fixed_head,ours_buckets_head,ours_fixed_head_graphs")
+                 "ours_buckets_head,ours_exact_head,ours_fixed_head_graphs,ours_buckets_head_graphs")
+DEFAULT_BUDGET_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_fixed,ours_buckets_head,"
+                        "ours_exact_head,ours_buckets_head_graphs")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,9 @@ MODES = {
     "ours_buckets": Mode("packed", compiled=True, shapes="buckets"),
     "ours_fixed_head": Mode("packed", compiled=True, shapes="fixed", loss_head=True),
     "ours_buckets_head": Mode("packed", compiled=True, shapes="buckets", loss_head=True),
+    "ours_exact_head": Mode("packed", compiled=True, shapes="exact", loss_head=True),
     "ours_fixed_head_graphs": Mode("packed", compiled=True, shapes="fixed", loss_head=True, cuda_graphs=True),
+    "ours_buckets_head_graphs": Mode("packed", compiled=True, shapes="buckets", loss_head=True, cuda_graphs=True),
 }
 # Kernel groups of a profiled step, matched on the lower-cased kernel name, first match wins.
 KERNEL_GROUPS = (
