@@ -179,3 +179,24 @@ def test_fixed_shape_batch_trains_like_the_plain_one(shard_dir, packed_batch):
     assert loss.item() == pytest.approx(ref_loss.item(), rel=LOSS_RTOL)
     assert all(torch.isfinite(g).all() for g in grads.values())
     assert_grads_close(grads, ref_grads, GRAD_RTOL)
+
+
+@requires("flash_attn")
+def test_loss_position_head_matches_full_logits_on_gpu(packed_batch):
+    """bf16 on the GPU: the loss-position head's loss and gradients are the full LM head's."""
+    import copy
+
+    from loaders.collate import COUNT_KEYS
+    from loaders.loss_head import use_loss_position_head
+
+    full = tiny_llama(attn_implementation_for("flash_attn"))
+    head = use_loss_position_head(copy.deepcopy(full))
+    results = []
+    for model, batch in ((full, {k: v for k, v in packed_batch.items() if k not in COUNT_KEYS}), (head, packed_batch)):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (want_loss, want_grads), (got_loss, got_grads) = results
+    assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
+    assert_grads_close(got_grads, want_grads, GRAD_RTOL)
