@@ -16,8 +16,7 @@ examples, at two step sizes (``--rows-per-step`` rows, about 8k real tokens, and
   on fixed shapes padded to the worst case (``ours_fixed*``) or to buckets (``ours_buckets*``:
   ``bucket_shapes=True``, prewarmed so no bucket compiles again); ``_head``: the loss-position
   LM head (``loaders.loss_head``); ``_graphs``: per-layer CUDA graphs (``mode="reduce-overhead"``)
-  on static shapes: the worst case, or every bucket compiled and recorded once before the
-  warm-up steps, from one batch of each bucket the epoch holds. The fastest is varpack's best mode.
+  on the single worst-case shape. The fastest is varpack's best mode.
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
@@ -35,7 +34,7 @@ padded) and writes the loss per step (per trained token, the same average in bot
 ``--convergence-csv``. The last line printed is one JSON object.
 
     python scripts/bench_train.py --shards flan=shards/flan --shards orcamath=shards/orcamath \
-        --out benchmarks/bench_train_h200.json
+        --out benchmarks/bench_train_h200_flan.json
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ import json
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,9 +74,9 @@ FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / 
                 "skipped logits are not credited")
 FA2 = "flash_attention_2"
 DEFAULT_MODES = ("padded,flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_eager,ours_fixed,"
-                 "ours_buckets_head,ours_exact_head,ours_fixed_head_graphs,ours_buckets_head_graphs")
+                 "ours_buckets_head,ours_exact_head,ours_fixed_head_graphs")
 DEFAULT_BUDGET_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_fixed,ours_buckets_head,"
-                        "ours_exact_head,ours_buckets_head_graphs")
+                        "ours_exact_head,ours_fixed_head_graphs")
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,6 @@ MODES = {
     "ours_buckets_head": Mode("packed", compiled=True, shapes="buckets", loss_head=True),
     "ours_exact_head": Mode("packed", compiled=True, shapes="exact", loss_head=True),
     "ours_fixed_head_graphs": Mode("packed", compiled=True, shapes="fixed", loss_head=True, cuda_graphs=True),
-    "ours_buckets_head_graphs": Mode("packed", compiled=True, shapes="buckets", loss_head=True, cuda_graphs=True),
 }
 # Kernel groups of a profiled step, matched on the lower-cased kernel name, first match wins.
 KERNEL_GROUPS = (
@@ -315,29 +312,10 @@ def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
     if mode.loss_head:
         use_loss_position_head(model)
     if mode.compiled:
-        # The reference compiles with dynamic shapes, its batches differ in length; ours start
-        # static, and stay static under CUDA graphs (one compilation and recording per bucket).
-        dynamic = True if mode.data == "flatten" else False if mode.cuda_graphs else None
-        compile_layers(model, dynamic=dynamic, mode="reduce-overhead" if mode.cuda_graphs else None)
+        # The reference compiles with dynamic shapes, its batches differ in length; ours start static.
+        compile_layers(model, dynamic=True if mode.data == "flatten" else None,
+                       mode="reduce-overhead" if mode.cuda_graphs else None)
     return model
-
-
-def bucket_batches(source: str, config: BenchConfig, rows: int, mode: Mode) -> list[Batch]:
-    """One batch of each shape that the epoch's bucketed batches take, on the GPU."""
-    seen: dict[tuple[int, int], dict] = {}
-    for batch in packed_dataset(source, config, rows, "buckets"):
-        seen.setdefault((batch["cu_seq_lens_q"].numel(), batch["max_length_q"]), batch)
-    return [to_device(b if mode.loss_head else {k: v for k, v in b.items() if k not in COUNT_KEYS}) for b in seen.values()]
-
-
-def prewarm_static_buckets(model, batches: list[Batch]) -> None:
-    """Compile and record CUDA graphs for every bucket: each batch forward and backward twice
-    (CUDA graph trees run a new shape once, then record it); gradients dropped, weights untouched."""
-    for batch in batches:
-        for _ in range(2):
-            torch.compiler.cudagraph_mark_step_begin()
-            model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
 
 
 def kernel_group(name: str) -> str:
@@ -367,17 +345,14 @@ def graphs_compiled() -> int:
 
 
 def measure(name: str, steps: Iterator[Step], warmup: int, timed: int, config: BenchConfig, vocab_size: int,
-            mean_square_length: float, buckets: Sequence[Batch] = ()) -> dict:
-    """Train ``warmup`` then ``timed`` steps; real tokens/s over the timed ones, peak memory of all.
-    ``buckets``: one batch of each bucketed shape, for static bucketed modes to compile up front."""
+            mean_square_length: float) -> dict:
+    """Train ``warmup`` then ``timed`` steps; real tokens/s over the timed ones, peak memory of all."""
     mode = MODES[name]
     free_gpu()
     model = prepare_model(mode, config, vocab_size)
     optimizer, scheduler = make_optimizer(model, config)
     start = time.perf_counter()
-    if mode.shapes == "buckets" and mode.cuda_graphs:
-        prewarm_static_buckets(model, buckets)
-    elif mode.shapes == "buckets":
+    if mode.shapes == "buckets":
         first = next(steps)
         prewarm_buckets(model, first.micro_batches[0])
         steps = itertools.chain([first], steps)
@@ -422,13 +397,9 @@ def measure(name: str, steps: Iterator[Step], warmup: int, timed: int, config: B
 
 
 def measure_guarded(name: str, *args) -> dict:
-    """``measure``, with a failure (a compile error, out of memory) reported in the JSON instead of
-    ending the run; static bucketed modes compile once per bucket, past dynamo's default limit."""
-    mode = MODES[name]
-    limit = torch._dynamo.config.patch(recompile_limit=64) if mode.shapes == "buckets" and mode.cuda_graphs else nullcontext()
+    """``measure``, with a failure (a compile error, out of memory) reported in the JSON instead of ending the run."""
     try:
-        with limit:
-            return measure(name, *args)
+        return measure(name, *args)
     except Exception as err:  # reported in the JSON; the other modes still run
         result = {"mode": name, "error": repr(err)[:1000]}
         print(json.dumps(result), flush=True)
@@ -447,8 +418,7 @@ def bench_cell(source: str, config: BenchConfig, rows: int, warmup: int, timed: 
     for name in modes:
         mode = MODES[name]
         steps = packed_steps(source, config, rows, mode) if mode.data == "packed" else baseline_steps(mode.data, windows, config)
-        buckets = bucket_batches(source, config, rows, mode) if mode.shapes == "buckets" and mode.cuda_graphs else []
-        results[name] = measure_guarded(name, steps, warmup, timed, config, vocab_size, mean_square_length, buckets)
+        results[name] = measure_guarded(name, steps, warmup, timed, config, vocab_size, mean_square_length)
     ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
     fastest = lambda names: max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None  # noqa: E731
     reference_compiled = fastest([k for k in ok if MODES[k].data == "flatten" and MODES[k].compiled])

@@ -152,7 +152,6 @@ def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
     variant = {**batch, "cu_seq_lens_q": wider, "cu_seq_lens_k": wider,
                "max_length_q": 2 * batch["max_length_q"], "max_length_k": 2 * batch["max_length_k"]}
     for inputs in (batch, variant):
-        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (reduce-overhead): a new step
         model(**inputs).loss.backward()
     model.zero_grad(set_to_none=True)
 

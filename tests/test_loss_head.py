@@ -42,9 +42,9 @@ def tiny_model(kind: str) -> torch.nn.Module:
     elif kind == "qwen2-tied":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True, attn_implementation="sdpa")
     elif kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0,
-                                         attn_implementation="sdpa")
+        # No dropout: the comparison runs the model twice.
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
