@@ -4,14 +4,17 @@ Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a ro
 of a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us
 per element through a shuffle.
 
-    read tasks --ReadAndEncode--> (batch key, EncodedBatch)
+    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
         lengths --ToList--> Layout (ids in source order, groups)
         lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
             --> GroupSummary (shards, statistics) --ToList--> side input of the steps below
             --> (shard, plan of its rows)           --+
             --> (batch key, Route) as a side input    |
-    (batch key, EncodedBatch) --RouteTokens--> (shard, Piece) --+--GroupByKey(shard)--> WriteShard
+    (batch key, SpilledBatch) --RouteTokens--> (shard, Piece) --+--GroupByKey(shard)--> WriteShard
     shard infos --ToList--> WriteManifest (last; its presence marks a complete build)
+
+Tokens never travel through a shuffle: a Piece says where its segments lie in a spill file,
+and WriteShard gathers them from there (``pipeline/spill.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline import progress, storage
-from pipeline.encode import EncodedBatch, Encoder
+from pipeline.encode import Encoder
 from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
 from pipeline.layout import EXAMPLES_PER_GROUP, Layout, make_layout
 from pipeline.packing import PackingPlan
 from pipeline.routing import Piece, assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
 from pipeline.shard_writer import shard_name, write_shard
+from pipeline.spill import SpilledBatch, spill
 from pipeline.sources import ReadTask
 from pipeline.tokenizer import LoadedTokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, PackingStats, ShardInfo, validate_manifest, write_manifest
@@ -51,6 +55,7 @@ class BuildSpec:
     inputs: BuildInputs
     fingerprint: str
     out_dir: str
+    spill_dir: str
     rows_per_shard: int
     batch_size: int
     limit: int | None
@@ -59,7 +64,7 @@ class BuildSpec:
 
 
 class ReadAndEncode(beam.DoFn):
-    """Read one task in batches and tokenize each batch: ``(batch key, EncodedBatch)``.
+    """Read one task in batches, tokenize each batch and spill its tokens: ``(batch key, SpilledBatch)``.
 
     Batches are encoded on two threads, in order: the tokenizer releases the GIL while it
     runs on all cores, so one batch's Python work (token lists to arrays, Beam's own) runs
@@ -81,6 +86,10 @@ class ReadAndEncode(beam.DoFn):
     def teardown(self):
         self.pool.shutdown(cancel_futures=True)
 
+    def __getstate__(self) -> dict:
+        # Some runners (Dask) pickle the DoFn again after setup(); the pool and encoder are per-worker.
+        return {k: v for k, v in self.__dict__.items() if k not in ("pool", "encoder")}
+
     def process(self, element: tuple[int, ReadTask]):
         task_index, task = element
         pending: deque = deque()
@@ -97,7 +106,7 @@ class ReadAndEncode(beam.DoFn):
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
         progress.advance("examples tokenized", rows, self.spec.known_examples, "ex")
-        return (task_index, part), batch
+        return (task_index, part), spill(batch, self.spec.spill_dir, f"{task_index:06d}-{part:06d}")
 
 
 class AssignGroups(beam.DoFn):
@@ -129,7 +138,7 @@ def first_shard(summaries: list[GroupSummary], group: int) -> int:
 class RouteTokens(beam.DoFn):
     """Cut a tokenized batch into the pieces its shards need: ``(shard, Piece)``."""
 
-    def process(self, element: tuple[tuple[int, int], EncodedBatch], batch_routes: dict):
+    def process(self, element: tuple[tuple[int, int], SpilledBatch], batch_routes: dict):
         key, batch = element
         route = batch_routes.get(key)
         if route is not None:
