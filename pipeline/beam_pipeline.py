@@ -5,13 +5,16 @@ of a shard), never a single example: Beam costs about 0.5 us per element per ste
 per element through a shuffle.
 
     read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
-        lengths --ToList--> Layout (ids in source order, groups)
+        counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
         lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
-            --> GroupSummary (shards, statistics) --ToList--> side input of the steps below
-            --> (shard, plan of its rows)           --+
-            --> (batch key, Route) as a side input    |
-    (batch key, SpilledBatch) --RouteTokens--> (shard, Piece) --+--GroupByKey(shard)--> WriteShard
-    shard infos --ToList--> WriteManifest (last; its presence marks a complete build)
+            --> GroupSummary (shards, statistics) --gather--> (group, first shard) --join by group-->
+            --> (shard, plan of its rows)                                --+
+            --> (batch key, Route) --join SpilledBatch by batch key-->      |
+                (shard, Piece) ------------------------------------------+--GroupByKey(shard)--> WriteShard
+    shard infos + summaries --gather--> WriteManifest (last; its presence marks a complete build)
+
+Whole-collection values (the layout, the summaries) are gathered under one key and joined
+with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
 
 Tokens never travel through a shuffle: a Piece says where its segments lie in a spill file,
 and WriteShard gathers them from there (``pipeline/spill.py``).
@@ -33,7 +36,7 @@ from pipeline import progress, storage
 from pipeline.encode import Encoder
 from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
-from pipeline.layout import EXAMPLES_PER_GROUP, Layout, make_layout
+from pipeline.layout import EXAMPLES_PER_GROUP, BatchKey, make_layout
 from pipeline.packing import PackingPlan
 from pipeline.routing import Piece, assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
 from pipeline.shard_writer import shard_name, write_shard
@@ -109,16 +112,18 @@ class ReadAndEncode(beam.DoFn):
         return (task_index, part), spill(batch, self.spec.spill_dir, f"{task_index:06d}-{part:06d}")
 
 
-class AssignGroups(beam.DoFn):
-    """Key each batch's kept lengths by its packing group: ``(group, (key, first id, lengths))``."""
+def placements(counts: list[tuple[BatchKey, int]], limit: int | None, examples_per_group: int):
+    """``(batch key, (first id, examples kept, group))`` for every batch, from all batches' example counts."""
+    layout = make_layout(counts, limit, examples_per_group)
+    yield from layout.index().items()
 
-    def process(self, element, layout: Layout):
-        if getattr(self, "_layout", None) is not layout:
-            self._layout, self._index = layout, layout.index()
-        key, lengths = element
-        first_id, kept, group = self._index[key]
-        if kept:
-            yield group, (key, first_id, lengths[:kept])
+
+def assign_group(key: BatchKey, joined: dict):
+    """A batch's kept lengths keyed by its packing group: ``(group, (key, first id, lengths))``."""
+    (lengths,), (placement,) = joined["lengths"], joined["placement"]
+    first_id, kept, group = placement
+    if kept:
+        yield group, (key, first_id, lengths[:kept])
 
 
 @dataclass(frozen=True)
@@ -135,14 +140,19 @@ def first_shard(summaries: list[GroupSummary], group: int) -> int:
     return sum(s.shards for s in summaries if s.group < group)
 
 
-class RouteTokens(beam.DoFn):
-    """Cut a tokenized batch into the pieces its shards need: ``(shard, Piece)``."""
+def route_batch(key: BatchKey, joined: dict):
+    """Cut a spilled batch into the pieces its shards need: ``(shard, Piece)``; a batch with no route has none."""
+    (batch,) = joined["batch"]
+    for route in joined["route"]:
+        yield from route_tokens(batch, route)
 
-    def process(self, element: tuple[tuple[int, int], SpilledBatch], batch_routes: dict):
-        key, batch = element
-        route = batch_routes.get(key)
-        if route is not None:
-            yield from route_tokens(batch, route)
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The plan of one shard's rows, and the rows of the whole build (for the progress bar)."""
+
+    plan: PackingPlan
+    total_rows: int
 
 
 class WriteShard(beam.DoFn):
@@ -154,11 +164,11 @@ class WriteShard(beam.DoFn):
         self.rows = Metrics.counter(_COUNTERS, "rows_written")
         self.shards = Metrics.counter(_COUNTERS, "shards_written")
 
-    def process(self, element, summaries: list[GroupSummary]):
+    def process(self, element):
         shard, values = element
         values = list(values)
-        (plan,) = [v for v in values if isinstance(v, PackingPlan)]
-        table = assemble_shard(plan, [v for v in values if isinstance(v, Piece)])
+        (shard_plan,) = [v for v in values if isinstance(v, ShardPlan)]
+        table = assemble_shard(shard_plan.plan, [v for v in values if isinstance(v, Piece)])
         name = shard_name(shard)
         if storage.is_url(self.out_dir):
             with tempfile.TemporaryDirectory() as tmp:
@@ -168,7 +178,7 @@ class WriteShard(beam.DoFn):
             info = write_shard(table, self.out_dir, name, self.capacity)
         self.rows.inc(info.rows)
         self.shards.inc()
-        progress.advance("rows written", info.rows, sum(s.stats.rows for s in summaries), "rows")
+        progress.advance("rows written", info.rows, shard_plan.total_rows, "rows")
         yield shard, info
 
 
@@ -213,6 +223,15 @@ def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[Gr
     return path
 
 
+def _gather(label: str, pcoll):
+    """All elements of ``pcoll`` as one list, as the single element ``(None, list)`` of a keyed collection.
+
+    Whole-collection values travel through keyed joins rather than side inputs, which some
+    runners (Beam's DaskRunner) materialise incorrectly.
+    """
+    return pcoll | f"Key{label}" >> beam.Map(lambda element: (None, element)) | f"Gather{label}" >> beam.GroupByKey()
+
+
 def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     """Add the steps of one build to pipeline ``p``."""
     # Steps below capture these small values, not ``spec``, which carries the whole tokenizer.
@@ -224,44 +243,62 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(spec))
     )
     lengths = encoded | "Lengths" >> beam.MapTuple(lambda key, batch: (key, batch.lengths))
-    layout = (
-        lengths
-        | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
-        | "CollectCounts" >> beam.combiners.ToList()
-        | "Layout" >> beam.Map(make_layout, limit, examples_per_group)
+    counts = lengths | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
+    placed = _gather("Counts", counts) | "Layout" >> beam.FlatMapTuple(
+        lambda _, all_counts: placements(list(all_counts), limit, examples_per_group)
     )
     group_plans = (
-        lengths
-        | "AssignGroups" >> beam.ParDo(AssignGroups(), beam.pvalue.AsSingleton(layout))
+        {"lengths": lengths, "placement": placed}
+        | "JoinPlacements" >> beam.CoGroupByKey()
+        | "AssignGroups" >> beam.FlatMapTuple(assign_group)
         | "GroupLengths" >> beam.GroupByKey()
         | "PackGroups"
         >> beam.MapTuple(
             lambda group, batches: pack_group(group, list(batches), inputs.max_len, inputs.overflow, inputs.packing, inputs.seed)
         )
     )
-    summaries = beam.pvalue.AsSingleton(
-        group_plans
-        | "Summaries" >> beam.Map(lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats))
-        | "CollectSummaries" >> beam.combiners.ToList()
+    summaries = group_plans | "Summaries" >> beam.Map(
+        lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats)
     )
-    plans = group_plans | "ShardPlans" >> beam.FlatMap(
-        lambda gp, s: shard_plans(gp, first_shard(s, gp.group), rows_per_shard), summaries
+    first_shards = _gather("Summaries", summaries) | "FirstShards" >> beam.FlatMapTuple(
+        lambda _, all_summaries: [
+            (s.group, (first_shard(list(all_summaries), s.group), sum(t.stats.rows for t in all_summaries)))
+            for s in all_summaries
+        ]
     )
-    batch_routes = group_plans | "Routes" >> beam.FlatMap(
-        lambda gp, s: routes(gp, first_shard(s, gp.group), rows_per_shard), summaries
+    placed_groups = (
+        {"plan": group_plans | "ByGroup" >> beam.Map(lambda gp: (gp.group, gp)), "first": first_shards}
+        | "JoinFirstShards" >> beam.CoGroupByKey()
+        | "PlacedGroups" >> beam.MapTuple(lambda _, joined: (joined["plan"][0], *joined["first"][0]))
     )
-    pieces = encoded | "RouteTokens" >> beam.ParDo(RouteTokens(), beam.pvalue.AsDict(batch_routes))
+    plans = placed_groups | "ShardPlans" >> beam.FlatMapTuple(
+        lambda gp, first, total_rows: [
+            (shard, ShardPlan(plan, total_rows)) for shard, plan in shard_plans(gp, first, rows_per_shard)
+        ]
+    )
+    batch_routes = placed_groups | "Routes" >> beam.FlatMapTuple(
+        lambda gp, first, _: routes(gp, first, rows_per_shard)
+    )
+    pieces = (
+        {"batch": encoded, "route": batch_routes}
+        | "JoinRoutes" >> beam.CoGroupByKey()
+        | "RouteTokens" >> beam.FlatMapTuple(route_batch)
+    )
     shards = (
         (plans, pieces)
         | "PlansAndPieces" >> beam.Flatten()
         | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len), summaries)
+        | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len))
     )
     manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)
     (
-        shards
-        | "CollectShards" >> beam.combiners.ToList()
-        | "WriteManifest" >> beam.Map(write_build_manifest, summaries, manifest)
+        {"shards": _gather("Shards", shards), "summaries": _gather("AllSummaries", summaries)}
+        | "JoinForManifest" >> beam.CoGroupByKey()
+        | "WriteManifest" >> beam.MapTuple(
+            lambda _, joined: write_build_manifest(
+                [s for part in joined["shards"] for s in part], [s for part in joined["summaries"] for s in part], manifest
+            )
+        )
     )
 
 
