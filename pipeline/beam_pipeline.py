@@ -7,10 +7,11 @@ per element through a shuffle.
     read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
         counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
         lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
-            --> GroupSummary (shards, statistics) --gather--> (group, first shard) --join by group-->
-            --> (shard, plan of its rows)                                --+
-            --> (batch key, Route) --join SpilledBatch by batch key-->      |
-                (shard, Piece) ------------------------------------------+--GroupByKey(shard)--> WriteShard
+            --> GroupSummary (shards, statistics) --gather--> (shard in group, shard index) --+
+            --> (shard in group, plan of its rows) -------------------------------------------+
+            --> (batch key, Route) --join SpilledBatch by batch key-->                         |
+                (shard in group, Piece) ------------------------------------------------------+
+                    --CoGroupByKey(group, shard in group)--> WriteShard
     shard infos + summaries --gather--> WriteManifest (last; its presence marks a complete build)
 
 Whole-collection values (the layout, the summaries) are gathered under one key and joined
@@ -141,18 +142,20 @@ def first_shard(summaries: list[GroupSummary], group: int) -> int:
 
 
 def route_batch(key: BatchKey, joined: dict):
-    """Cut a spilled batch into the pieces its shards need: ``(shard, Piece)``; a batch with no route has none."""
+    """Cut a spilled batch into the pieces its shards need: ``((group, shard in group), Piece)``."""
     (batch,) = joined["batch"]
-    for route in joined["route"]:
-        yield from route_tokens(batch, route)
+    for group, route in joined["route"]:
+        for local_shard, piece in route_tokens(batch, route):
+            yield (group, local_shard), piece
 
 
-@dataclass(frozen=True)
-class ShardPlan:
-    """The plan of one shard's rows, and the rows of the whole build (for the progress bar)."""
-
-    plan: PackingPlan
-    total_rows: int
+def shard_indices(summaries: list[GroupSummary]):
+    """``((group, shard in group), (shard index, rows of the whole build))`` for every shard of the build."""
+    total_rows = sum(s.stats.rows for s in summaries)
+    for s in summaries:
+        first = first_shard(summaries, s.group)
+        for local in range(s.shards):
+            yield (s.group, local), (first + local, total_rows)
 
 
 class WriteShard(beam.DoFn):
@@ -165,10 +168,9 @@ class WriteShard(beam.DoFn):
         self.shards = Metrics.counter(_COUNTERS, "shards_written")
 
     def process(self, element):
-        shard, values = element
-        values = list(values)
-        (shard_plan,) = [v for v in values if isinstance(v, ShardPlan)]
-        table = assemble_shard(shard_plan.plan, [v for v in values if isinstance(v, Piece)])
+        _, joined = element
+        (plan,), ((shard, total_rows),) = joined["plan"], joined["index"]
+        table = assemble_shard(plan, list(joined["pieces"]))
         name = shard_name(shard)
         if storage.is_url(self.out_dir):
             with tempfile.TemporaryDirectory() as tmp:
@@ -178,7 +180,7 @@ class WriteShard(beam.DoFn):
             info = write_shard(table, self.out_dir, name, self.capacity)
         self.rows.inc(info.rows)
         self.shards.inc()
-        progress.advance("rows written", info.rows, shard_plan.total_rows, "rows")
+        progress.advance("rows written", info.rows, total_rows, "rows")
         yield shard, info
 
 
@@ -260,34 +262,25 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     summaries = group_plans | "Summaries" >> beam.Map(
         lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats)
     )
-    first_shards = _gather("Summaries", summaries) | "FirstShards" >> beam.FlatMapTuple(
-        lambda _, all_summaries: [
-            (s.group, (first_shard(list(all_summaries), s.group), sum(t.stats.rows for t in all_summaries)))
-            for s in all_summaries
-        ]
+    # Shards are first numbered within their group; the group's first shard index joins them
+    # only at the end, so the packing plans themselves never travel through a join.
+    plans = group_plans | "ShardPlans" >> beam.FlatMap(
+        lambda gp: [((gp.group, local), plan) for local, plan in shard_plans(gp, 0, rows_per_shard)]
     )
-    placed_groups = (
-        {"plan": group_plans | "ByGroup" >> beam.Map(lambda gp: (gp.group, gp)), "first": first_shards}
-        | "JoinFirstShards" >> beam.CoGroupByKey()
-        | "PlacedGroups" >> beam.MapTuple(lambda _, joined: (joined["plan"][0], *joined["first"][0]))
-    )
-    plans = placed_groups | "ShardPlans" >> beam.FlatMapTuple(
-        lambda gp, first, total_rows: [
-            (shard, ShardPlan(plan, total_rows)) for shard, plan in shard_plans(gp, first, rows_per_shard)
-        ]
-    )
-    batch_routes = placed_groups | "Routes" >> beam.FlatMapTuple(
-        lambda gp, first, _: routes(gp, first, rows_per_shard)
+    batch_routes = group_plans | "Routes" >> beam.FlatMap(
+        lambda gp: [(key, (gp.group, route)) for key, route in routes(gp, 0, rows_per_shard)]
     )
     pieces = (
         {"batch": encoded, "route": batch_routes}
         | "JoinRoutes" >> beam.CoGroupByKey()
         | "RouteTokens" >> beam.FlatMapTuple(route_batch)
     )
+    indices = _gather("Summaries", summaries) | "ShardIndices" >> beam.FlatMapTuple(
+        lambda _, all_summaries: shard_indices(list(all_summaries))
+    )
     shards = (
-        (plans, pieces)
-        | "PlansAndPieces" >> beam.Flatten()
-        | "GroupByShard" >> beam.GroupByKey()
+        {"plan": plans, "pieces": pieces, "index": indices}
+        | "GroupByShard" >> beam.CoGroupByKey()
         | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len))
     )
     manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)

@@ -66,10 +66,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         small = run_pack(args.dataset, args.small, Path(tmp) / "small")
-        print(json.dumps({"small": small}), flush=True)
+        raw = raw_encode_rate(args.dataset, args.small)  # right after, under the same load
+        print(json.dumps({"small": small, "raw_encode_batch_tokens_per_s": round(raw)}), flush=True)
         large = run_pack(args.dataset, args.small * args.factor, Path(tmp) / "large")
         print(json.dumps({"large": large}), flush=True)
-    raw = raw_encode_rate(args.dataset, args.small)
     added = large["examples"] - small["examples"]
     growth = large["peak_rss_bytes"] - small["peak_rss_bytes"]
     print(json.dumps({
