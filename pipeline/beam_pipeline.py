@@ -4,14 +4,21 @@ Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a ro
 of a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us
 per element through a shuffle.
 
-    read tasks --ReadAndEncode--> (batch key, EncodedBatch)
-        lengths --ToList--> Layout (ids in source order, groups)
+    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
+        counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
         lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
-            --> GroupSummary (shards, statistics) --ToList--> side input of the steps below
-            --> (shard, plan of its rows)           --+
-            --> (batch key, Route) as a side input    |
-    (batch key, EncodedBatch) --RouteTokens--> (shard, Piece) --+--GroupByKey(shard)--> WriteShard
-    shard infos --ToList--> WriteManifest (last; its presence marks a complete build)
+            --> GroupSummary (shards, statistics) --gather--> (shard in group, shard index) --+
+            --> (shard in group, plan of its rows) -------------------------------------------+
+            --> (batch key, Route) --join SpilledBatch by batch key-->                         |
+                (shard in group, Piece) ------------------------------------------------------+
+                    --CoGroupByKey(group, shard in group)--> WriteShard
+    shard infos + summaries --gather--> WriteManifest (last; its presence marks a complete build)
+
+Whole-collection values (the layout, the summaries) are gathered under one key and joined
+with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
+
+Tokens never travel through a shuffle: a Piece says where its segments lie in a spill file,
+and WriteShard gathers them from there (``pipeline/spill.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline import progress, storage
-from pipeline.encode import EncodedBatch, Encoder
+from pipeline.encode import Encoder
 from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
-from pipeline.layout import EXAMPLES_PER_GROUP, Layout, make_layout
+from pipeline.layout import EXAMPLES_PER_GROUP, BatchKey, make_layout
 from pipeline.packing import PackingPlan
 from pipeline.routing import Piece, assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
 from pipeline.shard_writer import shard_name, write_shard
+from pipeline.spill import SpilledBatch, spill
 from pipeline.sources import ReadTask
 from pipeline.tokenizer import LoadedTokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, PackingStats, ShardInfo, validate_manifest, write_manifest
@@ -51,6 +59,7 @@ class BuildSpec:
     inputs: BuildInputs
     fingerprint: str
     out_dir: str
+    spill_dir: str
     rows_per_shard: int
     batch_size: int
     limit: int | None
@@ -59,7 +68,7 @@ class BuildSpec:
 
 
 class ReadAndEncode(beam.DoFn):
-    """Read one task in batches and tokenize each batch: ``(batch key, EncodedBatch)``.
+    """Read one task in batches, tokenize each batch and spill its tokens: ``(batch key, SpilledBatch)``.
 
     Batches are encoded on two threads, in order: the tokenizer releases the GIL while it
     runs on all cores, so one batch's Python work (token lists to arrays, Beam's own) runs
@@ -81,6 +90,10 @@ class ReadAndEncode(beam.DoFn):
     def teardown(self):
         self.pool.shutdown(cancel_futures=True)
 
+    def __getstate__(self) -> dict:
+        # Some runners (Dask) pickle the DoFn again after setup(); the pool and encoder are per-worker.
+        return {k: v for k, v in self.__dict__.items() if k not in ("pool", "encoder")}
+
     def process(self, element: tuple[int, ReadTask]):
         task_index, task = element
         pending: deque = deque()
@@ -97,19 +110,21 @@ class ReadAndEncode(beam.DoFn):
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
         progress.advance("examples tokenized", rows, self.spec.known_examples, "ex")
-        return (task_index, part), batch
+        return (task_index, part), spill(batch, self.spec.spill_dir, f"{task_index:06d}-{part:06d}")
 
 
-class AssignGroups(beam.DoFn):
-    """Key each batch's kept lengths by its packing group: ``(group, (key, first id, lengths))``."""
+def placements(counts: list[tuple[BatchKey, int]], limit: int | None, examples_per_group: int):
+    """``(batch key, (first id, examples kept, group))`` for every batch, from all batches' example counts."""
+    layout = make_layout(counts, limit, examples_per_group)
+    yield from layout.index().items()
 
-    def process(self, element, layout: Layout):
-        if getattr(self, "_layout", None) is not layout:
-            self._layout, self._index = layout, layout.index()
-        key, lengths = element
-        first_id, kept, group = self._index[key]
-        if kept:
-            yield group, (key, first_id, lengths[:kept])
+
+def assign_group(key: BatchKey, joined: dict):
+    """A batch's kept lengths keyed by its packing group: ``(group, (key, first id, lengths))``."""
+    (lengths,), (placement,) = joined["lengths"], joined["placement"]
+    first_id, kept, group = placement
+    if kept:
+        yield group, (key, first_id, lengths[:kept])
 
 
 @dataclass(frozen=True)
@@ -126,14 +141,21 @@ def first_shard(summaries: list[GroupSummary], group: int) -> int:
     return sum(s.shards for s in summaries if s.group < group)
 
 
-class RouteTokens(beam.DoFn):
-    """Cut a tokenized batch into the pieces its shards need: ``(shard, Piece)``."""
+def route_batch(key: BatchKey, joined: dict):
+    """Cut a spilled batch into the pieces its shards need: ``((group, shard in group), Piece)``."""
+    (batch,) = joined["batch"]
+    for group, route in joined["route"]:
+        for local_shard, piece in route_tokens(batch, route):
+            yield (group, local_shard), piece
 
-    def process(self, element: tuple[tuple[int, int], EncodedBatch], batch_routes: dict):
-        key, batch = element
-        route = batch_routes.get(key)
-        if route is not None:
-            yield from route_tokens(batch, route)
+
+def shard_indices(summaries: list[GroupSummary]):
+    """``((group, shard in group), (shard index, rows of the whole build))`` for every shard of the build."""
+    total_rows = sum(s.stats.rows for s in summaries)
+    for s in summaries:
+        first = first_shard(summaries, s.group)
+        for local in range(s.shards):
+            yield (s.group, local), (first + local, total_rows)
 
 
 class WriteShard(beam.DoFn):
@@ -145,11 +167,10 @@ class WriteShard(beam.DoFn):
         self.rows = Metrics.counter(_COUNTERS, "rows_written")
         self.shards = Metrics.counter(_COUNTERS, "shards_written")
 
-    def process(self, element, summaries: list[GroupSummary]):
-        shard, values = element
-        values = list(values)
-        (plan,) = [v for v in values if isinstance(v, PackingPlan)]
-        table = assemble_shard(plan, [v for v in values if isinstance(v, Piece)])
+    def process(self, element):
+        _, joined = element
+        (plan,), ((shard, total_rows),) = joined["plan"], joined["index"]
+        table = assemble_shard(plan, list(joined["pieces"]))
         name = shard_name(shard)
         if storage.is_url(self.out_dir):
             with tempfile.TemporaryDirectory() as tmp:
@@ -159,7 +180,7 @@ class WriteShard(beam.DoFn):
             info = write_shard(table, self.out_dir, name, self.capacity)
         self.rows.inc(info.rows)
         self.shards.inc()
-        progress.advance("rows written", info.rows, sum(s.stats.rows for s in summaries), "rows")
+        progress.advance("rows written", info.rows, total_rows, "rows")
         yield shard, info
 
 
@@ -204,6 +225,15 @@ def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[Gr
     return path
 
 
+def _gather(label: str, pcoll):
+    """All elements of ``pcoll`` as one list, as the single element ``(None, list)`` of a keyed collection.
+
+    Whole-collection values travel through keyed joins rather than side inputs, which some
+    runners (Beam's DaskRunner) materialise incorrectly.
+    """
+    return pcoll | f"Key{label}" >> beam.Map(lambda element: (None, element)) | f"Gather{label}" >> beam.GroupByKey()
+
+
 def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     """Add the steps of one build to pipeline ``p``."""
     # Steps below capture these small values, not ``spec``, which carries the whole tokenizer.
@@ -215,44 +245,53 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(spec))
     )
     lengths = encoded | "Lengths" >> beam.MapTuple(lambda key, batch: (key, batch.lengths))
-    layout = (
-        lengths
-        | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
-        | "CollectCounts" >> beam.combiners.ToList()
-        | "Layout" >> beam.Map(make_layout, limit, examples_per_group)
+    counts = lengths | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
+    placed = _gather("Counts", counts) | "Layout" >> beam.FlatMapTuple(
+        lambda _, all_counts: placements(list(all_counts), limit, examples_per_group)
     )
     group_plans = (
-        lengths
-        | "AssignGroups" >> beam.ParDo(AssignGroups(), beam.pvalue.AsSingleton(layout))
+        {"lengths": lengths, "placement": placed}
+        | "JoinPlacements" >> beam.CoGroupByKey()
+        | "AssignGroups" >> beam.FlatMapTuple(assign_group)
         | "GroupLengths" >> beam.GroupByKey()
         | "PackGroups"
         >> beam.MapTuple(
             lambda group, batches: pack_group(group, list(batches), inputs.max_len, inputs.overflow, inputs.packing, inputs.seed)
         )
     )
-    summaries = beam.pvalue.AsSingleton(
-        group_plans
-        | "Summaries" >> beam.Map(lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats))
-        | "CollectSummaries" >> beam.combiners.ToList()
+    summaries = group_plans | "Summaries" >> beam.Map(
+        lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats)
     )
+    # Shards are first numbered within their group; the group's first shard index joins them
+    # only at the end, so the packing plans themselves never travel through a join.
     plans = group_plans | "ShardPlans" >> beam.FlatMap(
-        lambda gp, s: shard_plans(gp, first_shard(s, gp.group), rows_per_shard), summaries
+        lambda gp: [((gp.group, local), plan) for local, plan in shard_plans(gp, 0, rows_per_shard)]
     )
     batch_routes = group_plans | "Routes" >> beam.FlatMap(
-        lambda gp, s: routes(gp, first_shard(s, gp.group), rows_per_shard), summaries
+        lambda gp: [(key, (gp.group, route)) for key, route in routes(gp, 0, rows_per_shard)]
     )
-    pieces = encoded | "RouteTokens" >> beam.ParDo(RouteTokens(), beam.pvalue.AsDict(batch_routes))
+    pieces = (
+        {"batch": encoded, "route": batch_routes}
+        | "JoinRoutes" >> beam.CoGroupByKey()
+        | "RouteTokens" >> beam.FlatMapTuple(route_batch)
+    )
+    indices = _gather("Summaries", summaries) | "ShardIndices" >> beam.FlatMapTuple(
+        lambda _, all_summaries: shard_indices(list(all_summaries))
+    )
     shards = (
-        (plans, pieces)
-        | "PlansAndPieces" >> beam.Flatten()
-        | "GroupByShard" >> beam.GroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len), summaries)
+        {"plan": plans, "pieces": pieces, "index": indices}
+        | "GroupByShard" >> beam.CoGroupByKey()
+        | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len))
     )
     manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)
     (
-        shards
-        | "CollectShards" >> beam.combiners.ToList()
-        | "WriteManifest" >> beam.Map(write_build_manifest, summaries, manifest)
+        {"shards": _gather("Shards", shards), "summaries": _gather("AllSummaries", summaries)}
+        | "JoinForManifest" >> beam.CoGroupByKey()
+        | "WriteManifest" >> beam.MapTuple(
+            lambda _, joined: write_build_manifest(
+                [s for part in joined["shards"] for s in part], [s for part in joined["summaries"] for s in part], manifest
+            )
+        )
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import storage
+from pipeline import spill, storage
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.formats import ExampleFormat, resolve_format
@@ -130,7 +130,8 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     if storage.exists(storage.join(out, MANIFEST_NAME)):
         raise OutputDirError(f"--out {out} is itself a shard directory (it holds {MANIFEST_NAME}); pass its parent directory")
     names = storage.list_files(out_dir)
-    foreign = [n for n in names if not _BUILD_FILE.match(n)] + [f"{d}/" for d in storage.list_subdirs(out_dir)]
+    subdirs = [d for d in storage.list_subdirs(out_dir) if not d.startswith(spill.SPILL_PREFIX)]
+    foreign = [n for n in names if not _BUILD_FILE.match(n)] + [f"{d}/" for d in subdirs]
     if foreign:
         raise OutputDirError(
             f"{out_dir} holds files varpack did not write ({', '.join(foreign[:3])}); move them away and run again"
@@ -153,6 +154,7 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
         log(f"--force: rebuilding {out_dir}")
     elif names:
         log(f"removing {len(names)} leftover files of an earlier run from {out_dir}")
+    spill.remove_leftover_spills(out_dir)
     clear_build(out_dir)
     return None
 
@@ -188,6 +190,7 @@ def build(
         return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
     from pipeline import beam_pipeline, progress
 
+    spill_dir = spill.new_spill_dir(plan.out_dir, _temp_location(config.beam_args))
     spec = beam_pipeline.BuildSpec(
         tasks=plan.source.tasks,
         tokenizer=plan.tokenizer,
@@ -195,6 +198,7 @@ def build(
         inputs=plan.inputs,
         fingerprint=plan.fingerprint,
         out_dir=plan.out_dir,
+        spill_dir=spill_dir,
         rows_per_shard=rows_per_shard or default_rows_per_shard(config.max_len),
         batch_size=config.batch_size,
         limit=config.num_examples,
@@ -208,12 +212,23 @@ def build(
     try:
         beam_pipeline.run(spec, config.beam_args)
     except BaseException:
+        spill.remove_spill(spill_dir)
         clear_build(plan.out_dir)
         storage.remove_empty_dir(plan.out_dir)
         raise
     finally:
+        spill.remove_spill(spill_dir)
         progress.close()
     return BuildResult(_read_manifest(plan.out_dir), plan.out_dir, False, time.perf_counter() - started, _layout(plan))
+
+
+def _temp_location(beam_args: tuple[str, ...]) -> str | None:
+    """Beam's ``--temp_location``, where a cluster's workers spill, or None to spill inside the build directory."""
+    if not any(arg.startswith("--temp_location") for arg in beam_args):
+        return None
+    from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
+
+    return PipelineOptions(list(beam_args)).view_as(GoogleCloudOptions).temp_location
 
 
 def _layout(plan: BuildPlan) -> str:

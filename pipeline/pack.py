@@ -12,6 +12,7 @@ Errors print one line on stderr and exit with status 1; nothing is left half-wri
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import re
 import sys
@@ -88,6 +89,32 @@ class _QuietBeam(logging.Filter):
         return not (record.name.startswith("apache_beam") and _WRAPPED_ERROR.search(message))
 
 
+# Runners Beam knows only by module path, with the extra that provides what they import.
+_RUNNER_PATHS = {"DaskRunner": ("apache_beam.runners.dask.dask_runner.DaskRunner", "dask")}
+
+
+def _resolve_runner(beam_args: list[str]) -> list[str]:
+    """``beam_args`` with a short runner name Beam lacks spelled out as its module path, and a runner
+    given by module path imported, so that its own options (``--dask_client_address``) are known."""
+    args = list(beam_args)
+    for i, arg in enumerate(args):
+        if arg == "--runner" and i + 1 < len(args):
+            at, name, prefix = i + 1, args[i + 1], ""
+        elif arg.startswith("--runner="):
+            at, name, prefix = i, arg.split("=", 1)[1], "--runner="
+        else:
+            continue
+        path, extra = _RUNNER_PATHS.get(name, (name, None))
+        if "." in path:
+            try:
+                importlib.import_module(path.rsplit(".", 1)[0])
+            except ImportError as err:
+                hint = f"pip install 'varpack[{extra}]'" if extra else "install the package that provides it"
+                raise ConfigError(f"--runner {name} cannot be imported ({err}); {hint}") from err
+        args[at] = prefix + path
+    return args
+
+
 def _check_beam_args(beam_args: list[str]) -> None:
     """Reject Beam options Beam does not know, and the multi-threading direct runner."""
     if not beam_args:
@@ -121,6 +148,7 @@ def _check_beam_args(beam_args: list[str]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> PackConfig:
     """The PackConfig the command line describes; unknown --options become Beam options."""
     args, beam_args = make_parser().parse_known_args(argv)
+    beam_args = _resolve_runner(beam_args)
     _check_beam_args(beam_args)
     return PackConfig(**{k: v for k, v in vars(args).items()}, beam_args=tuple(beam_args))
 

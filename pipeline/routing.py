@@ -2,9 +2,10 @@
 
 The packing plan of a group is cut into shards of ``rows_per_shard`` rows. Each tokenized
 batch gets a ``Route`` listing, for its segments (whole examples, or chunks of split ones),
-the shard and the position within the shard's segment list. ``route_tokens`` gathers those
-tokens from the batch in one vectorised step, one ``Piece`` per shard; ``assemble_shard``
-puts a shard's pieces in plan order and builds its rows.
+the shard and the position within the shard's segment list. ``route_tokens`` turns a route
+into one ``Piece`` per shard: where each segment's tokens lie in the batch's spill file.
+``assemble_shard`` gathers a shard's tokens from the spill files of its pieces in one
+vectorised step each, puts them in plan order and builds its rows.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.encode import EncodedBatch
 from pipeline.layout import BatchKey
 from pipeline.packing import PackingPlan, pack
 from pipeline.shard_writer import build_rows, gather_index
+from pipeline.spill import SpilledBatch, read_spilled
 from schemas import PackingStats
 
 
@@ -48,12 +49,12 @@ class Route:
 
 @dataclass(frozen=True)
 class Piece:
-    """The tokens one batch contributes to one shard, segment after segment."""
+    """The segments one batch contributes to one shard: their places in the shard and in the batch's spill file."""
 
-    position: np.ndarray  # int64 [segments]
+    position: np.ndarray  # int64 [segments]: index of the segment within the shard's plan
     length: np.ndarray  # int64 [segments]
-    tokens: np.ndarray  # [sum(length)], the dtype of EncodedBatch.tokens
-    loss_mask: np.ndarray  # uint8 [sum(length)]
+    source: str  # the batch's spill file
+    token_start: np.ndarray  # int64 [segments]: first token of the segment in the spill file
 
 
 def pack_group(
@@ -108,21 +109,15 @@ def routes(group_plan: GroupPlan, first_shard: int, rows_per_shard: int) -> list
     ]
 
 
-def route_tokens(batch: EncodedBatch, route: Route) -> list[tuple[int, Piece]]:
-    """Split a batch's tokens into one Piece per shard that needs some of them."""
-    index = gather_index(batch.starts[route.example] + route.offset, route.length)
-    tokens, loss_mask = batch.tokens[index], batch.loss_mask[index]
-    token_ends = np.cumsum(route.length)
+def route_tokens(batch: SpilledBatch, route: Route) -> list[tuple[int, Piece]]:
+    """Split a batch's routed segments into one Piece per shard that needs some of them."""
+    token_start = batch.starts[route.example] + route.offset
     cuts = np.flatnonzero(np.diff(route.shard)) + 1
-    seg_starts = np.concatenate(([0], cuts))
-    seg_ends = np.concatenate((cuts, [route.shard.size]))
-    pieces = []
-    for a, b in zip(seg_starts.tolist(), seg_ends.tolist()):
-        t0, t1 = (int(token_ends[a - 1]) if a else 0), int(token_ends[b - 1])
-        pieces.append(
-            (int(route.shard[a]), Piece(route.position[a:b], route.length[a:b], tokens[t0:t1], loss_mask[t0:t1]))
-        )
-    return pieces
+    bounds = zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [route.shard.size])).tolist())
+    return [
+        (int(route.shard[a]), Piece(route.position[a:b], route.length[a:b], batch.path, token_start[a:b]))
+        for a, b in bounds
+    ]
 
 
 def assemble_shard(plan: PackingPlan, pieces: list[Piece]) -> pa.Table:
@@ -136,9 +131,13 @@ def assemble_shard(plan: PackingPlan, pieces: list[Piece]) -> pa.Table:
         raise RuntimeError("a shard received segments whose lengths differ from its plan: routing is broken")
     segment_starts = np.empty(segments, dtype=np.int64)
     segment_starts[position] = np.cumsum(length) - length
-    tokens = np.concatenate([p.tokens for p in pieces])
-    loss_mask = np.concatenate([p.loss_mask for p in pieces])
-    return build_rows(plan, segment_starts, tokens, loss_mask)
+    tokens, loss_mask = [], []
+    for piece in pieces:
+        source_tokens, source_mask = read_spilled(piece.source)
+        index = gather_index(piece.token_start, piece.length)
+        tokens.append(source_tokens[index])
+        loss_mask.append(source_mask[index])
+    return build_rows(plan, segment_starts, np.concatenate(tokens), np.concatenate(loss_mask))
 
 
 def merge_stats(parts: list[PackingStats]) -> PackingStats:

@@ -17,6 +17,7 @@ from pipeline.errors import ConfigError, HubUnreachableError, InputError
 from pipeline.formats import CHAT, PROMPT_RESPONSE, TEXT, ExampleFormat
 from pipeline.layout import make_layout
 from pipeline.readers import scan_file
+from pipeline.spill import spill
 from pipeline.routing import assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
 from pipeline.sources import resolve_source
 from pipeline.synthetic import SHAPES, generate_block
@@ -335,7 +336,7 @@ def test_layout_numbers_examples_in_source_order_and_limits():
 
 
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
-def test_routing_places_every_token_once(overflow):
+def test_routing_places_every_token_once(overflow, tmp_path):
     rng = np.random.default_rng(0)
     capacity, rows_per_shard = 64, 5
     batches = {}
@@ -360,7 +361,8 @@ def test_routing_places_every_token_once(overflow):
     pieces = {}
     for key, (lengths, tokens, mask) in batches.items():
         if key in all_routes:
-            for shard, piece in route_tokens(EncodedBatch(lengths, tokens, mask), all_routes[key]):
+            spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}")
+            for shard, piece in route_tokens(spilled, all_routes[key]):
                 pieces.setdefault(shard, []).append(piece)
     assert sorted(pieces) == sorted(plans) == list(range(first_shard))
     placed = {}

@@ -1,0 +1,95 @@
+"""Tokenized batches wait in spill files while the dataset is packed; only their lengths travel.
+
+A worker writes each tokenized batch's ``tokens`` and ``loss_mask`` to one uncompressed Arrow
+IPC file under the build's spill directory and passes on a ``SpilledBatch``: the file's path
+and the examples' lengths. The packer needs only the lengths; the shard writers gather each
+segment's tokens from the spill files through a memory map. So a build's memory grows with
+its number of examples (their lengths and places), not with its tokens.
+
+The spill directory is ``OUT/DATASET-FINGERPRINT/.spill-RUN/`` for a local build, or
+``TEMP_LOCATION/varpack-spill-RUN/`` (``--temp_location``) on a cluster, where every worker
+can read what the others wrote. It is removed when the build succeeds or fails, and a later
+build of the same directory removes what a killed run left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import storage
+from pipeline.encode import EncodedBatch
+
+SPILL_PREFIX = ".spill-"
+CLUSTER_SPILL_PREFIX = "varpack-spill-"
+
+
+@dataclass(frozen=True)
+class SpilledBatch:
+    """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]`` tokens."""
+
+    path: str
+    lengths: np.ndarray  # int64 [examples]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.cumsum(self.lengths) - self.lengths
+
+
+def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
+    """A fresh spill directory for one run: inside the build directory, or under ``temp_location``."""
+    run = uuid.uuid4().hex[:12]
+    if temp_location:
+        return storage.join(temp_location, f"{CLUSTER_SPILL_PREFIX}{run}")
+    return storage.join(out_dir, f"{SPILL_PREFIX}{run}")
+
+
+def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
+    """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``."""
+    table = pa.table({"tokens": batch.tokens, "loss_mask": batch.loss_mask})
+    path = storage.join(spill_dir, f"{name}.arrow")
+    if storage.is_url(spill_dir):
+        with tempfile.NamedTemporaryFile(suffix=".arrow", delete=False) as tmp:
+            _write(table, tmp.name)
+        storage.publish(tmp.name, path)
+    else:
+        os.makedirs(spill_dir, exist_ok=True)
+        _write(table, path)
+    return SpilledBatch(path, batch.lengths)
+
+
+def _write(table: pa.Table, path: str) -> None:
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def read_spilled(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, loss_mask)`` of a spill file: memory-mapped, zero copy, when it is local."""
+    if storage.is_url(path):
+        with storage.open_read(path) as f:
+            source = pa.BufferReader(f.read())
+    else:
+        source = pa.memory_map(path, "r")
+    table = pa.ipc.open_file(source).read_all()
+    return table.column("tokens").chunk(0).to_numpy(), table.column("loss_mask").chunk(0).to_numpy()
+
+
+def remove_spill(spill_dir: str) -> None:
+    """Delete a spill directory and everything in it; a missing one is fine."""
+    if storage.is_url(spill_dir):
+        storage.remove([storage.join(spill_dir, name) for name in storage.list_files(spill_dir)])
+    else:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+
+
+def remove_leftover_spills(out_dir: str) -> None:
+    """Delete the local spill directories that runs killed before their cleanup left in a build directory."""
+    for name in storage.list_subdirs(out_dir):
+        if name.startswith(SPILL_PREFIX):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
