@@ -5,6 +5,8 @@ of a shard), never a single example: Beam costs about 0.5 us per element per ste
 per element through a shuffle.
 
     read tasks --ReadAndEncode--> (batch key, EncodedBatch)
+        rejected rows, untrained counts --ToList--> WriteRejected (rejected.jsonl, --max-bad-rows)
+            --> Filtered, a side input of Layout and WriteManifest
         lengths --ToList--> Layout (ids in source order, groups)
         lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
             --> GroupSummary (shards, statistics) --ToList--> side input of the steps below
@@ -27,6 +29,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline import progress, storage
+from pipeline.bad_rows import BadRow, bound_error, bound_exceeded, summarize, write_rejected
 from pipeline.encode import EncodedBatch, Encoder
 from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
@@ -36,7 +39,16 @@ from pipeline.routing import Piece, assemble_shard, merge_stats, pack_group, rou
 from pipeline.shard_writer import shard_name, write_shard
 from pipeline.sources import ReadTask
 from pipeline.tokenizer import LoadedTokenizer
-from schemas import MANIFEST_NAME, BuildInputs, Manifest, PackingStats, ShardInfo, validate_manifest, write_manifest
+from schemas import (
+    MANIFEST_NAME,
+    BuildInputs,
+    Manifest,
+    PackingStats,
+    RejectedRows,
+    ShardInfo,
+    validate_manifest,
+    write_manifest,
+)
 
 _COUNTERS = "varpack"
 
@@ -56,6 +68,13 @@ class BuildSpec:
     limit: int | None
     known_examples: int | None = None  # for the progress bar
     examples_per_group: int = EXAMPLES_PER_GROUP
+    max_bad_rows: int | float = 0
+
+    def early_bad_row_limit(self) -> int | None:
+        """The bad rows one worker may meet before the whole build is known to be over ``max_bad_rows``."""
+        if isinstance(self.max_bad_rows, int):
+            return self.max_bad_rows
+        return None if self.known_examples is None else int(self.max_bad_rows * self.known_examples)
 
 
 class ReadAndEncode(beam.DoFn):
@@ -75,7 +94,8 @@ class ReadAndEncode(beam.DoFn):
 
     def setup(self):
         inputs = self.spec.inputs
-        self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow)
+        self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow, inputs.on_bad_row)
+        self.bad_rows, self.first_bad_row = 0, None
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
 
     def teardown(self):
@@ -86,7 +106,7 @@ class ReadAndEncode(beam.DoFn):
         pending: deque = deque()
         batches = task.read(self.spec.example_format.column_types, self.spec.batch_size)
         for part, (first_row, table) in enumerate(batches):
-            pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.origin, first_row)))
+            pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.batch_rows(first_row))))
             if len(pending) == self.IN_FLIGHT:
                 yield self._finish(task_index, *pending.popleft())
         while pending:
@@ -94,10 +114,48 @@ class ReadAndEncode(beam.DoFn):
 
     def _finish(self, task_index: int, part: int, rows: int, encoding: Future):
         batch = encoding.result()
+        self._count_bad_rows(batch.rejected)
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
         progress.advance("examples tokenized", rows, self.spec.known_examples, "ex")
         return (task_index, part), batch
+
+
+    def _count_bad_rows(self, rejected: list[BadRow]) -> None:
+        """Stop early once this worker alone has met more bad rows than the whole build may hold."""
+        if not rejected:
+            return
+        self.bad_rows += len(rejected)
+        self.first_bad_row = self.first_bad_row or rejected[0]
+        limit = self.spec.early_bad_row_limit()
+        if limit is not None and self.bad_rows > limit:
+            raise bound_error(self.bad_rows, None, self.spec.max_bad_rows, self.first_bad_row)
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """What reading and encoding left out: bad rows by reason, and examples truncation left untrained."""
+
+    rejected: RejectedRows
+    untrained_examples: int
+    untrained_tokens: int
+
+
+def finish_filtered(
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int]]], out_dir: str, max_bad_rows: int | float
+) -> Filtered:
+    """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
+
+    ``notes`` holds, for each batch, its key, its examples kept, its bad rows and its untrained counts.
+    """
+    notes = sorted(notes, key=lambda note: note[0])
+    bad_rows = [row for _, _, rejected, _ in notes for row in rejected]
+    rows_read = sum(kept for _, kept, _, _ in notes) + len(bad_rows)
+    if bad_rows and bound_exceeded(len(bad_rows), rows_read, max_bad_rows):
+        raise bound_error(len(bad_rows), rows_read, max_bad_rows, bad_rows[0])
+    write_rejected(bad_rows, out_dir)
+    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u in notes))] or [0, 0]
+    return Filtered(summarize(bad_rows), untrained[0], untrained[1])
 
 
 class AssignGroups(beam.DoFn):
@@ -173,9 +231,12 @@ class ManifestSpec:
     rows_per_shard: int
 
 
-def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[GroupSummary], spec: ManifestSpec) -> str:
+def write_build_manifest(
+    shards: list[tuple[int, ShardInfo]], summaries: list[GroupSummary], filtered: Filtered, spec: ManifestSpec
+) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path."""
     stats = merge_stats([s.stats for s in sorted(summaries, key=lambda s: s.group)])
+    stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
     capacity = spec.inputs.max_len
     if stats.rows == 0:
         raise InputError(
@@ -193,6 +254,7 @@ def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[Gr
         shards=[info for _, info in shards],
         stats=stats,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        rejected=filtered.rejected,
     )
     if not storage.is_url(spec.out_dir):
         return str(write_manifest(manifest, spec.out_dir))
@@ -214,12 +276,20 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
         | "ReadTasks" >> beam.Create(list(enumerate(spec.tasks)))
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(spec))
     )
+    max_bad_rows, out_dir = spec.max_bad_rows, spec.out_dir
+    filtered = beam.pvalue.AsSingleton(
+        encoded
+        | "Notes" >> beam.MapTuple(lambda key, batch: (key, batch.lengths.size, batch.rejected, batch.untrained))
+        | "CollectNotes" >> beam.combiners.ToList()
+        | "WriteRejected" >> beam.Map(finish_filtered, out_dir, max_bad_rows)
+    )
     lengths = encoded | "Lengths" >> beam.MapTuple(lambda key, batch: (key, batch.lengths))
     layout = (
         lengths
         | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
         | "CollectCounts" >> beam.combiners.ToList()
-        | "Layout" >> beam.Map(make_layout, limit, examples_per_group)
+        # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
+        | "Layout" >> beam.Map(lambda counts, _: make_layout(counts, limit, examples_per_group), filtered)
     )
     group_plans = (
         lengths
@@ -252,7 +322,7 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     (
         shards
         | "CollectShards" >> beam.combiners.ToList()
-        | "WriteManifest" >> beam.Map(write_build_manifest, summaries, manifest)
+        | "WriteManifest" >> beam.Map(write_build_manifest, summaries, filtered, manifest)
     )
 
 

@@ -18,12 +18,31 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from pipeline.config import DEFAULT_BATCH_SIZE, DEFAULT_DATASET, DEFAULT_OUT, DEFAULT_TOKENIZER, PackConfig
+from pipeline.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DATASET,
+    DEFAULT_MAX_BAD_ROWS,
+    DEFAULT_OUT,
+    DEFAULT_TOKENIZER,
+    PackConfig,
+)
 from pipeline.errors import ConfigError
-from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS, VarpackError
+from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS, VarpackError
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+
+
+def bad_row_bound(text: str) -> int | float:
+    """``--max-bad-rows``: a count (``100``) or a fraction of the rows read (``0.05``)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or a fraction such as 0.05, got {text!r}") from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -54,7 +73,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--force", action="store_true", help="rebuild even when a build with the same fingerprint exists")
     add("--prompt-column", help="column of prompts (with --response-column)")
     add("--response-column", help="column of responses, trained on (with --prompt-column)")
-    add("--messages-column", help="column of chat messages ([{role, content}, ...]); loss on assistant turns")
+    add("--messages-column", help="column of chat messages ([{role, content}, ...] or ShareGPT's [{from, value}, ...]); "
+                                   "loss on assistant turns")
     add("--text-column", help="column of plain text; loss on every token")
     add("--chat-template", help="Jinja chat template, or a file holding one (default: the tokenizer's; "
                                 "Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
@@ -68,6 +88,12 @@ def make_parser() -> argparse.ArgumentParser:
     add("--eos-token", help="token after each prompt/response or text example (default: the tokenizer's EOS, "
                             "from its config, post-processor or special tokens)")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
+    add("--on-bad-row", choices=BAD_ROW_POLICIES, default="error",
+        help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "
+             "it, or skip it and list it in rejected.jsonl in the build (default: %(default)s)")
+    add("--max-bad-rows", type=bad_row_bound, default=DEFAULT_MAX_BAD_ROWS,
+        help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05) "
+             "are bad (default: %(default)s)")
     add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
     return parser
@@ -169,8 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = result.manifest
     verb = "reusing" if result.reused else "wrote"
     print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
-    stats, shards = manifest.stats, len(manifest.shards)
-    print(format_report(stats, manifest.capacity, shards, result.out_dir, result.elapsed_s, result.reused, result.layout))
+    print(format_report(
+        manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
+        result.layout, manifest.rejected,
+    ))
     return 0
 
 
