@@ -18,9 +18,13 @@ per element through a shuffle.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 import tempfile
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -326,16 +330,48 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     )
 
 
+@contextlib.contextmanager
+def worker_stderr_discarded() -> Iterator[None]:
+    """Discard what worker processes started meanwhile write to stderr; this process's stderr is kept.
+
+    Beam's local worker processes log at INFO on the stderr they inherit, about 25 lines each,
+    whatever the pipeline options say, and send the same records to the runner, which logs
+    them here: nothing is lost.
+    """
+    sys.stderr.flush()
+    kept = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    original = sys.stderr
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and h.stream is original]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = kept
+    for handler in handlers:
+        handler.setStream(kept)
+    try:
+        yield
+    finally:
+        kept.flush()
+        os.dup2(kept.fileno(), 2)
+        sys.stderr = original
+        for handler in handlers:
+            handler.setStream(original)
+        kept.close()
+
+
 def run(spec: BuildSpec, beam_args: tuple[str, ...] = ()) -> None:
     """Run the build on the runner ``beam_args`` name; Beam's in-process FnApiRunner by default."""
-    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
     options = PipelineOptions(list(beam_args))
     runner = options.view_as(StandardOptions).runner
+    quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
     if runner is None:
         # Not the DirectRunner: it tries to download a Prism binary on every run.
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
         runner = FnApiRunner()
-    with beam.Pipeline(runner=runner, options=options) as p:
+        if options.view_as(DirectOptions).direct_running_mode == "multi_processing":
+            quiet = worker_stderr_discarded()
+    with quiet, beam.Pipeline(runner=runner, options=options) as p:
         build_graph(p, spec)

@@ -99,14 +99,19 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Beam warnings that say nothing to a pack user: optional GCP clients are missing (packing never
+# uses them), and a local worker process has no staging directory (it needs none).
+_BEAM_NOISE = ("apitools not found", "No semi_persistent_directory found", "No session file found")
+
+
 class _QuietBeam(logging.Filter):
-    """Drop two kinds of Beam log noise: the import-time warning that optional GCP clients are
-    missing (packing never uses them), and the traceback Beam logs for a failing step when the
-    failure is a VarpackError, which the command reports itself in one line."""
+    """Drop Beam log noise: the warnings of _BEAM_NOISE, also as multi-process workers relay them,
+    and the traceback Beam logs for a failing step when the failure is a VarpackError, which the
+    command reports itself in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "apitools not found" in message:
+        if any(noise in message for noise in _BEAM_NOISE):
             return False
         if record.exc_info and _varpack_message(record.exc_info[1]) is not None:
             return False
