@@ -387,6 +387,7 @@ OPTION_HELP = {
     "max_grad_norm": "gradient clipping norm",
     "precision": "bf16 (autocast, fp32 weights) or fp32",
     "compile": "fixed-shape batches and per-layer torch.compile",
+    "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
     "log_every": "log every N optimizer steps",
     "save_every": "checkpoint every N steps; 0 saves only at the end",
     "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
