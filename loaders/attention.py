@@ -1,7 +1,7 @@
 """Attention backends for packed batches: FlashAttention-2 varlen, PyTorch's varlen_attn, sdpa.
 
 A packed batch is one long sequence ``[1, T]`` whose examples are delimited by ``cu_seq_lens``.
-Three kernels can train on it without letting examples attend to one another:
+Four kernels can train on it without letting examples attend to one another:
 
 - ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (package flash-attn, CUDA), registered
   in transformers as ``"varpack_fa2"`` (no "flash" in the name: transformers
@@ -9,10 +9,14 @@ Three kernels can train on it without letting examples attend to one another:
 - ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA), the same
   FA2 kernels shipped inside PyTorch, registered as ``"varpack_varlen"``, so
   ``from_pretrained(..., attn_implementation="varpack_varlen")`` works without flash-attn.
-- ``sdpa``: on CPU (tests). transformers then finds the example boundaries from ``position_ids``,
-  but only with ``config.use_cache=False`` and no ``attention_mask``.
+- ``sdpa_segments``: sdpa over one example at a time, causal and unmasked, registered as
+  ``"varpack_segments"``: any device, and memory that grows with the longest example, not with
+  the batch. The CPU choice.
+- ``sdpa``: transformers' own. It finds the example boundaries from ``position_ids``, but only
+  with ``config.use_cache=False`` and no ``attention_mask``, and builds a T x T mask: memory
+  grows with the square of the batch's tokens.
 
-Both registered functions take the boundaries from the batch (``cu_seq_lens_*``,
+The registered functions take the boundaries from the batch (``cu_seq_lens_*``,
 ``max_length_*``) and register no mask function, so transformers builds no mask for them and
 skips its packed-sequence check on ``position_ids``, a device-to-host sync every forward that
 its own ``"flash_attention_2"`` pays. That one stays usable: pass its name as the backend.
@@ -31,9 +35,16 @@ import torch
 
 FLASH_IMPLEMENTATION = "varpack_fa2"
 VARLEN_IMPLEMENTATION = "varpack_varlen"
-BACKENDS = ("flash_attn", "torch_varlen", "sdpa")
+# No "sdpa" in the name either: transformers applies its sdpa-only checks to any such name.
+SEGMENTS_IMPLEMENTATION = "varpack_segments"
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa_segments", "sdpa")
 # The transformers attn_implementation that runs each backend.
-ATTN_IMPLEMENTATIONS = {"flash_attn": FLASH_IMPLEMENTATION, "torch_varlen": VARLEN_IMPLEMENTATION, "sdpa": "sdpa"}
+ATTN_IMPLEMENTATIONS = {
+    "flash_attn": FLASH_IMPLEMENTATION,
+    "torch_varlen": VARLEN_IMPLEMENTATION,
+    "sdpa_segments": SEGMENTS_IMPLEMENTATION,
+    "sdpa": "sdpa",
+}
 # Transformers' own implementations, accepted as they are.
 TRANSFORMERS_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention")
 
@@ -51,11 +62,11 @@ def torch_varlen_available() -> bool:
 def available_backends() -> list[str]:
     """The backends usable on this machine, best first."""
     found = [name for name, ok in (("flash_attn", flash_attn_available()), ("torch_varlen", torch_varlen_available())) if ok]
-    return [*found, "sdpa"]
+    return [*found, "sdpa_segments", "sdpa"]
 
 
 def best_backend() -> str:
-    """The fastest backend available here: flash_attn, then torch_varlen, then sdpa."""
+    """The fastest backend available here: flash_attn, then torch_varlen, then sdpa_segments."""
     return available_backends()[0]
 
 
@@ -81,6 +92,8 @@ def attn_implementation_for(backend: str) -> str:
         )
     if backend not in available_backends():
         raise RuntimeError(f"attention backend {backend!r} is not available here (available: {', '.join(available_backends())})")
+    if backend == "sdpa_segments":
+        return register_segment_attention()
     if backend != "sdpa":
         register_varlen_attention(backend)
     return ATTN_IMPLEMENTATIONS[backend]
@@ -212,3 +225,71 @@ def register_varlen_attention(backend: str = "torch_varlen") -> str:
     name = ATTN_IMPLEMENTATIONS[backend]
     AttentionInterface.register(name, partial(varlen_attention_forward, backend))
     return name
+
+
+def _example_bounds(query: torch.Tensor, cu_seq_lens: torch.Tensor | None) -> list[int]:
+    """The example boundaries over all B * S tokens of ``query`` [B, H, S, D]: ``cu_seq_lens``, or one per row."""
+    batch, _, seq_len, _ = query.shape
+    bounds = list(range(0, batch * seq_len + 1, seq_len)) if cu_seq_lens is None else cu_seq_lens.tolist()
+    if bounds[0] != 0 or bounds[-1] != batch * seq_len:
+        raise ValueError(f"cu_seq_lens must run from 0 to the batch's {batch * seq_len} tokens, got {bounds[0]}..{bounds[-1]}")
+    return bounds
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] -> [1, H, B * S, D]: the rows of a batch laid end to end."""
+    batch, heads, seq_len, head_dim = x.shape
+    return x.transpose(0, 1).reshape(1, heads, batch * seq_len, head_dim)
+
+
+def segment_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function running sdpa on each packed example in turn.
+
+    ``query`` is [B, Hq, S, D], ``key``/``value`` [B, Hkv, S, D], the result [B, S, Hq, D]. Each
+    example (from ``cu_seq_lens_q``; without it, each of the B rows) is attended causally on its
+    own with no mask, so sdpa's memory-efficient kernels apply and the largest buffer grows with
+    the longest example's length, where a packed mask grows with the square of the batch's tokens.
+    A Python loop over examples: its cost per example is small beside the attention itself on CPU.
+    """
+    if softcap is not None:
+        raise ValueError(f"{SEGMENTS_IMPLEMENTATION} does not support attention logit softcapping; use eager")
+    batch, heads, seq_len, head_dim = query.shape
+    bounds = _example_bounds(query, cu_seq_lens_q)
+    causal = module.is_causal if is_causal is None else is_causal
+    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        mask = None
+        if sliding_window and causal:
+            mask = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).tril().triu(1 - sliding_window)
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], attn_mask=mask, dropout_p=dropout,
+                is_causal=causal and mask is None, scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
+            )
+        )
+    out = torch.cat(outputs, dim=2).view(heads, batch, seq_len, head_dim)
+    return out.permute(1, 2, 0, 3).contiguous(), None
+
+
+def register_segment_attention() -> str:
+    """Register the per-example sdpa backend with transformers; returns its implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEGMENTS_IMPLEMENTATION, segment_attention_forward)
+    return SEGMENTS_IMPLEMENTATION

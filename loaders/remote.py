@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,18 +108,42 @@ class BuildLocation:
 
 
 def locate(source: str | os.PathLike[str]) -> BuildLocation:
-    """Where the build named by ``source`` lives: a shard directory or a manifest path, local or a URL."""
+    """Where the build named by ``source`` lives: a shard directory or a manifest path, local or a URL.
+
+    A directory without a manifest that holds builds (the ``--out`` of ``pipeline.pack``) stands
+    for its build when it holds one, with a warning; with several, ManifestError lists them.
+    """
     text = os.fspath(source)
     fs, path = fsspec.core.url_to_fs(text)
     if isinstance(fs, LocalFileSystem):
         local = Path(path)
-        if local.is_dir():
-            return BuildLocation(text, fs, str(local), str(local / MANIFEST_NAME))
-        return BuildLocation(text, fs, str(local.parent), str(local))
-    path = path.rstrip("/")
-    if path.endswith(".json"):
-        return BuildLocation(text, fs, posixpath.dirname(path), path)
-    return BuildLocation(text, fs, path, posixpath.join(path, MANIFEST_NAME))
+        if not local.is_dir():
+            return BuildLocation(text, fs, str(local.parent), str(local))
+        path = str(local)
+    else:
+        path = path.rstrip("/")
+        if path.endswith(".json"):
+            return BuildLocation(text, fs, posixpath.dirname(path), path)
+    build = _only_build(fs, path, text)
+    if build != path:
+        text = fs.unstrip_protocol(build) if not isinstance(fs, LocalFileSystem) else build
+    return BuildLocation(text, fs, build, posixpath.join(build, MANIFEST_NAME))
+
+
+def _only_build(fs: fsspec.AbstractFileSystem, directory: str, source: str) -> str:
+    """``directory`` itself, or the one build it holds when it has no manifest of its own."""
+    if fs.exists(posixpath.join(directory, MANIFEST_NAME)):
+        return directory
+    builds = sorted(posixpath.dirname(m) for m in fs.glob(posixpath.join(directory, "*", MANIFEST_NAME)))
+    if not builds:
+        return directory
+    names = [posixpath.join(source.rstrip("/"), posixpath.basename(b)) for b in builds]
+    if len(builds) > 1:
+        raise ManifestError(
+            f"{source}: no manifest here; this directory holds {len(builds)} builds ({', '.join(names)}): pass one of them"
+        )
+    warnings.warn(f"{source} holds no manifest but one build; using {names[0]}", stacklevel=3)
+    return builds[0]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -5,6 +5,8 @@ of a shard), never a single example: Beam costs about 0.5 us per element per ste
 per element through a shuffle.
 
     read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
+        rejected rows, untrained counts --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
+            --> Filtered, joined with the counts and with the manifest's inputs
         counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
         lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
             --> GroupSummary (shards, statistics) --gather--> (shard in group, shard index) --+
@@ -12,7 +14,7 @@ per element through a shuffle.
             --> (batch key, Route) --join SpilledBatch by batch key-->                         |
                 (shard in group, Piece) ------------------------------------------------------+
                     --CoGroupByKey(group, shard in group)--> WriteShard
-    shard infos + summaries --gather--> WriteManifest (last; its presence marks a complete build)
+    shard infos + summaries + Filtered --gather--> WriteManifest (last; its presence marks a complete build)
 
 Whole-collection values (the layout, the summaries) are gathered under one key and joined
 with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
@@ -23,9 +25,13 @@ and WriteShard gathers them from there (``pipeline/spill.py``).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 import tempfile
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -34,6 +40,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline import progress, storage
+from pipeline.bad_rows import BadRow, bound_error, bound_exceeded, summarize, write_rejected
 from pipeline.encode import Encoder
 from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
@@ -44,7 +51,16 @@ from pipeline.shard_writer import shard_name, write_shard
 from pipeline.spill import SpilledBatch, spill
 from pipeline.sources import ReadTask
 from pipeline.tokenizer import LoadedTokenizer
-from schemas import MANIFEST_NAME, BuildInputs, Manifest, PackingStats, ShardInfo, validate_manifest, write_manifest
+from schemas import (
+    MANIFEST_NAME,
+    BuildInputs,
+    Manifest,
+    PackingStats,
+    RejectedRows,
+    ShardInfo,
+    validate_manifest,
+    write_manifest,
+)
 
 _COUNTERS = "varpack"
 
@@ -65,6 +81,13 @@ class BuildSpec:
     limit: int | None
     known_examples: int | None = None  # for the progress bar
     examples_per_group: int = EXAMPLES_PER_GROUP
+    max_bad_rows: int | float = 0
+
+    def early_bad_row_limit(self) -> int | None:
+        """The bad rows one worker may meet before the whole build is known to be over ``max_bad_rows``."""
+        if isinstance(self.max_bad_rows, int):
+            return self.max_bad_rows
+        return None if self.known_examples is None else int(self.max_bad_rows * self.known_examples)
 
 
 class ReadAndEncode(beam.DoFn):
@@ -84,7 +107,8 @@ class ReadAndEncode(beam.DoFn):
 
     def setup(self):
         inputs = self.spec.inputs
-        self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow)
+        self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow, inputs.on_bad_row)
+        self.bad_rows, self.first_bad_row = 0, None
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
 
     def teardown(self):
@@ -99,7 +123,7 @@ class ReadAndEncode(beam.DoFn):
         pending: deque = deque()
         batches = task.read(self.spec.example_format.column_types, self.spec.batch_size)
         for part, (first_row, table) in enumerate(batches):
-            pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.origin, first_row)))
+            pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.batch_rows(first_row))))
             if len(pending) == self.IN_FLIGHT:
                 yield self._finish(task_index, *pending.popleft())
         while pending:
@@ -107,10 +131,47 @@ class ReadAndEncode(beam.DoFn):
 
     def _finish(self, task_index: int, part: int, rows: int, encoding: Future):
         batch = encoding.result()
+        self._count_bad_rows(batch.rejected)
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
         progress.advance("examples tokenized", rows, self.spec.known_examples, "ex")
         return (task_index, part), spill(batch, self.spec.spill_dir, f"{task_index:06d}-{part:06d}")
+
+    def _count_bad_rows(self, rejected: list[BadRow]) -> None:
+        """Stop early once this worker alone has met more bad rows than the whole build may hold."""
+        if not rejected:
+            return
+        self.bad_rows += len(rejected)
+        self.first_bad_row = self.first_bad_row or rejected[0]
+        limit = self.spec.early_bad_row_limit()
+        if limit is not None and self.bad_rows > limit:
+            raise bound_error(self.bad_rows, None, self.spec.max_bad_rows, self.first_bad_row)
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """What reading and encoding left out: bad rows by reason, and examples truncation left untrained."""
+
+    rejected: RejectedRows
+    untrained_examples: int
+    untrained_tokens: int
+
+
+def finish_filtered(
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int]]], out_dir: str, max_bad_rows: int | float
+) -> Filtered:
+    """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
+
+    ``notes`` holds, for each batch, its key, its examples kept, its bad rows and its untrained counts.
+    """
+    notes = sorted(notes, key=lambda note: note[0])
+    bad_rows = [row for _, _, rejected, _ in notes for row in rejected]
+    rows_read = sum(kept for _, kept, _, _ in notes) + len(bad_rows)
+    if bad_rows and bound_exceeded(len(bad_rows), rows_read, max_bad_rows):
+        raise bound_error(len(bad_rows), rows_read, max_bad_rows, bad_rows[0])
+    write_rejected(bad_rows, out_dir)
+    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u in notes))] or [0, 0]
+    return Filtered(summarize(bad_rows), untrained[0], untrained[1])
 
 
 def placements(counts: list[tuple[BatchKey, int]], limit: int | None, examples_per_group: int):
@@ -194,9 +255,12 @@ class ManifestSpec:
     rows_per_shard: int
 
 
-def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[GroupSummary], spec: ManifestSpec) -> str:
+def write_build_manifest(
+    shards: list[tuple[int, ShardInfo]], summaries: list[GroupSummary], filtered: Filtered, spec: ManifestSpec
+) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path."""
     stats = merge_stats([s.stats for s in sorted(summaries, key=lambda s: s.group)])
+    stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
     capacity = spec.inputs.max_len
     if stats.rows == 0:
         raise InputError(
@@ -214,6 +278,7 @@ def write_build_manifest(shards: list[tuple[int, ShardInfo]], summaries: list[Gr
         shards=[info for _, info in shards],
         stats=stats,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        rejected=filtered.rejected,
     )
     if not storage.is_url(spec.out_dir):
         return str(write_manifest(manifest, spec.out_dir))
@@ -244,10 +309,19 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
         | "ReadTasks" >> beam.Create(list(enumerate(spec.tasks)))
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(spec))
     )
+    max_bad_rows, out_dir = spec.max_bad_rows, spec.out_dir
+    filtered = _gather(
+        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.lengths.size, b.rejected, b.untrained))
+    ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, max_bad_rows)))
     lengths = encoded | "Lengths" >> beam.MapTuple(lambda key, batch: (key, batch.lengths))
     counts = lengths | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
-    placed = _gather("Counts", counts) | "Layout" >> beam.FlatMapTuple(
-        lambda _, all_counts: placements(list(all_counts), limit, examples_per_group)
+    # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
+    placed = (
+        {"counts": _gather("Counts", counts), "filtered": filtered}
+        | "JoinFiltered" >> beam.CoGroupByKey()
+        | "Layout" >> beam.FlatMapTuple(
+            lambda _, joined: placements([c for part in joined["counts"] for c in part], limit, examples_per_group)
+        )
     )
     group_plans = (
         {"lengths": lengths, "placement": placed}
@@ -285,26 +359,61 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     )
     manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)
     (
-        {"shards": _gather("Shards", shards), "summaries": _gather("AllSummaries", summaries)}
+        {"shards": _gather("Shards", shards), "summaries": _gather("AllSummaries", summaries), "filtered": filtered}
         | "JoinForManifest" >> beam.CoGroupByKey()
         | "WriteManifest" >> beam.MapTuple(
             lambda _, joined: write_build_manifest(
-                [s for part in joined["shards"] for s in part], [s for part in joined["summaries"] for s in part], manifest
+                [s for part in joined["shards"] for s in part],
+                [s for part in joined["summaries"] for s in part],
+                joined["filtered"][0],
+                manifest,
             )
         )
     )
 
 
+@contextlib.contextmanager
+def worker_stderr_discarded() -> Iterator[None]:
+    """Discard what worker processes started meanwhile write to stderr; this process's stderr is kept.
+
+    Beam's local worker processes log at INFO on the stderr they inherit, about 25 lines each,
+    whatever the pipeline options say, and send the same records to the runner, which logs
+    them here: nothing is lost.
+    """
+    sys.stderr.flush()
+    kept = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    original = sys.stderr
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and h.stream is original]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = kept
+    for handler in handlers:
+        handler.setStream(kept)
+    try:
+        yield
+    finally:
+        kept.flush()
+        os.dup2(kept.fileno(), 2)
+        sys.stderr = original
+        for handler in handlers:
+            handler.setStream(original)
+        kept.close()
+
+
 def run(spec: BuildSpec, beam_args: tuple[str, ...] = ()) -> None:
     """Run the build on the runner ``beam_args`` name; Beam's in-process FnApiRunner by default."""
-    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
     options = PipelineOptions(list(beam_args))
     runner = options.view_as(StandardOptions).runner
+    quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
     if runner is None:
         # Not the DirectRunner: it tries to download a Prism binary on every run.
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
         runner = FnApiRunner()
-    with beam.Pipeline(runner=runner, options=options) as p:
+        if options.view_as(DirectOptions).direct_running_mode == "multi_processing":
+            quiet = worker_stderr_discarded()
+    with quiet, beam.Pipeline(runner=runner, options=options) as p:
         build_graph(p, spec)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import spill, storage
+from pipeline.bad_rows import REJECTED_NAME
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.formats import ExampleFormat, resolve_format
@@ -25,8 +26,11 @@ from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint
 
-# The files a build writes: shards, their temporary names, the manifest and its temporary name.
-_BUILD_FILE = re.compile(r"^(shard-\d+\.arrow|manifest\.json|\.(shard-\d+\.arrow|manifest\.json)\.(tmp-\d+|uploading))$")
+# The files a build writes: shards, the rejected rows, the manifest, and their temporary names.
+_BUILD_FILE = re.compile(
+    r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl"
+    r"|\.(shard-\d+\.arrow|manifest\.json|rejected\.jsonl)\.(tmp-\w+|uploading))$"
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def plan_build(config: PackConfig) -> BuildPlan:
         packing=config.packing,
         seed=config.seed,
         package_version=package_version(),
+        on_bad_row=config.on_bad_row,
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")
@@ -112,7 +117,9 @@ def _read_manifest(out_dir: str) -> Manifest:
 
 
 def _complete(manifest: Manifest, out_dir: str) -> bool:
-    """Whether every shard the manifest lists is present with its recorded size."""
+    """Whether every shard the manifest lists is present with its recorded size, and rejected.jsonl if rows were."""
+    if manifest.rejected is not None and manifest.rejected.rows and not storage.exists(storage.join(out_dir, REJECTED_NAME)):
+        return False
     for shard in manifest.shards:
         path = storage.join(out_dir, shard.path)
         if not storage.exists(path) or storage.size(path) != shard.bytes:
@@ -203,6 +210,7 @@ def build(
         batch_size=config.batch_size,
         limit=config.num_examples,
         known_examples=plan.source.known_examples,
+        max_bad_rows=config.max_bad_rows,
         **({"examples_per_group": examples_per_group} if examples_per_group else {}),
     )
     storage.make_dirs(plan.out_dir)

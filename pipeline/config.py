@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS
+from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS
 
 DEFAULT_DATASET = "gsm8k"
 DEFAULT_OUT = "shards"
@@ -13,6 +13,8 @@ DEFAULT_OUT = "shards"
 DEFAULT_TOKENIZER = "mistral-7b-v0.1"
 # Examples per Beam element: one tokenizer call and one shuffle record each.
 DEFAULT_BATCH_SIZE = 4096
+# Under --on-bad-row skip, the share of bad rows that stops a build: its data is mostly garbage.
+DEFAULT_MAX_BAD_ROWS = 0.1
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class PackConfig:
     bos_token: str | None = None
     eos_token: str | None = None
     train_on_prompt: bool = False
+    on_bad_row: str = "error"
+    # A count of bad rows (an int), or a fraction of the rows read (a float below 1), that stops the build.
+    max_bad_rows: int | float = DEFAULT_MAX_BAD_ROWS
     batch_size: int = DEFAULT_BATCH_SIZE
     progress: bool = True
     beam_args: tuple[str, ...] = ()
@@ -66,6 +71,13 @@ class PackConfig:
             raise ConfigError(f"--overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.packing not in PACKING_ALGORITHMS:
             raise ConfigError(f"--packing must be one of {', '.join(PACKING_ALGORITHMS)}, got {self.packing!r}")
+        if self.on_bad_row not in BAD_ROW_POLICIES:
+            raise ConfigError(f"--on-bad-row must be one of {', '.join(BAD_ROW_POLICIES)}, got {self.on_bad_row!r}")
+        bound = self.max_bad_rows
+        if isinstance(bound, bool) or not (
+            (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 < bound < 1)
+        ):
+            raise ConfigError(f"--max-bad-rows must be a count (0, 1, 2, ...) or a fraction between 0 and 1, got {bound!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"--seed must be a non-negative integer, got {self.seed!r}")
         if (self.prompt_column is None) != (self.response_column is None):

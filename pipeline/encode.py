@@ -6,25 +6,31 @@
   is exact. Mask 0 on BOS and prompt (1 with ``--train-on-prompt``), 1 on response and EOS. With
   ``--as-chat`` they are rendered as a user turn and an assistant turn, like chat data.
 - plain text: ``[bos] text [eos]``, mask 1 on every token that can be predicted (not BOS).
-- chat: the messages rendered with the chat template and tokenized whole; mask 1 on the
-  characters each assistant turn adds (its content and the template's end-of-turn tokens).
+- chat: the messages (``{role, content}`` or ShareGPT's ``{from, value}``, see ``chat.py``)
+  rendered with the chat template and tokenized whole; mask 1 on the characters each assistant
+  turn adds (its content and the template's end-of-turn tokens).
 
-BOS and EOS are what the tokenizer's own post-processor adds around one sequence, plus its
-EOS token at the end when the post-processor adds nothing there.
+Rows that cannot make an example (null or empty text, broken conversations, no tokens) stop the
+batch with an error naming the first one, or under ``--on-bad-row skip`` are left out and
+returned in ``EncodedBatch.rejected`` (see ``bad_rows.py``). Under ``--overflow truncate`` an
+example with no trained token within ``--max-len`` is dropped and counted.
 """
 
 from __future__ import annotations
 
 import array
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.bad_rows import BadRow, Reason, RowProblem
+from pipeline.chat import conversation
 from pipeline.errors import InputError
-from pipeline.formats import PROMPT_RESPONSE, ExampleFormat, split_prompt_template
+from pipeline.formats import CHAT, PROMPT_RESPONSE, ExampleFormat, split_prompt_template
+from pipeline.readers import BatchRows, select_columns
 from pipeline.shard_writer import gather_index
 from pipeline.tokenizer import LoadedTokenizer
 
@@ -33,15 +39,26 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @dataclass
 class EncodedBatch:
-    """Examples as one flat buffer: example ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``."""
+    """Examples as one flat buffer: example ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``.
+
+    ``rejected`` lists the batch's rows left out under ``--on-bad-row skip``; ``untrained``
+    counts the examples and tokens ``--overflow truncate`` left with nothing to train on.
+    """
 
     lengths: np.ndarray  # int64 [examples]
     tokens: np.ndarray  # [sum(lengths)]: uint16 when the vocabulary fits, else int32 (see token_dtype)
     loss_mask: np.ndarray  # uint8 [sum(lengths)]
+    rejected: list[BadRow] = field(default_factory=list)
+    untrained: tuple[int, int] = (0, 0)
 
     @property
     def starts(self) -> np.ndarray:
         return np.cumsum(self.lengths) - self.lengths
+
+    def select(self, keep: np.ndarray) -> EncodedBatch:
+        """The examples where boolean ``keep`` is true."""
+        index = gather_index(self.starts[keep], self.lengths[keep])
+        return EncodedBatch(self.lengths[keep], self.tokens[index], self.loss_mask[index], self.rejected, self.untrained)
 
 
 def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
@@ -65,77 +82,124 @@ def token_ids(encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]
     return np.frombuffer(ids, dtype=np.uintc).astype(dtype), lengths
 
 
-def _first(mask: pa.ChunkedArray | pa.Array) -> int:
-    return int(pc.index(mask, True).as_py())
-
-
 class Encoder:
     """Encodes tables of source rows in one format with one tokenizer; checks every value on the way."""
 
-    def __init__(self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, max_len: int, overflow: str):
+    def __init__(
+        self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, max_len: int, overflow: str, on_bad_row: str = "error"
+    ):
         self.tokenizer = tokenizer
         self.format = example_format
         self.max_len = max_len
         self.overflow = overflow
+        self.on_bad_row = on_bad_row
         self.backend = tokenizer.backend()
         self.prefix, self.suffix = special_affixes(tokenizer)
         self.dtype = token_dtype(self.backend.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
-        """Tokens and loss masks of the rows of ``table``, which start at row ``first_row`` of ``origin``."""
-        if self.format.as_chat:
-            batch = self._encode_chat(self._as_messages(table, origin, first_row), "messages", origin, first_row)
-        elif self.format.is_chat:
-            batch = self._encode_chat(table.column(self.format.columns[0]).to_pylist(), self.format.columns[0], origin, first_row)
+    def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
+        """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
+        table = select_columns(table, self.format.columns, rows.origin)
+        problems = {} if self.format.kind == CHAT else self._text_problems(table, rows.origin)
+        rejected, table, source_rows = self._leave_out(problems, table, rows, np.arange(table.num_rows))
+        if self.format.is_chat:
+            batch, problems = self._encode_chat(self._conversations(table), rows, source_rows)
+            more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
+            rejected += more
         else:
-            batch = self._encode_texts(table, origin, first_row)
+            batch = self._encode_texts(table)
         empty = np.flatnonzero(batch.lengths == 0)
         if empty.size:
-            raise InputError(f"{origin} row {first_row + int(empty[0])}: encodes to no tokens; remove it")
+            problems = {int(i): (Reason.NO_TOKENS, "encodes to no tokens") for i in empty}
+            more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
+            rejected += more
+            batch = batch.select(batch.lengths > 0)
         if self.overflow == "error":
             long = np.flatnonzero(batch.lengths > self.max_len)
             if long.size:
                 i = int(long[0])
                 raise InputError(
-                    f"{origin} row {first_row + i}: {int(batch.lengths[i])} tokens, more than --max-len {self.max_len}; "
+                    f"{rows.name(source_rows[i])}: {int(batch.lengths[i])} tokens, more than --max-len {self.max_len}; "
                     "pass --overflow split, truncate or drop"
                 )
+        if self.overflow == "truncate":
+            batch = self._drop_untrained(batch)
+        batch.rejected = rejected
         return batch
 
-    def _texts(self, table: pa.Table, column: str, origin: str, first_row: int) -> pa.ChunkedArray:
-        """The values of a text column, which must all be non-empty strings."""
-        values = table.column(column)
-        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_null(values.type)):
-            raise InputError(f"{origin}: column {column!r} holds {values.type} values; it must hold strings")
-        if values.null_count:
-            row = first_row + _first(pc.is_null(values))
-            raise InputError(f"{origin} row {row}: {column!r} is null; every example needs a non-empty {column!r}")
-        empty = pc.equal(pc.binary_length(values), 0)
-        if pc.any(empty).as_py():
-            row = first_row + _first(empty)
-            raise InputError(f"{origin} row {row}: {column!r} is empty; every example needs a non-empty {column!r}")
-        return values
+    def _leave_out(
+        self, problems: dict[int, tuple[Reason, str]], table: pa.Table, rows: BatchRows, source_rows: np.ndarray
+    ) -> tuple[list[BadRow], pa.Table, np.ndarray]:
+        """The bad rows of ``problems`` (index in ``table`` -> reason and message), and ``table`` and
+        ``source_rows`` (each row's index in the batch) without them; under ``--on-bad-row error``
+        the error for the first one."""
+        if not problems:
+            return [], table, source_rows
+        indices = sorted(problems)
+        if self.on_bad_row == "error":
+            raise BadRow(rows.name(source_rows[indices[0]]), *problems[indices[0]], {}).error()
+        values = table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        names = rows.names(source_rows[indices])
+        bad_rows = [BadRow(where, *problems[i], row) for i, where, row in zip(indices, names, values)]
+        keep = np.ones(table.num_rows, dtype=bool)
+        keep[indices] = False
+        return bad_rows, table.filter(pa.array(keep)), source_rows[keep]
 
-    def _pieces(self, table: pa.Table, origin: str, first_row: int) -> list[str]:
+    def _drop_untrained(self, batch: EncodedBatch) -> EncodedBatch:
+        """Drop the examples whose first trained token lies past ``--max-len``: truncation leaves them nothing to learn."""
+        starts, ends = batch.starts, np.cumsum(batch.lengths)
+        trained = np.flatnonzero(batch.loss_mask)
+        example = np.searchsorted(ends, trained, side="right")
+        first_trained = np.full(batch.lengths.size, np.iinfo(np.int64).max, dtype=np.int64)
+        has, first = np.unique(example, return_index=True)
+        first_trained[has] = trained[first] - starts[has]
+        untrained = first_trained >= self.max_len
+        if not untrained.any():
+            return batch
+        kept = batch.select(~untrained)
+        kept.untrained = (int(untrained.sum()), int(batch.lengths[untrained].sum()))
+        return kept
+
+    def _text_problems(self, table: pa.Table, origin: str) -> dict[int, tuple[Reason, str]]:
+        """Rows with a null or empty value in a text column (the first problem of each row), by index."""
+        problems: dict[int, tuple[Reason, str]] = {}
+        for column in self.format.columns:
+            values = table.column(column)
+            if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_null(values.type)):
+                raise InputError(f"{origin}: column {column!r} holds {values.type} values; it must hold strings")
+            null = pc.is_null(values).to_numpy(zero_copy_only=False)
+            empty = np.zeros_like(null)
+            if not pa.types.is_null(values.type):
+                empty = pc.equal(pc.binary_length(values), 0).fill_null(False).to_numpy(zero_copy_only=False)
+            need = f"every example needs a non-empty {column!r}"
+            for i in np.flatnonzero(null).tolist():
+                problems.setdefault(i, (Reason.NULL, f"{column!r} is null; {need}"))
+            for i in np.flatnonzero(empty).tolist():
+                problems.setdefault(i, (Reason.EMPTY_TEXT, f"{column!r} is empty; {need}"))
+        return problems
+
+    def _pieces(self, table: pa.Table) -> list[str]:
         """The texts to tokenize, column by column: for prompt/response, each joined with its part of the template."""
-        columns = [self._texts(table, column, origin, first_row) for column in self.format.columns]
+        columns = [table.column(column) for column in self.format.columns]
         if self.format.kind == PROMPT_RESPONSE:
             before, between, after = split_prompt_template(self.format.prompt_template)
             prompts, responses = columns
             columns = [pc.binary_join_element_wise(before, prompts, between, ""), pc.binary_join_element_wise(responses, after, "")]
         return [text for values in columns for text in values.to_pylist()]
 
-    def _as_messages(self, table: pa.Table, origin: str, first_row: int) -> list[list[dict[str, str]]]:
-        """Prompt/response rows as user/assistant conversations."""
-        prompts, responses = (self._texts(table, column, origin, first_row).to_pylist() for column in self.format.columns)
+    def _conversations(self, table: pa.Table) -> list:
+        """The chats of ``table``: its messages column, or prompt/response rows as user/assistant turns (``--as-chat``)."""
+        if not self.format.as_chat:
+            return table.column(self.format.columns[0]).to_pylist()
+        prompts, responses = (table.column(column).to_pylist() for column in self.format.columns)
         return [
             [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
             for prompt, response in zip(prompts, responses)
         ]
 
-    def _encode_texts(self, table: pa.Table, origin: str, first_row: int) -> EncodedBatch:
+    def _encode_texts(self, table: pa.Table) -> EncodedBatch:
         n, columns = table.num_rows, len(self.format.columns)
-        texts = self._pieces(table, origin, first_row)
+        texts = self._pieces(table)
         ids, text_lengths = token_ids(self.backend.encode_batch_fast(texts, add_special_tokens=False), self.dtype)
         # Example i is its pieces (prefix, its texts, suffix) in a row; they are gathered from
         # one buffer holding the prefix, the suffix, then every text's tokens, column by column.
@@ -150,10 +214,18 @@ class Encoder:
         piece_mask = np.tile(np.array([0, *text_mask, 1], dtype=np.uint8), n)
         return EncodedBatch(piece_lengths.sum(axis=1), tokens, np.repeat(piece_mask, piece_lengths.ravel()))
 
-    def _encode_chat(self, conversations: list, column: str, origin: str, first_row: int) -> EncodedBatch:
-        rendered, spans = [], []
-        for i, messages in enumerate(conversations):
-            text, assistant = self._render(messages, f"{origin} row {first_row + i}", column)
+    def _encode_chat(
+        self, conversations: list, rows: BatchRows, source_rows: np.ndarray
+    ) -> tuple[EncodedBatch, dict[int, tuple[Reason, str]]]:
+        """The conversations rendered and tokenized, and those that could not be (by index)."""
+        label = "/".join(self.format.columns)
+        rendered, spans, problems = [], [], {}
+        for i, value in enumerate(conversations):
+            try:
+                text, assistant = self._render(conversation(value), rows, int(source_rows[i]))
+            except RowProblem as problem:
+                problems[i] = (problem.reason, f"{label!r}: {problem.message}")
+                continue
             rendered.append(text)
             spans.append(assistant)
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
@@ -171,38 +243,31 @@ class Encoder:
                 mask = (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
-        return EncodedBatch(lengths, tokens, loss_mask)
+        return EncodedBatch(lengths, tokens, loss_mask), problems
 
-    def _render(self, messages: object, where: str, column: str) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add."""
-        if not isinstance(messages, list) or not messages:
-            raise InputError(f"{where}: {column!r} must be a non-empty list of messages")
-        for message in messages:
-            if not isinstance(message, dict) or not message.get("role") or not message.get("content"):
-                raise InputError(f"{where}: every message needs a non-empty 'role' and 'content', got {message!r:.100}")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise InputError(f"{where}: no assistant message, so nothing to train on; remove the example")
         template = self.format.chat_template
         if _GENERATION_TAG.search(template):
-            text, indices = self._apply_template(messages, where, with_generation_spans=True)
+            text, indices = self._apply_template(messages, with_generation_spans=True)
             return text, [(int(a), int(b)) for a, b in indices]
-        text, _ = self._apply_template(messages, where)
+        text, _ = self._apply_template(messages)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before, _ = self._apply_template(messages[:i], where, add_generation_prompt=True)
-            through, _ = self._apply_template(messages[: i + 1], where)
+            before, _ = self._apply_template(messages[:i], add_generation_prompt=True)
+            through, _ = self._apply_template(messages[: i + 1])
             if not (through.startswith(before) and text.startswith(through)):
                 raise InputError(
-                    f"{where}: the chat template renders earlier turns differently once later turns are added, "
+                    f"{rows.name(row)}: the chat template renders earlier turns differently once later turns are added, "
                     "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
                 )
             spans.append((len(before), len(through)))
         return text, spans
 
     def _apply_template(
-        self, messages: list, where: str, add_generation_prompt: bool = False, with_generation_spans: bool = False
+        self, messages: list, add_generation_prompt: bool = False, with_generation_spans: bool = False
     ) -> tuple[str, list]:
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -216,5 +281,5 @@ class Encoder:
                 **self.tokenizer.special_tokens(),
             )
         except TemplateError as err:
-            raise InputError(f"{where}: the chat template rejected the messages: {err}") from err
+            raise RowProblem(Reason.TEMPLATE_REJECTED, f"the chat template rejected the messages: {err}") from err
         return rendered[0], indices[0] if indices else []

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
-from pipeline.readers import MESSAGES_TYPE, TEXT_TYPE
+from pipeline.readers import MESSAGES_TYPE, TEXT_TYPE, read_schema
 
 PROMPT_RESPONSE = "prompt_response"
 CHAT = "chat"
@@ -46,6 +46,7 @@ _AUTODETECT = (
     (PROMPT_RESPONSE, ("inputs", "targets")),
     (PROMPT_RESPONSE, ("instruction", "output")),
     (CHAT, ("messages",)),
+    (CHAT, ("conversations",)),
     (TEXT, ("text",)),
 )
 
@@ -69,9 +70,8 @@ class ExampleFormat:
 
     @property
     def column_types(self) -> dict[str, pa.DataType]:
-        """The Arrow type each source column is read as."""
-        kind = MESSAGES_TYPE if self.kind == CHAT else TEXT_TYPE
-        return {name: kind for name in self.columns}
+        """The Arrow type each top-level source column is read as (a struct for a dotted ``data.question``)."""
+        return read_schema(self.columns, MESSAGES_TYPE if self.kind == CHAT else TEXT_TYPE)
 
     @property
     def template(self) -> str:
@@ -143,7 +143,7 @@ def resolve_format(
     else:
         raise InputError(f"{where}: pass --prompt-column and --response-column, --messages-column or --text-column")
     if available is not None:
-        missing = [c for c in chosen.columns if c not in available]
+        missing = [c for c in chosen.columns if c not in available and c.split(".")[0] not in available]
         if missing:
             raise InputError(
                 f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); "

@@ -19,12 +19,31 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from pipeline.config import DEFAULT_BATCH_SIZE, DEFAULT_DATASET, DEFAULT_OUT, DEFAULT_TOKENIZER, PackConfig
+from pipeline.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DATASET,
+    DEFAULT_MAX_BAD_ROWS,
+    DEFAULT_OUT,
+    DEFAULT_TOKENIZER,
+    PackConfig,
+)
 from pipeline.errors import ConfigError
-from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS, VarpackError
+from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS, VarpackError
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+
+
+def bad_row_bound(text: str) -> int | float:
+    """``--max-bad-rows``: a count (``100``) or a fraction of the rows read (``0.05``)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or a fraction such as 0.05, got {text!r}") from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -55,7 +74,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--force", action="store_true", help="rebuild even when a build with the same fingerprint exists")
     add("--prompt-column", help="column of prompts (with --response-column)")
     add("--response-column", help="column of responses, trained on (with --prompt-column)")
-    add("--messages-column", help="column of chat messages ([{role, content}, ...]); loss on assistant turns")
+    add("--messages-column", help="column of chat messages ([{role, content}, ...] or ShareGPT's [{from, value}, ...]); "
+                                   "loss on assistant turns")
     add("--text-column", help="column of plain text; loss on every token")
     add("--chat-template", help="Jinja chat template, or a file holding one (default: the tokenizer's; "
                                 "Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
@@ -69,19 +89,30 @@ def make_parser() -> argparse.ArgumentParser:
     add("--eos-token", help="token after each prompt/response or text example (default: the tokenizer's EOS, "
                             "from its config, post-processor or special tokens)")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
+    add("--on-bad-row", choices=BAD_ROW_POLICIES, default="error",
+        help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "
+             "it, or skip it and list it in rejected.jsonl in the build (default: %(default)s)")
+    add("--max-bad-rows", type=bad_row_bound, default=DEFAULT_MAX_BAD_ROWS,
+        help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05) "
+             "are bad (default: %(default)s)")
     add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
     return parser
 
 
+# Beam warnings that say nothing to a pack user: optional GCP clients are missing (packing never
+# uses them), and a local worker process has no staging directory (it needs none).
+_BEAM_NOISE = ("apitools not found", "No semi_persistent_directory found", "No session file found")
+
+
 class _QuietBeam(logging.Filter):
-    """Drop two kinds of Beam log noise: the import-time warning that optional GCP clients are
-    missing (packing never uses them), and the traceback Beam logs for a failing step when the
-    failure is a VarpackError, which the command reports itself in one line."""
+    """Drop Beam log noise: the warnings of _BEAM_NOISE, also as multi-process workers relay them,
+    and the traceback Beam logs for a failing step when the failure is a VarpackError, which the
+    command reports itself in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "apitools not found" in message:
+        if any(noise in message for noise in _BEAM_NOISE):
             return False
         if record.exc_info and _varpack_message(record.exc_info[1]) is not None:
             return False
@@ -197,8 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = result.manifest
     verb = "reusing" if result.reused else "wrote"
     print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
-    stats, shards = manifest.stats, len(manifest.shards)
-    print(format_report(stats, manifest.capacity, shards, result.out_dir, result.elapsed_s, result.reused, result.layout))
+    print(format_report(
+        manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
+        result.layout, manifest.rejected,
+    ))
     return 0
 
 

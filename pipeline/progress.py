@@ -2,7 +2,9 @@
 
 Steps call ``advance``; it draws a tqdm bar only once the command has called ``enable`` in
 this process, so steps running in worker processes (multi-process or cluster runners) stay
-quiet and report through Beam counters instead.
+quiet and report through Beam counters instead. A bar is closed, and its line cleared, as soon
+as its count reaches its total, so one bar is drawn at a time on one line: two bars would
+stack, and clearing the lower one moves the cursor into lines printed after it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def advance(label: str, amount: int, total: int | None = None, unit: str = "") -
             desc=label, total=total, unit=unit, unit_scale=True, file=sys.stderr, leave=False, disable=None
         )
     bar.update(amount)
+    if total is not None and bar.n >= total:
+        bar.close()
+        del _bars[label]
 
 
 def close() -> None:

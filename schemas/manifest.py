@@ -22,12 +22,15 @@ from typing import Any
 from schemas.errors import FormatVersionError, ManifestError
 
 FORMAT_NAME = "varpack.shards"
-FORMAT_VERSION = 1
+# 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained. Version 1 manifests,
+# which lack them, are still read.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
 OVERFLOW_POLICIES = ("split", "truncate", "drop", "error")
 PACKING_ALGORITHMS = ("best_fit_decreasing", "first_fit_decreasing", "sequential")
+BAD_ROW_POLICIES = ("error", "skip")
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,14 @@ class BuildInputs:
     packing: str
     seed: int
     package_version: str
+    # What a bad source row does; None in a format 1 manifest, which predates the policy.
+    on_bad_row: str | None = "error"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["on_bad_row"] is None:
+            del data["on_bad_row"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BuildInputs:
@@ -76,6 +84,7 @@ class BuildInputs:
                 **data,
                 "dataset": DatasetInputs(**data["dataset"]),
                 "tokenizer": TokenizerInputs(**data["tokenizer"]),
+                "on_bad_row": data.get("on_bad_row"),
             }
         )
 
@@ -118,6 +127,9 @@ class PackingStats:
     tokens_truncated: int = 0
     examples_dropped: int = 0
     tokens_dropped: int = 0
+    # Examples that --overflow truncate left with no trained token, dropped before packing.
+    examples_untrained: int = 0
+    tokens_untrained: int = 0
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
 
@@ -134,6 +146,14 @@ class PackingStats:
         return cls(**{k: v for k, v in data.items() if k != "fill"})
 
 
+@dataclass(frozen=True)
+class RejectedRows:
+    """Source rows left out under ``--on-bad-row skip``, by reason; ``rejected.jsonl`` lists them."""
+
+    rows: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass
 class Manifest:
     """The complete description of one build."""
@@ -145,6 +165,8 @@ class Manifest:
     shards: list[ShardInfo]
     stats: PackingStats
     created_at: str
+    # None in a format 1 manifest.
+    rejected: RejectedRows | None = field(default_factory=RejectedRows)
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 
@@ -157,7 +179,7 @@ class Manifest:
         return sum(s.tokens for s in self.shards)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": self.format,
             "format_version": self.format_version,
             "fingerprint": self.fingerprint,
@@ -168,6 +190,9 @@ class Manifest:
             "stats": self.stats.to_dict(),
             "created_at": self.created_at,
         }
+        if self.rejected is not None:
+            data["rejected"] = dataclasses.asdict(self.rejected)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = MANIFEST_NAME) -> Manifest:
@@ -186,6 +211,7 @@ class Manifest:
             shards=[ShardInfo(**s) for s in data["shards"]],
             stats=PackingStats.from_dict(data["stats"]),
             created_at=data["created_at"],
+            rejected=RejectedRows(**data["rejected"]) if "rejected" in data else None,
             format=data["format"],
             format_version=data["format_version"],
         )
@@ -306,6 +332,10 @@ def _check_node(value: Any, schema: dict[str, Any], where: str, source: str) -> 
             _check_node(item, schema["items"], f"{where}[{i}]", source)
 
 
+# Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.
+ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
+
+
 def _check_across_fields(data: dict[str, Any], source: str) -> None:
     """The rules that tie fields together, which the JSON Schema cannot state."""
     capacity, rows_per_shard, shards, stats = data["capacity"], data["rows_per_shard"], data["shards"], data["stats"]
@@ -318,6 +348,15 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
             raise ManifestError(f"{source}: shards[{i}] holds more rows or tokens than rows_per_shard and capacity allow")
     if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
         raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
+    if data["format_version"] >= 2:
+        for where, names in ADDED_IN_VERSION_2.items():
+            fields = data[where] if where else data
+            missing = [name for name in names if name not in fields]
+            if missing:
+                raise ManifestError(f"{source}: missing field {where + '.' if where else ''}{missing[0]}")
+    rejected = data.get("rejected")
+    if rejected is not None and rejected["rows"] != sum(rejected["by_reason"].values()):
+        raise ManifestError(f"{source}: rejected.rows differs from the sum of rejected.by_reason")
 
 
 def validate_manifest(data: Any, source: str = MANIFEST_NAME) -> None:

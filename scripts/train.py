@@ -54,7 +54,7 @@ class TrainConfig:
     model: str = ""  # Hub id or local directory: fine-tune its weights
     random_init: str = ""  # "llama", "llama:key=value,...", or a Hub id / directory whose config is used
     trainer: str = "plain"  # plain | hf
-    attn: str = "auto"  # auto | flash_attn | torch_varlen | sdpa
+    attn: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_segments | sdpa | a transformers implementation
     out: str = "runs/train"
     batch_rows: int = 1
     tokens_per_batch: int = 0  # 0: batch_rows rows per batch
@@ -366,21 +366,51 @@ def train_hf(config: TrainConfig) -> None:
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
 
 
-def parse_args(argv: list[str] | None) -> TrainConfig:
-    defaults = TrainConfig()
+# What each option of TrainConfig does, for --help.
+OPTION_HELP = {
+    "shards": "shard directory or manifest (local, or an fsspec URL such as s3://)",
+    "model": "Hub id or local directory whose weights are fine-tuned",
+    "random_init": "random init from a config: a model type with overrides (llama:hidden_size=512,...) "
+                   "or a Hub id / directory whose config is used",
+    "trainer": "training loop: plain (PyTorch) or hf (Hugging Face Trainer)",
+    "attn": "attention backend: auto (the best here), flash_attn, torch_varlen, sdpa_segments (per example; "
+            "the CPU choice), sdpa, or a transformers implementation such as flash_attention_2",
+    "out": "directory for log.jsonl and checkpoints",
+    "batch_rows": "packed rows per batch (ignored with --tokens-per-batch)",
+    "tokens_per_batch": "tokens per batch instead of a fixed row count; 0 uses --batch-rows",
+    "grad_accum": "batches per optimizer step",
+    "max_steps": "optimizer steps to train for",
+    "lr": "learning rate (AdamW), constant after the warm-up",
+    "weight_decay": "AdamW weight decay",
+    "warmup_steps": "linear warm-up steps",
+    "max_grad_norm": "gradient clipping norm",
+    "precision": "bf16 (autocast, fp32 weights) or fp32",
+    "compile": "fixed-shape batches and per-layer torch.compile",
+    "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
+    "log_every": "log every N optimizer steps",
+    "save_every": "checkpoint every N steps; 0 saves only at the end",
+    "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
+    "seed": "seed of the model init and the loader's shuffle",
+}
+CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32")}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line: one option per TrainConfig field, each described with its default."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(defaults).items():
+    for name, value in asdict(TrainConfig()).items():
         flag = "--" + name.replace("_", "-")
+        shown = "off" if value is False else value if value != "" else "none"
+        text = f"{OPTION_HELP[name]} (default: {shown})"
         if isinstance(value, bool):
-            parser.add_argument(flag, action="store_true")
+            parser.add_argument(flag, action="store_true", help=text)
         else:
-            parser.add_argument(flag, type=type(value), default=value)
-    config = TrainConfig(**vars(parser.parse_args(argv)))
-    if config.trainer not in ("plain", "hf"):
-        parser.error(f"--trainer must be plain or hf, not {config.trainer!r}")
-    if config.precision not in ("bf16", "fp32"):
-        parser.error(f"--precision must be bf16 or fp32, not {config.precision!r}")
-    return config
+            parser.add_argument(flag, type=type(value), default=value, choices=CHOICES.get(name), help=text)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    return TrainConfig(**vars(make_parser().parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> None:

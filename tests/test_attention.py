@@ -18,12 +18,44 @@ def test_import_does_not_pull_in_transformers():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
-def test_cpu_falls_back_to_sdpa():
-    assert attention.available_backends() == ["sdpa"]
-    assert best_attn_implementation() == "sdpa"
-    assert attn_implementation_for("auto") == "sdpa"
+def test_cpu_falls_back_to_per_example_sdpa():
+    assert attention.available_backends() == ["sdpa_segments", "sdpa"]
+    assert best_attn_implementation() == attention.SEGMENTS_IMPLEMENTATION
+    assert attn_implementation_for("auto") == attention.SEGMENTS_IMPLEMENTATION
+    assert attn_implementation_for("sdpa") == "sdpa"
     with pytest.raises(RuntimeError, match="not available"):
         attn_implementation_for("flash_attn")
+
+
+class CausalModule(torch.nn.Module):
+    is_causal = True
+
+
+def largest_allocation(fn) -> int:
+    """The largest CPU allocation, in bytes, that any operation of ``fn`` makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max(event.cpu_memory_usage for event in prof.events())
+
+
+def test_per_example_sdpa_memory_does_not_grow_with_the_square_of_the_batch():
+    """16 examples of 256 tokens: no buffer of T x T (or T x T / 16) entries, where a packed mask needs T x T."""
+    tokens, heads, head_dim = 4096, 2, 16
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, heads, tokens, head_dim) for _ in range(3))
+    cu = torch.arange(0, tokens + 1, 256, dtype=torch.int32)
+    got, _ = attention.segment_attention_forward(CausalModule(), query, key, value, None, cu_seq_lens_q=cu)
+    assert largest_allocation(
+        lambda: attention.segment_attention_forward(CausalModule(), query, key, value, None, cu_seq_lens_q=cu)
+    ) < tokens * tokens // 16
+    mask = torch.block_diag(*[torch.ones(256, 256, dtype=torch.bool).tril()] * 16)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    assert largest_allocation(
+        lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    ) >= tokens * tokens
+    assert torch.allclose(got, want.transpose(1, 2), atol=1e-5)
 
 
 def test_unknown_backend_is_rejected():

@@ -1,9 +1,10 @@
 """A loader batch through a causal LM equals each example run alone: no attention across examples.
 
-CPU, fp32, a tiny random LlamaForCausalLM on sdpa: transformers turns the restarting
-``position_ids`` into a block-diagonal causal mask. It does so only with no attention mask and
-no cache, so the test also checks that an all-ones mask or the default cache breaks the
-equality: a test that cannot fail proves nothing.
+CPU, fp32, a tiny random LlamaForCausalLM on sdpa, where transformers turns the restarting
+``position_ids`` into a block-diagonal causal mask, and on varpack's per-example sdpa
+(``varpack_segments``), which reads ``cu_seq_lens``. transformers' sdpa keeps examples apart only
+with no attention mask and no cache, so the test also checks that an all-ones mask or the default
+cache breaks the equality there: a test that cannot fail proves nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
+from loaders.attention import attn_implementation_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,16 +31,20 @@ def shards(tmp_path_factory):
     return build_shard_dir(tmp_path_factory.mktemp("model"), lengths, capacity=CAPACITY, vocab_size=VOCAB)
 
 
-@pytest.fixture(scope="module")
-def model():
+def make_model(backend: str):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2 * CAPACITY, attn_implementation="sdpa",
+        num_key_value_heads=2, max_position_embeddings=2 * CAPACITY, attn_implementation=attn_implementation_for(backend),
     )
     model = transformers.LlamaForCausalLM(config).eval()
     model.config.use_cache = False  # with a cache, transformers ignores the packed position_ids
     return model
+
+
+@pytest.fixture(scope="module", params=["sdpa", "sdpa_segments"])
+def model(request):
+    return make_model(request.param)
 
 
 def segments(batch):
@@ -80,7 +86,8 @@ def test_packed_batch_equals_examples_alone(shards, model, fixed):
     assert abs(output.loss.item() - weighted / targets) < TOLERANCE
 
 
-def test_the_check_fails_when_examples_can_see_each_other(shards, model):
+def test_the_check_fails_when_examples_can_see_each_other(shards):
+    model = make_model("sdpa")
     batch = next(iter(PackedIterableDataset(shards.path, batch_rows=3)))
     assert largest_logit_gap(model, batch, attention_mask=torch.ones_like(batch["input_ids"])) > 100 * TOLERANCE
     model.config.use_cache = True

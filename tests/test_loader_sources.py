@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import uuid
 
 import fsspec
@@ -92,3 +93,17 @@ def test_missing_remote_manifest_is_a_manifest_error(tmp_path):
 def test_file_url_reads_in_place(shards, tmp_path):
     assert_same(all_batches(f"file://{shards.path}", cache_dir=tmp_path / "cache"), all_batches(shards.path))
     assert not (tmp_path / "cache").exists(), "local builds are not copied"
+
+
+def test_the_parent_of_builds_names_them(shards, tmp_path):
+    parent = tmp_path / "shards"
+    parent.mkdir()
+    shutil.copytree(shards.path, parent / "gsm8k-0123456789abcdef")
+    with pytest.warns(UserWarning, match=f"holds no manifest but one build; using {parent}/gsm8k-0123456789abcdef"):
+        assert_same(all_batches(parent), all_batches(shards.path))
+    shutil.copytree(shards.path, parent / "flan-fedcba9876543210")
+    with pytest.raises(ManifestError, match=rf"^{parent}: no manifest here; this directory holds 2 builds "
+                                            rf"\({parent}/flan-fedcba9876543210, {parent}/gsm8k-0123456789abcdef\): pass one"):
+        PackedIterableDataset(parent)
+    with pytest.raises(ManifestError, match="no manifest; the build is missing or was interrupted"):
+        PackedIterableDataset(tmp_path / "shards" / "gsm8k-0123456789abcdef" / "nothing")

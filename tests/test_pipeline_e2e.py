@@ -24,6 +24,7 @@ from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
 from pipeline.encode import Encoder
 from pipeline.pack import main
+from pipeline.readers import BatchRows
 from pipeline.sources import resolve_source
 from pipeline.synthetic import SHAPES, generate_block
 from schemas import MANIFEST_NAME, read_manifest
@@ -66,7 +67,7 @@ def assert_holds_encoded_examples(out_dir: str | Path, config: PackConfig, table
     """The shards hold each example of ``table`` once, token for token and mask for mask, as Encoder makes it."""
     plan = plan_build(config)
     encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, "split")
-    batch = encoder.encode(table.select(list(plan.example_format.columns)), "expected", 0)
+    batch = encoder.encode(table, BatchRows("expected"))
     examples = read_examples(out_dir)
     assert sorted(examples) == list(range(table.num_rows))
     ends = np.cumsum(batch.lengths)
@@ -197,11 +198,11 @@ def test_another_builds_directory_is_not_overwritten(default_run, tmp_path, caps
 BAD_INPUTS = {
     "unknown dataset": (["--dataset", "no-such-dataset"], "unknown dataset 'no-such-dataset'"),
     "missing column": (["--dataset", "{dir}/good.jsonl", "--text-column", "body"], "no column 'body'"),
-    "null text": (["--dataset", "{dir}/null.jsonl"], "null.jsonl row 1: 'response' is null"),
+    "null text": (["--dataset", "{dir}/null.jsonl"], "null.jsonl line 2: 'response' is null"),
     "non-string": (["--dataset", "{dir}/number.parquet"], "column 'response' holds int64 values"),
     "too long": (
         ["--dataset", "{dir}/good.jsonl", "--max-len", "8", "--overflow", "error"],
-        r"good.jsonl row 0: \d+ tokens, more than --max-len 8",
+        r"good.jsonl line 1: \d+ tokens, more than --max-len 8",
     ),
     "unreadable file": (["--dataset", "{dir}/corrupt.parquet"], "corrupt.parquet: cannot be read"),
     "foreign files": (["--dataset", "{dir}/good.jsonl", "--out", "{dir}/out"], "holds files varpack did not write"),

@@ -16,7 +16,7 @@ from pipeline.encode import Encoder, special_affixes
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
 from pipeline.formats import CHAT, PROMPT_RESPONSE, TEXT, ExampleFormat
 from pipeline.layout import make_layout
-from pipeline.readers import scan_file
+from pipeline.readers import BatchRows, scan_file
 from pipeline.spill import spill
 from pipeline.routing import assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
 from pipeline.sources import resolve_source
@@ -86,7 +86,7 @@ def test_tokenizer_hash_covers_content_not_file_layout(tokenizer, tmp_path):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         load_tokenizer(str(tmp_path / "nope" / "tokenizer.json"))
-    with pytest.raises(HubUnreachableError, match="cannot be reached"):
+    with pytest.raises(HubUnreachableError, match=r"cannot be reached.*\(hf download some-owner/some-tokenizer --local-dir"):
         load_tokenizer("some-owner/some-tokenizer")
 
 
@@ -100,7 +100,7 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
 def test_prompt_response_layout_and_mask(tokenizer, template, joined):
     fmt = ExampleFormat(PROMPT_RESPONSE, ("q", "a"), **({"prompt_template": template} if template else {}))
     batch = Encoder(tokenizer, fmt, 4096, "split").encode(
-        pa.table({"q": ["Hello world", "What is 2+2?"], "a": ["Hi", "Four"]}), "t", 0
+        pa.table({"q": ["Hello world", "What is 2+2?"], "a": ["Hi", "Four"]}), BatchRows("t", 0)
     )
     backend = tokenizer.backend()
     for (tokens, mask), (q, a) in zip(split_examples(batch), [("Hello world", "Hi"), ("What is 2+2?", "Four")]):
@@ -112,23 +112,23 @@ def test_prompt_response_layout_and_mask(tokenizer, template, joined):
 
 def test_train_on_prompt_and_plain_text(tokenizer):
     table = pa.table({"q": ["Hello world"], "a": ["Hi"]})
-    (tokens, mask), = split_examples(encoder(tokenizer, PROMPT_RESPONSE, ("q", "a"), train_on_prompt=True).encode(table, "t", 0))
+    (tokens, mask), = split_examples(encoder(tokenizer, PROMPT_RESPONSE, ("q", "a"), train_on_prompt=True).encode(table, BatchRows("t", 0)))
     assert mask.tolist() == [0] + [1] * (len(tokens) - 1)
-    (tokens, mask), = split_examples(encoder(tokenizer, TEXT, ("q",)).encode(table, "t", 0))
+    (tokens, mask), = split_examples(encoder(tokenizer, TEXT, ("q",)).encode(table, BatchRows("t", 0)))
     assert tokens[0] == BOS and tokens[-1] == EOS and mask.tolist() == [0] + [1] * (len(tokens) - 1)
 
 
 def test_batch_equals_one_example_at_a_time(tokenizer):
     table = generate_block(SHAPES["synthetic-orcamath"], 0, 40)
     enc = encoder(tokenizer, PROMPT_RESPONSE, ("prompt", "response"))
-    whole = split_examples(enc.encode(table, "t", 0))
+    whole = split_examples(enc.encode(table, BatchRows("t", 0)))
     for i in range(table.num_rows):
-        (tokens, mask), = split_examples(enc.encode(table.slice(i, 1), "t", i))
+        (tokens, mask), = split_examples(enc.encode(table.slice(i, 1), BatchRows("t", i)))
         assert np.array_equal(tokens, whole[i][0]) and np.array_equal(mask, whole[i][1])
 
 
 def test_chat_loss_on_assistant_turns_only(tokenizer):
-    batch = encoder(tokenizer, CHAT, ("messages",)).encode(pa.table({"messages": CHATS}), "t", 0)
+    batch = encoder(tokenizer, CHAT, ("messages",)).encode(pa.table({"messages": CHATS}), BatchRows("t", 0))
     backend = tokenizer.backend()
     examples = split_examples(batch)
     tokens, mask = examples[1]
@@ -150,7 +150,7 @@ def test_chat_template_with_generation_tags(tokenizer):
         "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
         "{% else %}<<{{ m['content'] }}>>{% endif %}{% endfor %}"
     )
-    batch = encoder(tokenizer, CHAT, ("messages",), template=template).encode(pa.table({"messages": CHATS[1:]}), "t", 0)
+    batch = encoder(tokenizer, CHAT, ("messages",), template=template).encode(pa.table({"messages": CHATS[1:]}), BatchRows("t", 0))
     (tokens, mask), = split_examples(batch)
     assert tokenizer.backend().decode(tokens[mask == 1].tolist(), skip_special_tokens=False).replace(" ", "") == "4</s>12</s>"
 
@@ -165,21 +165,23 @@ def test_chat_template_with_generation_tags(tokenizer):
 )
 def test_bad_values_name_the_row(tokenizer, values, message):
     with pytest.raises(InputError, match=message):
-        encoder(tokenizer, PROMPT_RESPONSE, ("q", "a")).encode(pa.table(values), "t", 5)
+        encoder(tokenizer, PROMPT_RESPONSE, ("q", "a")).encode(pa.table(values), BatchRows("t", 5))
 
 
 def test_too_long_under_error_names_the_row(tokenizer):
     enc = Encoder(tokenizer, ExampleFormat(TEXT, ("t",)), 8, "error")
     with pytest.raises(InputError, match=r"f row 3: \d+ tokens, more than --max-len 8"):
-        enc.encode(pa.table({"t": ["short", "a much longer text that does not fit in eight tokens"]}), "f", 2)
+        enc.encode(pa.table({"t": ["short", "a much longer text that does not fit in eight tokens"]}), BatchRows("f", 2))
 
 
 def test_bad_chats_are_clear_errors(tokenizer):
     enc = encoder(tokenizer, CHAT, ("m",))
-    with pytest.raises(InputError, match="no assistant message"):
-        enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}]]}), "t", 0)
-    with pytest.raises(InputError, match="chat template rejected"):
-        enc.encode(pa.table({"m": [[{"role": "assistant", "content": "hi"}]]}), "t", 0)
+    with pytest.raises(InputError, match="t row 0: 'm': no assistant turn, so nothing to train on; fix or remove it, or pass --on-bad-row skip"):
+        enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}]]}), BatchRows("t", 0))
+    with pytest.raises(InputError, match="t row 3: 'm': the chat template rejected the messages"):
+        enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 2,
+                                    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "yo"}]]}), BatchRows("t", 2))
 
 
 # --- sources -----------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def test_json_lines_rows_are_counted_across_tasks(tmp_path, monkeypatch):
     bad = list(lines)
     bad[20] = json.dumps({"text": 5})
     (tmp_path / "d.jsonl").write_text("\n".join(bad))
-    with pytest.raises(InputError, match=r"d.jsonl row 19: column 'text' holds a value of type int"):
+    with pytest.raises(InputError, match=r"d.jsonl line 21: column 'text' holds a value of type int"):
         for task in scan_file(str(tmp_path / "d.jsonl")).tasks:
             list(task.read({"text": pa.string()}, 100))
 
@@ -266,7 +268,7 @@ def test_hub_datasets_fail_fast_offline():
 def test_synthetic_lengths_follow_the_shape_exactly(tokenizer):
     table = generate_block(SHAPES["synthetic-flan"], 0, 300)
     joined = resolve_source(PackConfig(dataset="synthetic-flan")).default_format
-    batch = Encoder(tokenizer, joined, 4096, "split").encode(table, "t", 0)
+    batch = Encoder(tokenizer, joined, 4096, "split").encode(table, BatchRows("t", 0))
     rng = np.random.default_rng([1, 0])
     assert np.array_equal(batch.lengths, SHAPES["synthetic-flan"].lengths(rng, 8192)[:300])
     assert generate_block(SHAPES["synthetic-flan"], 0, 300).equals(table)

@@ -35,7 +35,7 @@ from schemas import (
     validate_table,
     write_manifest,
 )
-from schemas.manifest import _SCHEMA_KEYWORDS
+from schemas.manifest import _SCHEMA_KEYWORDS, ADDED_IN_VERSION_2
 
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
 SCHEMA_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -212,9 +212,10 @@ def test_the_schema_enums_are_the_code_constants() -> None:
 def test_the_schema_lists_every_field_the_code_writes() -> None:
     data = make_manifest().to_dict()
     properties = SCHEMA["properties"]
-    assert set(data) == set(properties) == set(SCHEMA["required"])
+    assert set(data) == set(properties) == set(SCHEMA["required"]) | set(ADDED_IN_VERSION_2[""])
     for key in ("inputs", "stats"):
         assert set(data[key]) == set(properties[key]["properties"])
+        assert set(properties[key]["required"]) == set(data[key]) - set(ADDED_IN_VERSION_2[key])
     for key in ("dataset", "tokenizer"):
         assert set(data["inputs"][key]) == set(properties["inputs"]["properties"][key]["properties"])
     assert set(data["shards"][0]) == set(properties["shards"]["items"]["properties"])
@@ -318,6 +319,32 @@ def test_the_code_accepts_what_the_schema_accepts(path: tuple[Any, ...], value: 
     assert Manifest.from_dict(data).to_dict()["inputs"]["dataset"]["id"] == "openai/gsm8k"
 
 
+def version_1(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` as format version 1 wrote it: no bad-row policy, rejected rows or untrained counts."""
+    old = copy.deepcopy(data)
+    old["format_version"] = 1
+    for where, names in ADDED_IN_VERSION_2.items():
+        for name in names:
+            del (old[where] if where else old)[name]
+    old["fingerprint"] = compute_fingerprint(BuildInputs.from_dict(old["inputs"]))
+    return old
+
+
+def test_a_version_1_manifest_is_still_read() -> None:
+    old = version_1(BASE)
+    assert schema_accepts(old) and code_accepts(old)
+    manifest = Manifest.from_dict(old)
+    assert manifest.rejected is None and manifest.inputs.on_bad_row is None and manifest.stats.examples_untrained == 0
+    assert Manifest.from_json(manifest.to_json()).fingerprint == old["fingerprint"]
+    assert BASE["inputs"]["on_bad_row"] == "error" and old["fingerprint"] != BASE["fingerprint"]
+
+
+@pytest.mark.parametrize("path", [("rejected",), ("inputs", "on_bad_row"), ("stats", "tokens_untrained")])
+def test_a_version_2_manifest_needs_its_new_fields(path: tuple[str, ...]) -> None:
+    with pytest.raises(ManifestError, match=f"missing field {'.'.join(path)}"):
+        validate_manifest(changed(BASE, path, DELETE))
+
+
 def test_an_edited_input_no_longer_matches_the_fingerprint() -> None:
     data = changed(BASE, ("inputs", "seed"), BASE["inputs"]["seed"] + 1)
     assert schema_accepts(data)
@@ -376,7 +403,7 @@ def test_a_newer_format_version_is_refused(tmp_path: Path) -> None:
     data = changed(BASE, ("format_version",), FORMAT_VERSION + 1)
     data["shards_v2"] = "fields this version does not know"
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
-    newer = rf"^{re.escape(str(tmp_path / MANIFEST_NAME))}: format version 2 is newer .* upgrade varpack"
+    newer = rf"^{re.escape(str(tmp_path / MANIFEST_NAME))}: format version {FORMAT_VERSION + 1} is newer .* upgrade varpack"
     with pytest.raises(FormatVersionError, match=newer):
         read_manifest(tmp_path)
 

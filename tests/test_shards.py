@@ -16,6 +16,7 @@ from loaders.shard_reader import Shard, open_shard
 from pipeline.packing import PackingPlan, pack
 from pipeline.shard_writer import build_rows, default_rows_per_shard, shard_name, write_shard
 from schemas import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
     BuildInputs,
     DatasetInputs,
@@ -298,8 +299,8 @@ def test_a_shard_read_at_a_smaller_capacity_is_refused(build: tuple[Path, Manife
 def test_a_manifest_of_a_newer_format_is_refused(build: tuple[Path, Manifest]) -> None:
     directory, _ = build
     path = directory / MANIFEST_NAME
-    path.write_text(path.read_text().replace('"format_version": 1', '"format_version": 7'))
-    newer = rf"^{re.escape(str(path))}: format version 7 is newer than this varpack reads \(1\)"
+    path.write_text(path.read_text().replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 7'))
+    newer = rf"^{re.escape(str(path))}: format version 7 is newer than this varpack reads \({FORMAT_VERSION}\)"
     with pytest.raises(FormatVersionError, match=newer):
         read_manifest(directory)
 

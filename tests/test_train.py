@@ -42,3 +42,15 @@ def test_resume_continues_exactly(shards, tmp_path, trainer):
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+
+
+def test_help_describes_every_option_and_its_default(capsys):
+    from train import TrainConfig, main, make_parser
+
+    options = [action for action in make_parser()._actions if action.dest != "help"]
+    assert {action.dest for action in options} == set(TrainConfig.__dataclass_fields__)
+    assert all(action.help and "(default: " in action.help for action in options)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(flag in text for action in options for flag in action.option_strings)

@@ -1,0 +1,108 @@
+"""Source rows that cannot make an example, and what ``--on-bad-row`` does with them.
+
+Under ``error`` (the default) the first bad row stops the build with one line naming it. Under
+``skip`` bad rows are left out: each is written with its reason to ``rejected.jsonl`` in the
+build directory (before the manifest, so only a complete build has one), the report counts them
+by reason and the manifest records the counts. ``--max-bad-rows``, a count or a fraction of the
+rows read, stops a run whose data is mostly bad.
+
+    {"where": "chats.jsonl line 7", "reason": "starts_with_assistant",
+     "message": "the conversation starts with an assistant turn", "row": {"conversations": [...]}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pipeline import storage
+from pipeline.errors import InputError
+from schemas import RejectedRows
+
+REJECTED_NAME = "rejected.jsonl"
+
+
+class Reason(StrEnum):
+    """Why a row cannot make an example."""
+
+    NULL = "null"
+    EMPTY_TEXT = "empty_text"
+    NOT_A_CONVERSATION = "not_a_conversation"
+    EMPTY_TURN = "empty_turn"
+    UNKNOWN_ROLE = "unknown_role"
+    STARTS_WITH_ASSISTANT = "starts_with_assistant"
+    ROLES_NOT_ALTERNATING = "roles_not_alternating"
+    NO_ASSISTANT_TURN = "no_assistant_turn"
+    TEMPLATE_REJECTED = "template_rejected"
+    NO_TOKENS = "no_tokens"
+
+
+class RowProblem(Exception):
+    """What is wrong with one row: raised while reading it, turned into a BadRow by the encoder."""
+
+    def __init__(self, reason: Reason, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """One bad row: where the user finds it, why it is bad, and its values."""
+
+    where: str
+    reason: Reason
+    message: str
+    row: dict[str, Any]
+
+    def error(self) -> InputError:
+        """The error that stops a build under ``--on-bad-row error``."""
+        return InputError(f"{self.where}: {self.message}; fix or remove it, or pass --on-bad-row skip to leave such rows out")
+
+    def to_json(self) -> str:
+        """One line of ``rejected.jsonl``."""
+        record = {"where": self.where, "reason": str(self.reason), "message": self.message, "row": self.row}
+        return json.dumps(record, ensure_ascii=False, default=str)
+
+
+def bound_exceeded(bad: int, rows: int, bound: int | float) -> bool:
+    """Whether ``bad`` of ``rows`` is over ``--max-bad-rows`` (a count, or a fraction when a float)."""
+    return bad > bound * rows if isinstance(bound, float) else bad > bound
+
+
+def bound_error(bad: int, rows: int | None, bound: int | float, first: BadRow) -> InputError:
+    """The error that stops a build with too many bad rows."""
+    share = f"{bad:,} of {rows:,} rows read" if rows is not None else f"{bad:,} rows"
+    return InputError(
+        f"{share} are bad, more than --max-bad-rows {bound} (first: {first.where}: {first.message}); check the "
+        "dataset and the column options, or raise --max-bad-rows"
+    )
+
+
+def summarize(bad_rows: Sequence[BadRow]) -> RejectedRows:
+    """The counts the manifest records: rows left out, by reason."""
+    counts = Counter(str(row.reason) for row in bad_rows)
+    return RejectedRows(rows=len(bad_rows), by_reason=dict(sorted(counts.items())))
+
+
+def write_rejected(bad_rows: Sequence[BadRow], out_dir: str) -> None:
+    """Write ``rejected.jsonl`` into the build directory, atomically (nothing when no row was left out)."""
+    if not bad_rows:
+        return
+    path = storage.join(out_dir, REJECTED_NAME)
+    local_dir = None if storage.is_url(out_dir) else out_dir
+    with tempfile.NamedTemporaryFile(
+        "w", dir=local_dir, prefix=f".{REJECTED_NAME}.tmp-", delete=False, encoding="utf-8"
+    ) as tmp:
+        tmp.writelines(row.to_json() + "\n" for row in bad_rows)
+    try:
+        storage.publish(tmp.name, path)
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)

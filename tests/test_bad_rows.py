@@ -1,0 +1,133 @@
+"""Chat data as it exists: ShareGPT ``{from, value}`` turns, broken rows stopped or skipped under
+``--on-bad-row``, listed in ``rejected.jsonl``, counted in the report and the manifest, bounded by
+``--max-bad-rows``, and named as the user finds them (JSON-lines line, Parquet row)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.bad_rows import REJECTED_NAME
+from pipeline.build import build, plan_build
+from pipeline.chat import conversation
+from pipeline.config import PackConfig
+from pipeline.encode import Encoder
+from pipeline.pack import main
+from pipeline.readers import BatchRows
+from schemas import MANIFEST_NAME, read_manifest
+from tests.test_pipeline_e2e import read_examples
+
+
+def sharegpt(*turns: tuple[str | None, str | None]) -> list[dict]:
+    return [{"from": speaker, "value": value} for speaker, value in turns]
+
+
+GOOD = [
+    sharegpt(("human", f"What is {i} + {i}?"), ("gpt", f"It is {2 * i}."))
+    + (sharegpt(("human", "And doubled?"), ("gpt", f"{4 * i}")) if i % 2 else [])
+    for i in range(12)
+]
+# (line in the file, the row's conversations, the reason it is bad or None); line 4 is blank.
+ROWS = [
+    (1, GOOD[0], None),
+    (2, GOOD[1], None),
+    (3, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], None),
+    (5, sharegpt(("gpt", "I speak first"), ("human", "Hi")), "starts_with_assistant"),
+    (6, sharegpt(("human", "Hi"), ("gpt", "")), "empty_turn"),
+    (7, sharegpt(("human", "Hi"), ("human", "Hello?"), ("gpt", "Yes")), "roles_not_alternating"),
+    (8, None, "null"),
+    (9, sharegpt(("human", "Hi"), ("gpt", None)), "empty_turn"),
+    (10, sharegpt(("narrator", "Once"), ("gpt", "upon")), "unknown_role"),
+    (11, sharegpt(("system", "Be brief"), ("human", "Hi"), ("gpt", "Yo")), "template_rejected"),  # Mistral's refuses system
+    (12, sharegpt(("human", "Only a question")), "no_assistant_turn"),
+] + [(13 + i, GOOD[i], None) for i in range(2, 12)]
+
+
+@pytest.fixture
+def chats(tmp_path):
+    lines = [json.dumps({"id": line, "conversations": value}) for line, value, _ in ROWS]
+    lines.insert(3, "   ")
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_sharegpt_turns_become_messages():
+    assert conversation(sharegpt(("system", "s"), ("human", "q"), ("gpt", "a"))) == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    ]
+
+
+def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["--dataset", str(chats), "--out", str(out), "--on-bad-row", "skip", "--max-bad-rows", "0.5", "--no-progress"]
+    assert main(args) == 0
+    report = capsys.readouterr().out
+    (build_dir,) = out.iterdir()
+    manifest = read_manifest(build_dir)
+    bad = [(line, reason) for line, _, reason in ROWS if reason]
+    assert manifest.rejected.rows == len(bad) == 8 and manifest.inputs.on_bad_row == "skip"
+    assert manifest.rejected.by_reason == {"empty_turn": 2, "no_assistant_turn": 1, "null": 1, "roles_not_alternating": 1,
+                                           "starts_with_assistant": 1, "template_rejected": 1, "unknown_role": 1}
+    assert re.search(r"rejected +8 rows \(2 empty_turn, 1 no_assistant_turn, 1 null, .*\), listed in rejected.jsonl", report)
+    records = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
+    assert [(r["where"], r["reason"]) for r in records] == [(f"{chats} line {line}", reason) for line, reason in bad]
+    assert records[0]["row"]["conversations"][0] == {"role": None, "content": None, "from": "gpt", "value": "I speak first"}
+    good = [[{"role": t.get("role") or {"human": "user", "gpt": "assistant"}[t["from"]], "content": t.get("content") or t["value"]}
+             for t in value] for _, value, reason in ROWS if reason is None]
+    plan = plan_build(PackConfig(dataset=str(chats)))
+    expected = Encoder(plan.tokenizer, plan.example_format, 4096, "split").encode(
+        pa.table({"conversations": good}), BatchRows("expected")
+    )
+    examples = read_examples(build_dir)
+    ends = np.cumsum(expected.lengths)
+    assert len(examples) == len(good)
+    for i, (end, n) in enumerate(zip(ends.tolist(), expected.lengths.tolist())):
+        assert np.array_equal(examples[i][0], expected.tokens[end - n : end])
+        assert np.array_equal(examples[i][1], expected.loss_mask[end - n : end])
+
+
+def test_the_policy_is_part_of_the_fingerprint(chats):
+    error = plan_build(PackConfig(dataset=str(chats)))
+    skip = plan_build(PackConfig(dataset=str(chats), on_bad_row="skip"))
+    assert error.fingerprint != skip.fingerprint
+    assert plan_build(PackConfig(dataset=str(chats), on_bad_row="skip", max_bad_rows=3)).fingerprint == skip.fingerprint
+
+
+def test_error_names_the_first_bad_line(chats, tmp_path, capsys):
+    assert main(["--dataset", str(chats), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (
+        f"varpack: error: {chats} line 5: 'conversations': the conversation starts with an assistant turn; "
+        "fix or remove it, or pass --on-bad-row skip to leave such rows out"
+    )
+    assert not list((tmp_path / "out").rglob("*.*"))
+
+
+@pytest.mark.parametrize("bound", ["3", "0.2"])
+def test_too_many_bad_rows_stop_the_run(chats, tmp_path, capsys, bound):
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--max-bad-rows", bound]
+    assert main([*args, "--no-progress"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("varpack: error:")]
+    assert len(errors) == 1 and f"more than --max-bad-rows {bound} (first: {chats} line 5:" in errors[0], errors
+    assert not list(tmp_path.rglob(MANIFEST_NAME)) and not list(tmp_path.rglob(REJECTED_NAME))
+
+
+def test_parquet_rows_are_named_by_index(tmp_path):
+    prompts = [f"Question {i}?" for i in range(10)]
+    prompts[6] = None
+    path = tmp_path / "qa.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "response": [f"Answer {i}." for i in range(10)]}), path, row_group_size=4)
+    config = PackConfig(dataset=str(path), out=str(tmp_path / "out"), progress=False)
+    with pytest.raises(Exception, match=rf"^{path} row 6: 'prompt' is null"):
+        build(config)
+    result = build(dataclasses.replace(config, on_bad_row="skip", max_bad_rows=1))
+    assert result.manifest.stats.examples == 9 and result.manifest.rejected.by_reason == {"null": 1}
+    (record,) = map(json.loads, (tmp_path / "out" / result.out_dir.split("/")[-1] / REJECTED_NAME).read_text().splitlines())
+    assert record["where"] == f"{path} row 6" and record["row"] == {"prompt": None, "response": "Answer 6."}

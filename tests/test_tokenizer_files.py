@@ -1,0 +1,144 @@
+"""Tokenizers as they ship: SentencePiece ``tokenizer.model`` and tiktoken ``*.tiktoken`` files, or
+directories holding one, load through ``--tokenizer`` with the ids of the reference encoders."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import numpy as np
+import pytest
+import sentencepiece
+import tiktoken
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from pipeline.build import build
+from pipeline.config import PackConfig
+from pipeline.errors import InputError
+from pipeline.pack import main
+from pipeline.tokenizer import load_tokenizer
+from tests.test_pipeline_e2e import read_examples
+
+TEXTS = [
+    "Hello world. The quick brown fox 12 jumps over the lazy dog 345!",
+    "  two leading spaces,   three inside, and a tab\there",
+    "Unicode: café, naïve, 東京, emoji 🙂.",
+    "line one\nline two\n\nline four",
+]
+CORPUS = [f"The quick brown fox {i} jumps over the lazy dog number {i * 7}. Hello world, café!" for i in range(400)]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", params=["bpe", "unigram"])
+def sentencepiece_model(request, tmp_path_factory):
+    """A SentencePiece model trained here, with <s> and </s>."""
+    prefix = tmp_path_factory.mktemp(request.param) / "tokenizer"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_prefix=str(prefix), vocab_size=400, model_type=request.param,
+        character_coverage=1.0, byte_fallback=True, minloglevel=2,
+    )
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="module")
+def tiktoken_ranks(tmp_path_factory):
+    """A tiktoken ranks file (base64 token, rank) of all bytes and a few merges, and its reference encoder."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in [b"he", b"ll", b"llo", b"hello", b" w", b"or", b" wor", b" world", b"th", b" th", b" the", b" fox"]:
+        ranks[merge] = len(ranks)
+    path = tmp_path_factory.mktemp("tiktoken") / "tiny.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()))
+    reference = tiktoken.Encoding("tiny", pat_str=TikTokenConverter().pattern, mergeable_ranks=ranks, special_tokens={})
+    return path, reference
+
+
+def test_sentencepiece_model_file_and_directory_load(sentencepiece_model, tmp_path):
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    directory = tmp_path / "spm"
+    directory.mkdir()
+    shutil.copyfile(sentencepiece_model, directory / "tokenizer.model")
+    for spec in (str(sentencepiece_model), str(directory)):
+        tokenizer = load_tokenizer(spec)
+        assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+        for text in TEXTS:
+            assert tokenizer.backend().encode(text, add_special_tokens=False).ids == reference.encode(text), text
+    assert load_tokenizer(str(directory)).content_hash == load_tokenizer(str(sentencepiece_model)).content_hash
+
+
+def test_tiktoken_file_and_directory_load(tiktoken_ranks, tmp_path):
+    path, reference = tiktoken_ranks
+    directory = tmp_path / "tk"
+    directory.mkdir()
+    shutil.copyfile(path, directory / "tiny.tiktoken")
+    llama3_style = tmp_path / "llama3" / "tokenizer.model"  # tiktoken ranks under the SentencePiece name
+    llama3_style.parent.mkdir()
+    shutil.copyfile(path, llama3_style)
+    for spec in (str(path), str(directory), str(llama3_style.parent)):
+        tokenizer = load_tokenizer(spec)
+        for text in TEXTS:
+            assert tokenizer.backend().encode(text, add_special_tokens=False).ids == reference.encode(text), text
+
+
+def test_packing_with_a_sentencepiece_directory_gives_its_ids(sentencepiece_model, tmp_path):
+    directory = tmp_path / "spm"
+    directory.mkdir()
+    shutil.copyfile(sentencepiece_model, directory / "tokenizer.model")
+    records = [{"text": text} for text in TEXTS]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = build(PackConfig(dataset=str(data), out=str(tmp_path / "out"), tokenizer=str(directory), max_len=256,
+                              progress=False))
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    examples = read_examples(result.out_dir)
+    eos = reference.eos_id()
+    for i, text in enumerate(TEXTS):
+        tokens = examples[i][0].tolist()
+        assert tokens[-1] == eos and reference.encode(text) == [t for t in tokens[:-1] if t != reference.bos_id()]
+    assert result.manifest.inputs.tokenizer.eos_token_id == eos
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("empty", "the directory is empty"),
+        ("corrupt model", "not a SentencePiece model"),
+        ("corrupt ranks", "not a tiktoken BPE file"),
+        ("other file", "not a tokenizer file"),
+    ],
+)
+def test_unloadable_tokenizers_fail_in_one_line(setup, message, tmp_path, capsys):
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    target = {
+        "empty": tmp_path / "empty",
+        "corrupt model": tmp_path / "bad" / "tokenizer.model",
+        "corrupt ranks": tmp_path / "bad.tiktoken",
+        "other file": tmp_path / "vocab.txt",
+    }[setup]
+    if setup == "empty":
+        target.mkdir()
+    else:
+        target.parent.mkdir(exist_ok=True)
+        target.write_bytes(b"garbage\x00\x01\n")
+    assert main(["--dataset", str(tmp_path / "data.jsonl"), "--tokenizer", str(target), "--no-progress"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("varpack: error: ") and error.count("\n") == 0, error
+    assert message in error and "save_pretrained" in error
+    with pytest.raises(InputError):
+        load_tokenizer(str(target))
+
+
+def test_several_models_in_one_directory_are_named(tiktoken_ranks, tmp_path):
+    path, _ = tiktoken_ranks
+    for name in ("a.tiktoken", "b.tiktoken"):
+        shutil.copyfile(path, tmp_path / name)
+    with pytest.raises(InputError, match=r"holds several tokenizer models \(a.tiktoken, b.tiktoken\)"):
+        load_tokenizer(str(tmp_path))
+    assert np.array_equal(
+        load_tokenizer(str(tmp_path / "a.tiktoken")).backend().encode("hello world").ids,
+        load_tokenizer(str(path)).backend().encode("hello world").ids,
+    )
