@@ -21,6 +21,7 @@ Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
+from loaders.distributed import global_loss_tokens, world_size  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
@@ -209,18 +211,53 @@ def latest_checkpoint(out: Path) -> Path | None:
 # ---- the plain PyTorch loop -----------------------------------------------------------------
 
 
+def loader_state_name(rank: int) -> str:
+    """Each rank saves its own loader position; rank 0's (the only one of a single process) keeps the plain name."""
+    return LOADER_STATE if rank == 0 else LOADER_STATE.replace(".pt", f"-rank{rank}.pt")
+
+
+def init_distributed() -> tuple[int, torch.device]:
+    """Join the process group ``torchrun`` describes (NCCL on GPUs, gloo on CPUs): ``(rank, device)``.
+
+    A plain ``python scripts/train.py`` is rank 0 of one.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
 def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> Path:
+    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position."""
     path = out / f"{CHECKPOINT_PREFIX}{step}"
-    model.save_pretrained(path)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
-               path / "training_state.pt")
-    torch.save(dataset.state_dict(), path / LOADER_STATE)
+    if dataset.rank == 0:
+        model.save_pretrained(path)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
+                   path / "training_state.pt")
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+    torch.save(dataset.state_dict(), path / loader_state_name(dataset.rank))
+    if world_size() > 1:
+        torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
     return path
 
 
 def train_plain(config: TrainConfig) -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The plain loop; under ``torchrun --nproc_per_node N`` each rank reads its share and DDP averages gradients.
+
+    The loss of a step is the mean over every loss token of the global batch (all micro-batches of
+    all ranks), whatever each rank's share of them.
+    """
+    rank, device = init_distributed()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
@@ -243,13 +280,18 @@ def train_plain(config: TrainConfig) -> None:
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
-        dataset.load_state_dict(torch.load(checkpoint / LOADER_STATE, weights_only=False))
-        print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
+        dataset.load_state_dict(torch.load(checkpoint / loader_state_name(rank), weights_only=False))
+        if rank == 0:
+            print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
     if config.compile:
         with autocast:
             prewarm_buckets(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
+    ranks = world_size()
+    trained = model
+    if ranks > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     logger = Logger(out)
     batches = iter(dataset)
     losses = []
@@ -261,12 +303,16 @@ def train_plain(config: TrainConfig) -> None:
                 batches = iter(dataset)
                 batch = next(batches)
             window.append(batch)
-        num_items = count_on_device(sum(b[NUM_LOSS_TOKENS] for b in window), device)
+        local_items = sum(b[NUM_LOSS_TOKENS] for b in window)
+        # DDP averages gradients over ranks: dividing by the global count / ranks makes them the global mean.
+        num_items = global_loss_tokens(local_items, device) / ranks if ranks > 1 else count_on_device(local_items, device)
         step_loss = torch.zeros((), device=device)
-        for batch in window:
-            with autocast:
-                loss = model(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items).loss
-            loss.backward()
+        for i, batch in enumerate(window):
+            sync = contextlib.nullcontext() if ranks == 1 or i == len(window) - 1 else trained.no_sync()
+            with sync:
+                with autocast:
+                    loss = trained(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items).loss
+                loss.backward()
             step_loss += loss.detach()
             logger.add_tokens(batch[NUM_REAL_TOKENS])
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -276,10 +322,18 @@ def train_plain(config: TrainConfig) -> None:
         step += 1
         losses.append(step_loss)
         if step % config.log_every == 0 or step == config.max_steps:
-            logger.log(step, loss=torch.stack(losses).mean().item(), lr=scheduler.get_last_lr()[0])
+            mean_loss = torch.stack(losses).mean()
+            if ranks > 1:  # the global batch's loss, and every rank's tokens
+                totals = torch.stack([mean_loss, count_on_device(logger.tokens, device)])
+                torch.distributed.all_reduce(totals)
+                mean_loss, logger.tokens = totals[0] / ranks, int(totals[1].item())
+            if rank == 0:
+                logger.log(step, loss=mean_loss.item(), lr=scheduler.get_last_lr()[0])
             losses = []
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
             save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
+    if ranks > 1:
+        torch.distributed.destroy_process_group()
 
 
 # ---- the Hugging Face Trainer ---------------------------------------------------------------

@@ -54,3 +54,32 @@ def test_help_describes_every_option_and_its_default(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     assert all(flag in text for action in options for flag in action.option_strings)
+
+
+def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path):
+    """``torchrun --nproc_per_node 2`` (gloo): the loss curve equals one process taking both ranks'
+    batches per step (grad accumulation 2), and stopping and resuming both ranks continues exactly."""
+    import os
+    import subprocess
+
+    from train import main
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
+              "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1"]
+    main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one"), "--max-steps", "4"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[1])}
+
+    def torchrun(*args: str) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(script), *common, *args]
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+
+    torchrun("--out", str(tmp_path / "two"), "--max-steps", "2", "--save-every", "2")
+    checkpoint = tmp_path / "two" / "checkpoint-2"
+    assert {p.name for p in checkpoint.glob("loader_state*.pt")} == {"loader_state.pt", "loader_state-rank1.pt"}
+    torchrun("--out", str(tmp_path / "two"), "--max-steps", "4", "--save-every", "2", "--resume")
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
