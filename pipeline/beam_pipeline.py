@@ -1,26 +1,26 @@
-"""The Apache Beam graph: read -> tokenize -> collect lengths -> pack -> route tokens -> write shards -> manifest.
+"""The Apache Beam graph: read -> tokenize -> collect lengths -> pack -> write shards -> manifest.
 
-Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a route, a piece
-of a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us
-per element through a shuffle.
+Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a group's lengths,
+a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us per
+element through a shuffle.
 
     read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
         rejected rows, untrained counts --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
             --> Filtered, joined with the counts and with the manifest's inputs
         counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
-        lengths --GroupByKey(group)--> GroupPlan (best-fit decreasing per group)
-            --> GroupSummary (shards, statistics) --gather--> (shard in group, shard index) --+
-            --> (shard in group, plan of its rows) -------------------------------------------+
-            --> (batch key, Route) --join SpilledBatch by batch key-->                         |
-                (shard in group, Piece) ------------------------------------------------------+
+        lengths --GroupByKey(group)--> PackGroups (best-fit decreasing per group; one plan file
+            per shard, naming the spill files and positions of its segments' tokens)
+            --> PackedGroup (statistics, plan files) --gather--> (shard in group, shard index) --+
+            --> (shard in group, plan file) --------------------------------------------------+
                     --CoGroupByKey(group, shard in group)--> WriteShard
-    shard infos + summaries + Filtered --gather--> WriteManifest (last; its presence marks a complete build)
+    shard infos + group statistics + Filtered --gather--> WriteManifest (last; its presence marks a complete build)
 
-Whole-collection values (the layout, the summaries) are gathered under one key and joined
+Whole-collection values (the layout, the statistics) are gathered under one key and joined
 with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
 
-Tokens never travel through a shuffle: a Piece says where its segments lie in a spill file,
-and WriteShard gathers them from there (``pipeline/spill.py``).
+Tokens never travel through a shuffle, and neither does the packing plan: WriteShard reads its
+shard's plan file and gathers the tokens from the spill files (``pipeline/routing.py``,
+``pipeline/spill.py``). What the runner holds is the examples' lengths, 4 bytes each.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
 from pipeline.layout import EXAMPLES_PER_GROUP, BatchKey, make_layout
 from pipeline.packing import PackingPlan
-from pipeline.routing import Piece, assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
+from pipeline.routing import GroupBatch, PackedGroup, ShardPlan, assemble_shard, merge_stats, pack_group
 from pipeline.shard_writer import shard_name, write_shard
 from pipeline.spill import SpilledBatch, spill
 from pipeline.sources import ReadTask
@@ -181,46 +181,29 @@ def placements(counts: list[tuple[BatchKey, int]], limit: int | None, examples_p
 
 
 def assign_group(key: BatchKey, joined: dict):
-    """A batch's kept lengths keyed by its packing group: ``(group, (key, first id, lengths))``."""
-    (lengths,), (placement,) = joined["lengths"], joined["placement"]
+    """A batch's kept lengths keyed by its packing group: ``(group, GroupBatch)``."""
+    (batch,), (placement,) = joined["batch"], joined["placement"]
     first_id, kept, group = placement
     if kept:
-        yield group, (key, first_id, lengths[:kept])
+        yield group, GroupBatch(key, first_id, batch.lengths[:kept], batch.path)
 
 
-@dataclass(frozen=True)
-class GroupSummary:
-    """What the steps after packing need to know about every group."""
-
-    group: int
-    shards: int
-    stats: PackingStats
-
-
-def first_shard(summaries: list[GroupSummary], group: int) -> int:
+def first_shard(groups: list[PackedGroup], group: int) -> int:
     """The index of a group's first shard: the groups' shards follow each other in group order."""
-    return sum(s.shards for s in summaries if s.group < group)
+    return sum(len(g.shard_plans) for g in groups if g.group < group)
 
 
-def route_batch(key: BatchKey, joined: dict):
-    """Cut a spilled batch into the pieces its shards need: ``((group, shard in group), Piece)``."""
-    (batch,) = joined["batch"]
-    for group, route in joined["route"]:
-        for local_shard, piece in route_tokens(batch, route):
-            yield (group, local_shard), piece
-
-
-def shard_indices(summaries: list[GroupSummary]):
+def shard_indices(groups: list[PackedGroup]):
     """``((group, shard in group), (shard index, rows of the whole build))`` for every shard of the build."""
-    total_rows = sum(s.stats.rows for s in summaries)
-    for s in summaries:
-        first = first_shard(summaries, s.group)
-        for local in range(s.shards):
-            yield (s.group, local), (first + local, total_rows)
+    total_rows = sum(g.stats.rows for g in groups)
+    for g in groups:
+        first = first_shard(groups, g.group)
+        for local in range(len(g.shard_plans)):
+            yield (g.group, local), (first + local, total_rows)
 
 
 class WriteShard(beam.DoFn):
-    """Build one shard's rows from its plan and its pieces (grouped together), and write it: ``(shard, ShardInfo)``."""
+    """Build one shard's rows from its plan file and the spill files it names, and write it: ``(shard, ShardInfo)``."""
 
     def __init__(self, out_dir: str, capacity: int):
         self.out_dir = out_dir
@@ -230,8 +213,8 @@ class WriteShard(beam.DoFn):
 
     def process(self, element):
         _, joined = element
-        (plan,), ((shard, total_rows),) = joined["plan"], joined["index"]
-        table = assemble_shard(plan, list(joined["pieces"]))
+        (plan_path,), ((shard, total_rows),) = joined["plan"], joined["index"]
+        table = assemble_shard(ShardPlan.load(plan_path))
         name = shard_name(shard)
         if storage.is_url(self.out_dir):
             with tempfile.TemporaryDirectory() as tmp:
@@ -256,10 +239,10 @@ class ManifestSpec:
 
 
 def write_build_manifest(
-    shards: list[tuple[int, ShardInfo]], summaries: list[GroupSummary], filtered: Filtered, spec: ManifestSpec
+    shards: list[tuple[int, ShardInfo]], groups: list[PackedGroup], filtered: Filtered, spec: ManifestSpec
 ) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path."""
-    stats = merge_stats([s.stats for s in sorted(summaries, key=lambda s: s.group)])
+    stats = merge_stats([g.stats for g in sorted(groups, key=lambda g: g.group)])
     stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
     capacity = spec.inputs.max_len
     if stats.rows == 0:
@@ -313,8 +296,7 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     filtered = _gather(
         "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.lengths.size, b.rejected, b.untrained))
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, max_bad_rows)))
-    lengths = encoded | "Lengths" >> beam.MapTuple(lambda key, batch: (key, batch.lengths))
-    counts = lengths | "Counts" >> beam.MapTuple(lambda key, batch_lengths: (key, batch_lengths.size))
+    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, batch.lengths.size))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (
         {"counts": _gather("Counts", counts), "filtered": filtered}
@@ -323,48 +305,38 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
             lambda _, joined: placements([c for part in joined["counts"] for c in part], limit, examples_per_group)
         )
     )
-    group_plans = (
-        {"lengths": lengths, "placement": placed}
+    plan_dir = spec.spill_dir
+    groups = (
+        {"batch": encoded, "placement": placed}
         | "JoinPlacements" >> beam.CoGroupByKey()
         | "AssignGroups" >> beam.FlatMapTuple(assign_group)
         | "GroupLengths" >> beam.GroupByKey()
         | "PackGroups"
         >> beam.MapTuple(
-            lambda group, batches: pack_group(group, list(batches), inputs.max_len, inputs.overflow, inputs.packing, inputs.seed)
+            lambda group, batches: pack_group(
+                group, list(batches), inputs.max_len, inputs.overflow, inputs.packing, inputs.seed, rows_per_shard, plan_dir
+            )
         )
     )
-    summaries = group_plans | "Summaries" >> beam.Map(
-        lambda gp: GroupSummary(gp.group, gp.num_shards(rows_per_shard), gp.plan.stats)
-    )
     # Shards are first numbered within their group; the group's first shard index joins them
-    # only at the end, so the packing plans themselves never travel through a join.
-    plans = group_plans | "ShardPlans" >> beam.FlatMap(
-        lambda gp: [((gp.group, local), plan) for local, plan in shard_plans(gp, 0, rows_per_shard)]
-    )
-    batch_routes = group_plans | "Routes" >> beam.FlatMap(
-        lambda gp: [(key, (gp.group, route)) for key, route in routes(gp, 0, rows_per_shard)]
-    )
-    pieces = (
-        {"batch": encoded, "route": batch_routes}
-        | "JoinRoutes" >> beam.CoGroupByKey()
-        | "RouteTokens" >> beam.FlatMapTuple(route_batch)
-    )
-    indices = _gather("Summaries", summaries) | "ShardIndices" >> beam.FlatMapTuple(
-        lambda _, all_summaries: shard_indices(list(all_summaries))
+    # only at the end.
+    plans = groups | "ShardPlans" >> beam.FlatMap(lambda g: [((g.group, local), path) for local, path in enumerate(g.shard_plans)])
+    indices = _gather("Groups", groups) | "ShardIndices" >> beam.FlatMapTuple(
+        lambda _, all_groups: shard_indices(list(all_groups))
     )
     shards = (
-        {"plan": plans, "pieces": pieces, "index": indices}
+        {"plan": plans, "index": indices}
         | "GroupByShard" >> beam.CoGroupByKey()
         | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len))
     )
     manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)
     (
-        {"shards": _gather("Shards", shards), "summaries": _gather("AllSummaries", summaries), "filtered": filtered}
+        {"shards": _gather("Shards", shards), "groups": _gather("AllGroups", groups), "filtered": filtered}
         | "JoinForManifest" >> beam.CoGroupByKey()
         | "WriteManifest" >> beam.MapTuple(
             lambda _, joined: write_build_manifest(
                 [s for part in joined["shards"] for s in part],
-                [s for part in joined["summaries"] for s in part],
+                [g for part in joined["groups"] for g in part],
                 joined["filtered"][0],
                 manifest,
             )

@@ -1,142 +1,156 @@
-"""Pack a group of examples, then send each example's tokens to the shard that holds its row.
+"""Pack a group of examples, then write down, for each shard, where its segments' tokens lie.
 
-The packing plan of a group is cut into shards of ``rows_per_shard`` rows. Each tokenized
-batch gets a ``Route`` listing, for its segments (whole examples, or chunks of split ones),
-the shard and the position within the shard's segment list. ``route_tokens`` turns a route
-into one ``Piece`` per shard: where each segment's tokens lie in the batch's spill file.
-``assemble_shard`` gathers a shard's tokens from the spill files of its pieces in one
-vectorised step each, puts them in plan order and builds its rows.
+Packing a group gives a plan of rows. The plan is cut into shards of ``rows_per_shard`` rows,
+and each shard's part of it is written to a small file in the spill directory (a ``ShardPlan``:
+the shard's segments, and for each one the spill file and position of its tokens). Only the
+file's path travels on to the shard's writer, which reads the plan, gathers the tokens from
+the spill files through memory maps and builds the rows. So after packing, nothing the size
+of the dataset is held in memory or moved through a shuffle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline import storage
 from pipeline.layout import BatchKey
 from pipeline.packing import PackingPlan, pack
 from pipeline.shard_writer import build_rows, gather_index
-from pipeline.spill import SpilledBatch, read_spilled
+from pipeline.spill import read_spilled
 from schemas import PackingStats
 
 
 @dataclass(frozen=True)
-class GroupPlan:
-    """The packing plan of one group; ``plan.segment_example`` holds dataset-wide example ids."""
+class GroupBatch:
+    """One tokenized batch of a packing group: its key, its first example's id, its kept lengths, its spill file."""
+
+    key: BatchKey
+    first_id: int
+    lengths: np.ndarray  # [examples kept]
+    path: str
+
+
+@dataclass(frozen=True)
+class PackedGroup:
+    """A packed group: its statistics and the plan file of each of its shards, in order."""
 
     group: int
+    stats: PackingStats
+    shard_plans: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The rows of one shard, and where each of their segments' tokens lie in the spill files.
+
+    ``plan.segment_example`` holds dataset-wide example ids. Segment ``j`` is tokens
+    ``token_start[j] : token_start[j] + plan.segment_length[j]`` of spill file ``sources[source[j]]``.
+    """
+
     plan: PackingPlan
-    batch_keys: tuple[BatchKey, ...]  # the group's batches in source order
-    batch_first_ids: np.ndarray  # int64: id of each batch's first example
+    source: np.ndarray  # int64 [segments]: index into ``sources``
+    token_start: np.ndarray  # int64 [segments]
+    sources: np.ndarray  # str [files]
 
-    def num_shards(self, rows_per_shard: int) -> int:
-        return -(-self.plan.num_rows // rows_per_shard)
+    def save(self, path: str) -> None:
+        """Write the plan to ``path`` (a local path or a URL)."""
+        buffer = io.BytesIO()
+        np.savez(
+            buffer,
+            capacity=np.int64(self.plan.capacity),
+            segment_example=self.plan.segment_example,
+            segment_offset=self.plan.segment_offset,
+            segment_length=self.plan.segment_length,
+            row_offsets=self.plan.row_offsets,
+            source=self.source,
+            token_start=self.token_start,
+            sources=self.sources,
+        )
+        if storage.is_url(path):
+            with tempfile.NamedTemporaryFile(suffix=".npz", delete=False) as tmp:
+                tmp.write(buffer.getbuffer())
+            storage.publish(tmp.name, path)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(buffer.getbuffer())
+
+    @classmethod
+    def load(cls, path: str) -> ShardPlan:
+        with storage.open_read(path) as f:
+            arrays = np.load(io.BytesIO(f.read()), allow_pickle=False)
+        plan = PackingPlan(
+            capacity=int(arrays["capacity"]),
+            segment_example=arrays["segment_example"],
+            segment_offset=arrays["segment_offset"],
+            segment_length=arrays["segment_length"],
+            row_offsets=arrays["row_offsets"],
+            stats=PackingStats(),
+        )
+        return cls(plan, arrays["source"], arrays["token_start"], arrays["sources"])
 
 
-@dataclass(frozen=True)
-class Route:
-    """Segments of one batch, sorted by shard then position: where each one goes and which tokens it takes."""
-
-    shard: np.ndarray  # int64: shard index
-    position: np.ndarray  # int64: index of the segment within the shard's plan
-    example: np.ndarray  # int64: example index within the batch
-    offset: np.ndarray  # int64: first token of the segment within the example
-    length: np.ndarray  # int64
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The segments one batch contributes to one shard: their places in the shard and in the batch's spill file."""
-
-    position: np.ndarray  # int64 [segments]: index of the segment within the shard's plan
-    length: np.ndarray  # int64 [segments]
-    source: str  # the batch's spill file
-    token_start: np.ndarray  # int64 [segments]: first token of the segment in the spill file
+def shard_plan_path(plan_dir: str, group: int, local_shard: int) -> str:
+    """Where the plan of a group's ``local_shard``-th shard is written."""
+    return storage.join(plan_dir, f"plan-{group:06d}-{local_shard:06d}.npz")
 
 
 def pack_group(
     group: int,
-    batches: list[tuple[BatchKey, int, np.ndarray]],
+    batches: list[GroupBatch],
     capacity: int,
     overflow: str,
     algorithm: str,
     seed: int,
-) -> GroupPlan:
-    """Pack the examples of ``(key, first id, lengths)`` batches, consecutive in the dataset, as one group."""
-    batches = sorted(batches, key=lambda b: b[1])
-    lengths = np.concatenate([b[2] for b in batches]) if batches else np.zeros(0, dtype=np.int64)
-    first_ids = np.array([b[1] for b in batches], dtype=np.int64)
+    rows_per_shard: int,
+    plan_dir: str,
+) -> PackedGroup:
+    """Pack the examples of a group's batches (consecutive in the dataset) and write one plan file per shard."""
+    batches = sorted(batches, key=lambda b: b.first_id)
+    lengths = np.concatenate([b.lengths for b in batches]).astype(np.int64) if batches else np.zeros(0, np.int64)
     plan = pack(lengths, capacity, overflow=overflow, algorithm=algorithm, seed=seed)
-    group_first = int(first_ids[0]) if batches else 0
-    plan = dataclasses.replace(plan, segment_example=plan.segment_example + group_first)
-    return GroupPlan(group, plan, tuple(b[0] for b in batches), first_ids)
+    del lengths
+    # Where each example's tokens start in its batch's spill file.
+    example_start = np.concatenate([np.cumsum(b.lengths, dtype=np.int64) - b.lengths for b in batches]) if batches else np.zeros(0, np.int64)
+    batch_of_example = np.repeat(np.arange(len(batches)), [b.lengths.size for b in batches])
+    group_first = batches[0].first_id if batches else 0
+    paths = np.array([b.path for b in batches], dtype=str)
+    shard_paths = []
+    for local, start in enumerate(range(0, plan.num_rows, rows_per_shard)):
+        rows = plan.row_slice(start, min(start + rows_per_shard, plan.num_rows))
+        batch = batch_of_example[rows.segment_example]
+        used, source = np.unique(batch, return_inverse=True)
+        token_start = example_start[rows.segment_example] + rows.segment_offset
+        rows = dataclasses.replace(rows, segment_example=rows.segment_example + group_first, stats=PackingStats())
+        path = shard_plan_path(plan_dir, group, local)
+        ShardPlan(rows, source.astype(np.int64), token_start, paths[used]).save(path)
+        shard_paths.append(path)
+    return PackedGroup(group, plan.stats, tuple(shard_paths))
 
 
-def shard_plans(group_plan: GroupPlan, first_shard: int, rows_per_shard: int) -> list[tuple[int, PackingPlan]]:
-    """``(shard index, plan of its rows)`` for each shard of the group."""
-    rows = group_plan.plan.num_rows
-    return [
-        (first_shard + i, group_plan.plan.row_slice(start, min(start + rows_per_shard, rows)))
-        for i, start in enumerate(range(0, rows, rows_per_shard))
-    ]
-
-
-def routes(group_plan: GroupPlan, first_shard: int, rows_per_shard: int) -> list[tuple[BatchKey, Route]]:
-    """The route of every batch of the group that has segments in it."""
-    plan = group_plan.plan
-    segments = plan.segment_example.size
-    if segments == 0:
-        return []
-    row_of_segment = np.repeat(np.arange(plan.num_rows), np.diff(plan.row_offsets))
-    local_shard = row_of_segment // rows_per_shard
-    position = np.arange(segments) - plan.row_offsets[local_shard * rows_per_shard]
-    batch = np.searchsorted(group_plan.batch_first_ids, plan.segment_example, side="right") - 1
-    order = np.lexsort((position, local_shard, batch))
-    batch, local_shard, position = batch[order], local_shard[order], position[order]
-    example = plan.segment_example[order] - group_plan.batch_first_ids[batch]
-    offset, length = plan.segment_offset[order], plan.segment_length[order]
-    cuts = np.flatnonzero(np.diff(batch)) + 1
-    starts, ends = np.concatenate(([0], cuts)), np.concatenate((cuts, [segments]))
-    return [
-        (
-            group_plan.batch_keys[int(batch[a])],
-            Route(first_shard + local_shard[a:b], position[a:b], example[a:b], offset[a:b], length[a:b]),
-        )
-        for a, b in zip(starts.tolist(), ends.tolist())
-    ]
-
-
-def route_tokens(batch: SpilledBatch, route: Route) -> list[tuple[int, Piece]]:
-    """Split a batch's routed segments into one Piece per shard that needs some of them."""
-    token_start = batch.starts[route.example] + route.offset
-    cuts = np.flatnonzero(np.diff(route.shard)) + 1
-    bounds = zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [route.shard.size])).tolist())
-    return [
-        (int(route.shard[a]), Piece(route.position[a:b], route.length[a:b], batch.path, token_start[a:b]))
-        for a, b in bounds
-    ]
-
-
-def assemble_shard(plan: PackingPlan, pieces: list[Piece]) -> pa.Table:
-    """The rows of a shard from its plan and the pieces of every batch that feeds it."""
-    position = np.concatenate([p.position for p in pieces])
-    length = np.concatenate([p.length for p in pieces])
-    segments = plan.segment_length.size
-    if position.size != segments or np.bincount(position, minlength=segments).max(initial=0) != 1:
-        raise RuntimeError(f"a shard received {position.size} segments for a plan of {segments}: routing is broken")
-    if not np.array_equal(length, plan.segment_length[position]):
-        raise RuntimeError("a shard received segments whose lengths differ from its plan: routing is broken")
-    segment_starts = np.empty(segments, dtype=np.int64)
-    segment_starts[position] = np.cumsum(length) - length
+def assemble_shard(shard_plan: ShardPlan) -> pa.Table:
+    """The rows of a shard, its segments' tokens gathered from the spill files its plan names."""
+    plan = shard_plan.plan
+    order = np.argsort(shard_plan.source, kind="stable")
+    bounds = np.flatnonzero(np.diff(shard_plan.source[order])) + 1
     tokens, loss_mask = [], []
-    for piece in pieces:
-        source_tokens, source_mask = read_spilled(piece.source)
-        index = gather_index(piece.token_start, piece.length)
+    for segments in np.split(order, bounds) if order.size else []:
+        source_tokens, source_mask = read_spilled(str(shard_plan.sources[shard_plan.source[segments[0]]]))
+        index = gather_index(shard_plan.token_start[segments], plan.segment_length[segments])
+        if index.size and index[-1] >= source_tokens.size:
+            raise RuntimeError(f"a shard plan points past the end of {shard_plan.sources[shard_plan.source[segments[0]]]}: routing is broken")
         tokens.append(source_tokens[index])
         loss_mask.append(source_mask[index])
+    lengths = plan.segment_length[order]
+    segment_starts = np.empty(order.size, dtype=np.int64)
+    segment_starts[order] = np.cumsum(lengths) - lengths
     return build_rows(plan, segment_starts, np.concatenate(tokens), np.concatenate(loss_mask))
 
 

@@ -38,13 +38,9 @@ class SpilledBatch:
     """
 
     path: str
-    lengths: np.ndarray  # int64 [examples]
+    lengths: np.ndarray  # int32 [examples]: the runner holds these for every example, so 4 bytes each
     rejected: list = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
-
-    @property
-    def starts(self) -> np.ndarray:
-        return np.cumsum(self.lengths) - self.lengths
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -66,7 +62,7 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
     else:
         os.makedirs(spill_dir, exist_ok=True)
         _write(table, path)
-    return SpilledBatch(path, batch.lengths, batch.rejected, batch.untrained)
+    return SpilledBatch(path, batch.lengths.astype(np.int32), batch.rejected, batch.untrained)
 
 
 def _write(table: pa.Table, path: str) -> None:

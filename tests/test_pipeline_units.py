@@ -18,7 +18,7 @@ from pipeline.formats import CHAT, PROMPT_RESPONSE, TEXT, ExampleFormat
 from pipeline.layout import make_layout
 from pipeline.readers import BatchRows, scan_file
 from pipeline.spill import spill
-from pipeline.routing import assemble_shard, merge_stats, pack_group, route_tokens, routes, shard_plans
+from pipeline.routing import GroupBatch, ShardPlan, assemble_shard, merge_stats, pack_group
 from pipeline.sources import resolve_source
 from pipeline.synthetic import SHAPES, generate_block
 from pipeline.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
@@ -348,34 +348,29 @@ def test_routing_places_every_token_once(overflow, tmp_path):
         batches[key] = (lengths, tokens, (tokens % 2).astype(np.uint8))
     layout = make_layout([(k, v[0].size) for k, v in batches.items()], limit=None, examples_per_group=50)
     index = layout.index()
-    grouped = {}
-    for key, (lengths, _, _) in batches.items():
-        first, kept, group = index[key]
-        grouped.setdefault(group, []).append((key, first, lengths[:kept]))
-    group_plans = [pack_group(g, b, capacity, overflow, "best_fit_decreasing", 0) for g, b in sorted(grouped.items())]
-    first_shard, plans, all_routes = 0, {}, {}
-    for gp in group_plans:
-        plans.update(shard_plans(gp, first_shard, rows_per_shard))
-        all_routes.update(routes(gp, first_shard, rows_per_shard))
-        first_shard += gp.num_shards(rows_per_shard)
     from pipeline.encode import EncodedBatch
 
-    pieces = {}
+    grouped = {}
     for key, (lengths, tokens, mask) in batches.items():
-        if key in all_routes:
-            spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}")
-            for shard, piece in route_tokens(spilled, all_routes[key]):
-                pieces.setdefault(shard, []).append(piece)
-    assert sorted(pieces) == sorted(plans) == list(range(first_shard))
+        first, kept, group = index[key]
+        spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}")
+        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.path))
+    plan_dir = str(tmp_path / "plans")
+    groups = [
+        pack_group(g, b[::-1], capacity, overflow, "best_fit_decreasing", 0, rows_per_shard, plan_dir)  # any arrival order
+        for g, b in sorted(grouped.items())
+    ]
+    groups_paths = [p for g in groups for p in g.shard_plans]
+    plans = {shard: ShardPlan.load(path).plan for shard, path in enumerate(groups_paths)}
     placed = {}
     for shard, plan in plans.items():
-        table = assemble_shard(plan, pieces[shard][::-1])  # arrival order does not matter
+        table = assemble_shard(ShardPlan.load(groups_paths[shard]))
         validate_table(table, capacity, f"shard {shard}")
         for row in table.to_pylist():
             for j, (example, offset) in enumerate(zip(row["example_ids"], row["example_offsets"])):
                 a, b = row["cu_seqlens"][j], row["cu_seqlens"][j + 1]
                 placed.setdefault(example, []).append((offset, row["input_ids"][a:b], row["loss_mask"][a:b]))
-    stats = merge_stats([gp.plan.stats for gp in group_plans])
+    stats = merge_stats([g.stats for g in groups])
     assert stats.examples == 125 and stats.rows == sum(p.num_rows for p in plans.values())
     example = 0
     for key in sorted(batches):
