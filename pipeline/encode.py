@@ -82,6 +82,22 @@ def token_ids(encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]
     return np.frombuffer(ids, dtype=np.uintc).astype(dtype), lengths
 
 
+# Texts per encode_batch call: tokenizers holds about 60 bytes per token of Encoding objects
+# until the call returns, so a whole batch at once would cost a few hundred MB at its peak.
+ENCODE_CHUNK = 1024
+
+
+def encode_ids(backend, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``token_ids`` of ``texts`` encoded without special tokens, ENCODE_CHUNK texts at a time."""
+    parts = [
+        token_ids(backend.encode_batch_fast(texts[i : i + ENCODE_CHUNK], add_special_tokens=False), dtype)
+        for i in range(0, len(texts), ENCODE_CHUNK)
+    ]
+    if not parts:
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
+    return np.concatenate([ids for ids, _ in parts]), np.concatenate([lengths for _, lengths in parts])
+
+
 class Encoder:
     """Encodes tables of source rows in one format with one tokenizer; checks every value on the way."""
 
@@ -200,7 +216,7 @@ class Encoder:
     def _encode_texts(self, table: pa.Table) -> EncodedBatch:
         n, columns = table.num_rows, len(self.format.columns)
         texts = self._pieces(table)
-        ids, text_lengths = token_ids(self.backend.encode_batch_fast(texts, add_special_tokens=False), self.dtype)
+        ids, text_lengths = encode_ids(self.backend, texts, self.dtype)
         # Example i is its pieces (prefix, its texts, suffix) in a row; they are gathered from
         # one buffer holding the prefix, the suffix, then every text's tokens, column by column.
         affixes = np.array(self.prefix + self.suffix, dtype=self.dtype)
