@@ -56,9 +56,11 @@ def test_help_describes_every_option_and_its_default(capsys):
     assert all(flag in text for action in options for flag in action.option_strings)
 
 
-def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path):
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, trainer):
     """``torchrun --nproc_per_node 2`` (gloo): the loss curve equals one process taking both ranks'
-    batches per step (grad accumulation 2), and stopping and resuming both ranks continues exactly."""
+    batches per step (grad accumulation 2), and stopping and resuming both ranks continues exactly;
+    with the plain loop and with PackedTrainer."""
     import os
     import subprocess
 
@@ -66,14 +68,15 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path):
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
     common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
-              "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1"]
+              "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1", "--trainer", trainer]
     main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one"), "--max-steps", "4"])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[1])}
 
     def torchrun(*args: str) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    str(script), *common, *args]
-        subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
 
     torchrun("--out", str(tmp_path / "two"), "--max-steps", "2", "--save-every", "2")
     checkpoint = tmp_path / "two" / "checkpoint-2"
