@@ -114,32 +114,35 @@ def trained(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in trainer.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("kind", ["hf", "sft"])
-def test_trainer_equals_the_plain_loop_over_accumulated_windows(shards, tmp_path, kind):
-    if kind == "sft":
+@pytest.fixture(scope="module", params=["hf", "sft"])
+def straight(request, shards, tmp_path_factory):
+    """An uninterrupted run of STEPS steps, checkpointed every 2: (kind, trainer, output directory)."""
+    if request.param == "sft":
         pytest.importorskip("trl")
-    trainer = make_trainer(kind, shards, tmp_path)
+    out = tmp_path_factory.mktemp(f"straight-{request.param}")
+    trainer = make_trainer(request.param, shards, out)
     trainer.train()
+    return request.param, trainer, out
+
+
+def test_trainer_equals_the_plain_loop_over_accumulated_windows(shards, straight):
+    _, trainer, out = straight
     assert trainer.packed_dataset.epoch == 2  # 12 batches read, 5 an epoch: set_epoch moved it on twice
     assert_same_weights(trained(trainer), plain_loop(shards))
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS and all(entry["real_tokens_per_s"] > 0 for entry in logs)
-    saved = sorted(p.name for p in (tmp_path / "checkpoint-2").glob("loader_state*"))
+    saved = sorted(p.name for p in (out / "checkpoint-2").glob("loader_state*"))
     assert saved == ["loader_state.pt"]
 
 
-@pytest.mark.parametrize("kind", ["hf", "sft"])
-def test_resume_from_checkpoint_continues_at_the_exact_batch(shards, tmp_path, kind):
-    if kind == "sft":
-        pytest.importorskip("trl")
-    straight = make_trainer(kind, shards, tmp_path / "straight")
-    straight.train()
-    make_trainer(kind, shards, tmp_path / "resumed", max_steps=2).train()
-    resumed = make_trainer(kind, shards, tmp_path / "resumed")
+def test_resume_from_checkpoint_continues_at_the_exact_batch(shards, tmp_path, straight):
+    kind, trainer, _ = straight
+    make_trainer(kind, shards, tmp_path, max_steps=2).train()
+    resumed = make_trainer(kind, shards, tmp_path)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == STEPS
-    assert_same_weights(trained(resumed), trained(straight))
-    state = json.loads((tmp_path / "resumed" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert_same_weights(trained(resumed), trained(trainer))
+    state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]
 
 
