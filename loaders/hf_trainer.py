@@ -80,6 +80,12 @@ class PackedTrainerMixin:
                 f"{args.world_size} processes: create the TrainingArguments (which start torch.distributed) before "
                 "the PackedIterableDataset, or pass it rank= and world_size="
             )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"{args.n_gpu} GPUs are visible to one process, so the trainer would use nn.DataParallel, which splits "
+                "a packed batch along its first dimension; launch with torchrun (one process per GPU) or make one "
+                "GPU visible (CUDA_VISIBLE_DEVICES)"
+            )
         if args.dataloader_num_workers:
             raise ValueError(
                 f"dataloader_num_workers={args.dataloader_num_workers}: {type(self).__name__} reads batches in the "
