@@ -102,6 +102,8 @@ class PackedTrainerMixin:
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The window's batches and ``num_items_in_batch``: their loss tokens (or weights) summed over all ranks."""
+        if self.state.global_step >= self.state.max_steps:  # resumed from the last step: read nothing more
+            return [], None
         batches = list(itertools.islice(epoch_iterator, num_batches))
         if not batches:
             return batches, None

@@ -144,6 +144,10 @@ def test_resume_from_checkpoint_continues_at_the_exact_batch(shards, tmp_path, s
     assert_same_weights(trained(resumed), trained(trainer))
     state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]
+    finished = make_trainer(kind, shards, tmp_path)  # resuming a finished run trains no further
+    finished.train(resume_from_checkpoint=True)
+    assert finished.state.global_step == STEPS
+    assert_same_weights(trained(finished), trained(trainer))
 
 
 @pytest.mark.parametrize("kind", ["hf", "sft"])
