@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
-from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
+from loaders.collate import COUNT_KEYS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.distributed import global_loss_tokens, world_size  # noqa: E402
 from loaders.hf_trainer import loader_state_name  # noqa: E402
+from loaders.loss import batch_normalizer  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
@@ -67,6 +68,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp32
     compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
     full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
+    loss_reduction: str = "token"  # token | sequence (loaders/loss.py)
     log_every: int = 10
     save_every: int = 0  # 0: save only at the end
     resume: bool = False
@@ -119,7 +121,7 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
     return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile,
-                                 bucket_shapes=config.compile, **budget)
+                                 bucket_shapes=config.compile, loss_reduction=config.loss_reduction, **budget)
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:
@@ -299,7 +301,7 @@ def train_plain(config: TrainConfig) -> None:
                 batches = iter(dataset)
                 batch = next(batches)
             window.append(batch)
-        local_items = sum(b[NUM_LOSS_TOKENS] for b in window)
+        local_items = sum(batch_normalizer(b) for b in window)
         # DDP averages gradients over ranks: dividing by the global count / ranks makes them the global mean.
         num_items = global_loss_tokens(local_items, device) / ranks if ranks > 1 else count_on_device(local_items, device)
         step_loss = torch.zeros((), device=device)
@@ -399,12 +401,14 @@ OPTION_HELP = {
     "precision": "bf16 (autocast, fp32 weights) or fp32",
     "compile": "fixed-shape batches and per-layer torch.compile",
     "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
+    "loss_reduction": "token: every trained token weighs the same; sequence: every example weighs the same "
+                      "(the plain loop needs the loss-position head for it)",
     "log_every": "log every N optimizer steps",
     "save_every": "checkpoint every N steps; 0 saves only at the end",
     "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
     "seed": "seed of the model init and the loader's shuffle",
 }
-CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32")}
+CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": ("token", "sequence")}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -422,7 +426,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
-    return TrainConfig(**vars(make_parser().parse_args(argv)))
+    parser = make_parser()
+    config = TrainConfig(**vars(parser.parse_args(argv)))
+    if config.full_logits and config.loss_reduction != "token" and config.trainer == "plain":
+        parser.error(f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
+                     "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

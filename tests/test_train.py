@@ -44,6 +44,22 @@ def test_resume_continues_exactly(shards, tmp_path, trainer):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
+def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, capsys):
+    from train import main
+
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--grad-accum", "2", "--log-every", "1", "--max-steps", "3"]
+    for trainer in ("plain", "hf"):
+        main([*common, "--trainer", trainer, "--loss-reduction", "sequence", "--out", str(tmp_path / trainer)])
+    main([*common, "--out", str(tmp_path / "token")])
+    plain, hf, token = losses(tmp_path / "plain"), losses(tmp_path / "hf"), losses(tmp_path / "token")
+    assert plain == pytest.approx(hf, rel=1e-5)
+    assert plain[1] != pytest.approx(token[1], rel=1e-5)
+    with pytest.raises(SystemExit):
+        main([*common, "--loss-reduction", "sequence", "--full-logits", "--out", str(tmp_path / "refused")])
+    assert "drop --full-logits" in capsys.readouterr().err
+
+
 def test_help_describes_every_option_and_its_default(capsys):
     from train import TrainConfig, main, make_parser
 
