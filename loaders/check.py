@@ -160,6 +160,17 @@ def first_batch_with_examples(dataset, examples: int, limit: int = 64) -> dict:
     return best
 
 
+def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
+                         "with save_pretrained or a Hub id reachable from here") from None
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m loaders.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hub id or local directory of the causal LM to check")
@@ -186,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     from schemas import VarpackError
 
     try:
-        from transformers import AutoModelForCausalLM
         from transformers.utils.logging import disable_progress_bar
 
         disable_progress_bar()  # the verdict is the one line printed
@@ -196,13 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         dataset = PackedIterableDataset(args.shards, batch_rows=args.batch_rows, shuffle=False, verify_checksum=False)
         batch = first_batch_with_examples(dataset, args.examples)
-        implementation = attn_implementation_for(args.attn)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=implementation, dtype=dtype)
-        except OSError as err:
-            raise ValueError(f"--model {args.model}: cannot load it ({str(err).splitlines()[0]}); give a local directory "
-                             "saved with save_pretrained or a Hub id reachable from here") from None
-        model.to(device).eval()
+        model = load_causal_lm(args.model, attn_implementation_for(args.attn), dtype).to(device).eval()
         vocab = model.get_input_embeddings().num_embeddings
         if int(batch["input_ids"].max()) >= vocab:
             raise ValueError(f"{args.shards}: token id {int(batch['input_ids'].max())} is outside the model's vocabulary "

@@ -20,7 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders.attention import attn_implementation_for  # noqa: E402
+from loaders.check import load_causal_lm  # noqa: E402
 from loaders.evaluate import evaluate_packed  # noqa: E402
+from loaders.remote import locate  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
 
@@ -38,16 +40,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = make_parser().parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn_implementation_for(args.attn),
-                                                     dtype=dtype).to(device)
+        locate(args.shards).read_manifest()  # a bad --shards fails before the model loads
+        model = load_causal_lm(args.model, attn_implementation_for(args.attn), dtype).to(device)
         model.config.use_cache = False  # with sdpa, a cache makes transformers ignore the packing
         result = evaluate_packed(model, args.shards, batch_rows=args.batch_rows)
-    except (VarpackError, OSError, ValueError) as err:
+    except (VarpackError, OSError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: error: {str(err).splitlines()[0]}") from None
     if args.out:
         with open(args.out, "w") as f:
