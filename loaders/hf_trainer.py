@@ -169,8 +169,9 @@ def _packed_trainer() -> type:
         ``loss_weights`` are reduced by ``loaders.loss`` on the model's logits, or by the head.
         """
 
-        def __init__(self, *args: Any, train_dataset: PackedIterableDataset, **kwargs: Any) -> None:
-            super().__init__(*args, train_dataset=train_dataset, **kwargs)
+        def __init__(self, model: Any = None, args: Any = None, *, train_dataset: PackedIterableDataset,
+                     **kwargs: Any) -> None:
+            super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -201,17 +202,21 @@ def _packed_sft_trainer() -> type:
         batches with ``loss_weights`` are weighted on its per-token log-probabilities.
         """
 
-        def __init__(self, *args: Any, train_dataset: PackedIterableDataset, **kwargs: Any) -> None:
-            training_args = kwargs.get("args")
-            if training_args is not None:
-                training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+        def __init__(self, model: Any, args: Any = None, *, train_dataset: PackedIterableDataset, **kwargs: Any) -> None:
+            from trl import SFTConfig
+
+            if args is None:
+                args = SFTConfig(output_dir="trainer_output")
+            if not isinstance(args, SFTConfig):
+                raise TypeError(f"{type(self).__name__} takes an SFTConfig as args, got {type(args).__name__}")
+            args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
             # Without a collator SFTTrainer builds its padding one; the train loader here needs none.
             kwargs.setdefault("data_collator", _already_collated)
             # SFTTrainer takes only a `datasets` dataset, and reads a row to tell the kind of data (text, not
             # images or prompt-completion pairs): a one-row stand-in, replaced by the shards right after.
             import datasets
 
-            super().__init__(*args, train_dataset=datasets.Dataset.from_dict({"input_ids": [[0]]}), **kwargs)
+            super().__init__(model, args, train_dataset=datasets.Dataset.from_dict({"input_ids": [[0]]}), **kwargs)
             self.train_dataset = train_dataset
             self.packed_dataset = self._check_packed(train_dataset, self.args)
 
