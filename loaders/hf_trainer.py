@@ -23,6 +23,9 @@ What the trainers add to the ones they subclass:
   ``loader_state-rankN.pt``), and ``train(resume_from_checkpoint=...)`` restores it, so the run
   continues at the exact batch; the trainer's own data skipping is off.
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second.
+- ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
+  runs ``loaders.evaluate.evaluate_packed`` over all of its rows: ``eval_loss`` is the mean token
+  loss, with ``eval_perplexity`` and ``eval_mean_example_loss``.
 
 transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
 so ``loaders`` still imports without them.
@@ -43,6 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from loaders.collate import COUNT_KEYS, NUM_REAL_TOKENS
 from loaders.dataset import PackedIterableDataset
 from loaders.distributed import global_loss_tokens, world_size
+from loaders.evaluate import evaluate_packed
 from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
 
 LOADER_STATE = "loader_state.pt"
@@ -129,6 +133,23 @@ class PackedTrainerMixin:
             logs = {**logs, "real_tokens_per_s": tokens / max(now - self._real_tokens_since, 1e-9)}
             self._real_tokens, self._real_tokens_since = 0, now
         super().log(logs, *args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """On a PackedIterableDataset: ``evaluate_packed`` over all its rows (exact token and example means)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if not isinstance(dataset, PackedIterableDataset):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        with self.compute_loss_context_manager():
+            summary = evaluate_packed(self.model, dataset.source, batch_rows=dataset.batch_rows or 1).summary
+        metrics = {f"{metric_key_prefix}_loss": summary["mean_token_loss"],
+                   f"{metric_key_prefix}_perplexity": summary["token_perplexity"],
+                   f"{metric_key_prefix}_mean_example_loss": summary["mean_example_loss"],
+                   f"{metric_key_prefix}_runtime": summary["seconds"]}
+        self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""

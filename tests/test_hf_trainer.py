@@ -89,13 +89,14 @@ def tokenizer():
     )
 
 
-def make_trainer(kind: str, shards, out, data_kwargs=None, **args):
+def make_trainer(kind: str, shards, out, data_kwargs=None, eval_dataset=None, **args):
     data_kwargs = data_kwargs or {}
     if kind == "hf":
         from loaders.hf_trainer import PackedTrainer
 
         train_args = transformers.TrainingArguments(**training_args(out, **args))
-        return PackedTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs))
+        return PackedTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs),
+                             eval_dataset=eval_dataset)
     from trl import SFTConfig
 
     from loaders.hf_trainer import PackedSFTTrainer
@@ -162,6 +163,20 @@ def test_sequence_loss_reduction_reaches_the_trainer(shards, tmp_path, kind):
     assert_same_weights(trained(trainer), expected)
     token_mean = plain_loop(shards, steps=2)
     assert any(not torch.allclose(expected[k], token_mean[k], rtol=1e-4, atol=1e-5) for k in expected)
+
+
+def test_evaluation_on_packed_shards_during_training(shards, tmp_path):
+    from loaders.evaluate import evaluate_packed
+
+    trainer = make_trainer("hf", shards, tmp_path, eval_dataset=dataset(shards, shuffle=False), eval_strategy="steps",
+                           eval_steps=2)
+    trainer.train()
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [2, 4]
+    summary = evaluate_packed(trainer.model, shards).summary
+    assert evals[-1]["eval_loss"] == pytest.approx(summary["mean_token_loss"], rel=1e-6)
+    assert evals[-1]["eval_mean_example_loss"] == pytest.approx(summary["mean_example_loss"], rel=1e-6)
+    assert evals[0]["eval_loss"] != pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
 
 
 def test_the_dataset_must_know_the_ranks(shards, tmp_path):
