@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loaders.collate import FixedShape, collate_rows, fixed_shape
+from loaders.loss import add_loss_weights, make_loss_weighting
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import Position, from_state_dict, to_state_dict
@@ -91,6 +92,12 @@ class PackedIterableDataset(IterableDataset):
             sequences. FA2 then launches no blocks for the worst case's empty sequences; the
             few shapes compile once each when ``cu_seq_lens`` and ``max_length`` are dynamic
             (``scripts/train.py``'s ``compile_layers``).
+        loss_reduction, example_weights: how the loss weighs target tokens (``loaders/loss.py``):
+            ``"token"`` (every target the same) or ``"sequence"`` (every example the same), each
+            optionally scaled by ``example_weights`` (one weight per example id, e.g. from a
+            column or a mixture). Other than plain ``"token"``, batches carry ``loss_weights``
+            and ``loss_weight_sum``, and the loss must be computed by ``loaders.loss`` or the
+            loss-position head.
 
     Every batch also carries ``num_real_tokens`` and ``num_loss_tokens`` (Python ints): the
     data tokens (the pad excluded) and the labels that are not -100. Under ``torch.compile``
@@ -136,6 +143,8 @@ class PackedIterableDataset(IterableDataset):
         pad_to_fixed_shape: bool = False,
         bucket_shapes: bool = False,
         pad_token_id: int = 0,
+        loss_reduction: str = "token",
+        example_weights: np.ndarray | None = None,
     ) -> None:
         super().__init__()
         location = locate(source)
@@ -170,6 +179,8 @@ class PackedIterableDataset(IterableDataset):
         if bucket_shapes and not pad_to_fixed_shape:
             raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
         self.bucket_shapes = bool(bucket_shapes)
+        self.loss_weighting = make_loss_weighting(loss_reduction, example_weights, manifest.inputs.dataset.num_examples,
+                                                  location.source)
 
         self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
         row_tokens, row_segments = self._read_row_index(verify_checksum and location.is_local)
@@ -278,11 +289,11 @@ class PackedIterableDataset(IterableDataset):
         """The batch of the given global row ids."""
         shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
         local = rows - self._first_row[shard_of_row]
-        return collate_rows(
-            [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())],
-            fixed=self.fixed_shape,
-            pad_token_id=self.pad_token_id,
-        )
+        shard_rows = [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
+        batch = collate_rows(shard_rows, fixed=self.fixed_shape, pad_token_id=self.pad_token_id)
+        if self.loss_weighting.is_plain_token_mean:
+            return batch
+        return add_loss_weights(batch, shard_rows, self.loss_weighting)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it)."""

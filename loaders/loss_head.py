@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
+from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
 
 # Logits per chunk (rows x vocab): 2**27 is 512 MiB in fp32, about 4k rows of a 32k vocabulary.
 CHUNK_LOGITS = 2**27
@@ -32,7 +33,8 @@ LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, chunk by chunk.
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, each row times its
+    ``row_weights`` when given, chunk by chunk.
 
     The forward pass computes each chunk's fp32 log-softmax and, when gradients are needed, its
     gradients for ``hidden``, ``weight`` and ``bias`` right away; backward only scales them.
@@ -40,7 +42,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                chunk_rows: int) -> torch.Tensor:
+                row_weights: torch.Tensor | None, chunk_rows: int) -> torch.Tensor:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -52,11 +54,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             t = targets[start : start + chunk_rows]
             logits = torch.nn.functional.linear(h, weight, bias).float()
             lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            ce = lse - logits.gather(1, t[:, None]).squeeze(1)
+            w = None if row_weights is None else row_weights[start : start + chunk_rows].float()
+            total += (ce if w is None else ce * w).sum()
             if need_hidden or need_weight or need_bias:
                 # d(sum of CE)/d(logits) = softmax - one_hot, in the logits' dtype as autograd would have it.
                 grad = logits.sub_(lse[:, None]).exp_()
                 grad.scatter_add_(1, t[:, None], torch.full_like(grad[:, :1], -1.0))
+                if w is not None:
+                    grad.mul_(w[:, None])
                 grad = grad.to(h.dtype)
                 if need_hidden:
                     grad_hidden[start : start + chunk_rows] = grad @ weight
@@ -78,16 +84,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype),
             None,
             None,
+            None,
         )
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         bias: torch.Tensor | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, chunk_rows: int | None = None,
+                         row_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Summed cross-entropy of the logits ``hidden @ weight.T + bias`` ([N, H] x [V, H]) against
-    ``targets`` ([N], every one a class): fp32 softmax, never more than ``chunk_rows`` rows of logits."""
+    ``targets`` ([N], every one a class), each row times ``row_weights`` ([N]) when given: fp32
+    softmax, never more than ``chunk_rows`` rows of logits."""
     if chunk_rows is None:
         chunk_rows = max(1, CHUNK_LOGITS // weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_rows)
 
 
 def loss_positions(labels: torch.Tensor, num_loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,18 +134,23 @@ def check_supported(model: torch.nn.Module) -> None:
 
 def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor,
                        num_items_in_batch: int | torch.Tensor | None = None, num_loss_tokens: int | None = None,
-                       chunk_rows: int | None = None) -> torch.Tensor:
+                       chunk_rows: int | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The causal-LM loss of ``model``'s LM head on ``hidden_states`` [B, S, H], at labelled positions only.
 
     Equals transformers' ``ForCausalLMLoss``: the summed cross-entropy over labels that are not
-    -100, divided by ``num_items_in_batch`` when given, else by their number.
+    -100, divided by ``num_items_in_batch`` when given, else by their number. With
+    ``loss_weights`` (a batch's, ``loaders/loss.py``) each label's term is weighted and the
+    default divisor is the sum of the weights, as in ``loaders.loss.weighted_causal_lm_loss``.
     """
     head = model.get_output_embeddings()
     index, targets = loss_positions(labels, num_loss_tokens)
     states = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])[index]
-    total = linear_cross_entropy(states, head.weight, targets, head.bias, chunk_rows)
+    row_weights = None
+    if loss_weights is not None:
+        row_weights = loss_weights[:, 1:].reshape(-1).to(states.device)[index]
+    total = linear_cross_entropy(states, head.weight, targets, head.bias, chunk_rows, row_weights)
     if num_items_in_batch is None:
-        return total / targets.numel()
+        return total / (targets.numel() if row_weights is None else row_weights.float().sum())
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
@@ -151,7 +165,7 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     with the loss and no logits. Without labels the model runs as before. ``num_items_in_batch``
     is honoured as in transformers (the HF Trainer passes it), and a PackedIterableDataset
     batch's ``num_loss_tokens`` and ``num_real_tokens`` are consumed here, not passed to the
-    layers, so ``model(**batch)`` needs no device sync and compiled layers see no int arguments.
+    layers, and its ``loss_weights`` (``loaders/loss.py``) weigh the loss, so ``model(**batch)`` needs no device sync and compiled layers see no int arguments.
     """
     check_supported(model)
     full_forward = model.forward
@@ -161,15 +175,19 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
                 num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any):
         num_loss_tokens = kwargs.pop(NUM_LOSS_TOKENS, None)
         kwargs.pop(NUM_REAL_TOKENS, None)
+        loss_weights = kwargs.pop(LOSS_WEIGHTS, None)
+        kwargs.pop(LOSS_WEIGHT_SUM, None)
         if labels is None:
             return full_forward(input_ids=input_ids, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
         outputs = model.base_model(input_ids=input_ids, **kwargs)
-        loss = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows)
+        loss = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows,
+                                  loss_weights)
         return CausalLMOutputWithPast(loss=loss, hidden_states=getattr(outputs, "hidden_states", None),
                                       attentions=getattr(outputs, "attentions", None))
 
     model.forward = forward
+    model.varpack_loss_head = True
     return model

@@ -37,15 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
-from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
+from loaders.collate import COUNT_KEYS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.distributed import global_loss_tokens, world_size  # noqa: E402
+from loaders.hf_trainer import loader_state_name  # noqa: E402
+from loaders.loss import batch_normalizer  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
 CHECKPOINT_PREFIX = "checkpoint-"
-LOADER_STATE = "loader_state.pt"
-# A batch key that carries the loader's position (after this batch) to the HF Trainer's loss.
-STATE_KEY = "varpack_loader_state"
 
 
 @dataclass
@@ -69,6 +68,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp32
     compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
     full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
+    loss_reduction: str = "token"  # token | sequence (loaders/loss.py)
     log_every: int = 10
     save_every: int = 0  # 0: save only at the end
     resume: bool = False
@@ -121,7 +121,7 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
     return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile,
-                                 bucket_shapes=config.compile, **budget)
+                                 bucket_shapes=config.compile, loss_reduction=config.loss_reduction, **budget)
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:
@@ -161,7 +161,7 @@ def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
 def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
     """The batch keys the model takes, on ``device``: the loss-position head consumes the counts;
     the model's own forward would pass them to its layers, where compile bakes ints in."""
-    drop = {STATE_KEY, *COUNT_KEYS} if full_logits else {STATE_KEY}
+    drop = COUNT_KEYS if full_logits else ()
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
 
 
@@ -197,10 +197,13 @@ class Logger:
         now = time.perf_counter()
         record = {"step": step, **values, "tokens_per_s": self.tokens / max(now - self.start, 1e-9), "peak_mem_gib": peak_memory_gib()}
         self.tokens, self.start = 0, now
+        self.write(record)
+        return record
+
+    def write(self, record: dict) -> None:
         print(json.dumps(record), flush=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        return record
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -209,11 +212,6 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 # ---- the plain PyTorch loop -----------------------------------------------------------------
-
-
-def loader_state_name(rank: int) -> str:
-    """Each rank saves its own loader position; rank 0's (the only one of a single process) keeps the plain name."""
-    return LOADER_STATE if rank == 0 else LOADER_STATE.replace(".pt", f"-rank{rank}.pt")
 
 
 def init_distributed() -> tuple[int, torch.device]:
@@ -303,7 +301,7 @@ def train_plain(config: TrainConfig) -> None:
                 batches = iter(dataset)
                 batch = next(batches)
             window.append(batch)
-        local_items = sum(b[NUM_LOSS_TOKENS] for b in window)
+        local_items = sum(batch_normalizer(b) for b in window)
         # DDP averages gradients over ranks: dividing by the global count / ranks makes them the global mean.
         num_items = global_loss_tokens(local_items, device) / ranks if ranks > 1 else count_on_device(local_items, device)
         step_loss = torch.zeros((), device=device)
@@ -339,63 +337,17 @@ def train_plain(config: TrainConfig) -> None:
 # ---- the Hugging Face Trainer ---------------------------------------------------------------
 
 
-class _WithLoaderState(torch.utils.data.IterableDataset):
-    """Yields the loader's batches, each carrying the loader state just after it."""
-
-    def __init__(self, dataset: PackedIterableDataset) -> None:
-        self.dataset = dataset
-
-    def __iter__(self):
-        for batch in self.dataset:
-            yield {**batch, STATE_KEY: self.dataset.state_dict()}
-
-
 def train_hf(config: TrainConfig) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    """The same run through ``loaders.hf_trainer.PackedTrainer`` (transformers' Trainer, accelerate)."""
+    from transformers import TrainerCallback, TrainingArguments
 
-    class PackedTrainer(Trainer):
-        """Trainer on loader batches: records the loader state of the batch last trained on, and
-        logs real tokens/s and peak memory."""
-
-        loader_state: dict | None = None
-        logger: Logger
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            # Saved at a checkpoint: the position after the last batch trained on, not after
-            # the one the dataloader fetched ahead.
-            self.loader_state = inputs.pop(STATE_KEY)
-            self.logger.add_tokens(inputs[NUM_REAL_TOKENS])
-            if config.full_logits:
-                inputs = {k: v for k, v in inputs.items() if k not in COUNT_KEYS}
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-
-        def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-            if "loss" in logs:
-                record = self.logger.log(self.state.global_step, loss=logs["loss"], lr=logs.get("learning_rate"))
-                logs = {**logs, "tokens_per_s": record["tokens_per_s"], "peak_mem_gib": record["peak_mem_gib"]}
-            super().log(logs, *args, **kwargs)
-
-    class SaveLoaderState(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            path = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{state.global_step}"
-            torch.save(trainer.loader_state, path / LOADER_STATE)
+    from loaders.hf_trainer import PackedTrainer
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    dataset = make_dataset(config)
-    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
-    checkpoint = latest_checkpoint(out) if config.resume else None
-    if checkpoint is not None:
-        dataset.load_state_dict(torch.load(checkpoint / LOADER_STATE, weights_only=False))
-    model = load_model(config, vocab_size, attn_implementation_for(config.attn))
-    if not config.full_logits:
-        use_loss_position_head(model)
-    if config.compile:
-        compile_layers(model)
     args = TrainingArguments(
         output_dir=str(out),
         max_steps=config.max_steps,
-        per_device_train_batch_size=1,  # one loader batch per micro-step
         gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.lr,
         weight_decay=config.weight_decay,
@@ -407,17 +359,25 @@ def train_hf(config: TrainConfig) -> None:
         save_steps=config.save_every or config.max_steps,
         seed=config.seed,
         report_to="none",
-        remove_unused_columns=False,
-        ignore_data_skip=True,  # the loader resumes from its own state; do not replay batches
-        dataloader_num_workers=0,
-        # Dispatching slices every tensor along dim 0 as if it were the batch: it would cut cu_seq_lens.
-        accelerator_config={"dispatch_batches": False},
         use_cpu=not torch.cuda.is_available(),
     )
-    trainer = PackedTrainer(model=model, args=args, train_dataset=_WithLoaderState(dataset),
-                            data_collator=lambda features: features[0], callbacks=[SaveLoaderState()])
-    trainer.logger = Logger(out)
-    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
+    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
+    model = load_model(config, vocab_size, attn_implementation_for(config.attn))
+    if not config.full_logits:
+        use_loss_position_head(model)
+    if config.compile:
+        compile_layers(model)
+    logger = Logger(out)
+
+    class LogToFile(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs and "loss" in logs:
+                logger.write({"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
+                              "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()})
+
+    trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
+    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out) else None)
 
 
 # What each option of TrainConfig does, for --help.
@@ -441,12 +401,14 @@ OPTION_HELP = {
     "precision": "bf16 (autocast, fp32 weights) or fp32",
     "compile": "fixed-shape batches and per-layer torch.compile",
     "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
+    "loss_reduction": "token: every trained token weighs the same; sequence: every example weighs the same "
+                      "(the plain loop needs the loss-position head for it)",
     "log_every": "log every N optimizer steps",
     "save_every": "checkpoint every N steps; 0 saves only at the end",
     "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
     "seed": "seed of the model init and the loader's shuffle",
 }
-CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32")}
+CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": ("token", "sequence")}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -464,7 +426,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
-    return TrainConfig(**vars(make_parser().parse_args(argv)))
+    parser = make_parser()
+    config = TrainConfig(**vars(parser.parse_args(argv)))
+    if config.full_logits and config.loss_reduction != "token" and config.trainer == "plain":
+        parser.error(f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
+                     "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

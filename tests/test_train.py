@@ -44,6 +44,22 @@ def test_resume_continues_exactly(shards, tmp_path, trainer):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
+def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, capsys):
+    from train import main
+
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--grad-accum", "2", "--log-every", "1", "--max-steps", "3"]
+    for trainer in ("plain", "hf"):
+        main([*common, "--trainer", trainer, "--loss-reduction", "sequence", "--out", str(tmp_path / trainer)])
+    main([*common, "--out", str(tmp_path / "token")])
+    plain, hf, token = losses(tmp_path / "plain"), losses(tmp_path / "hf"), losses(tmp_path / "token")
+    assert plain == pytest.approx(hf, rel=1e-5)
+    assert plain[1] != pytest.approx(token[1], rel=1e-5)
+    with pytest.raises(SystemExit):
+        main([*common, "--loss-reduction", "sequence", "--full-logits", "--out", str(tmp_path / "refused")])
+    assert "drop --full-logits" in capsys.readouterr().err
+
+
 def test_help_describes_every_option_and_its_default(capsys):
     from train import TrainConfig, main, make_parser
 
@@ -56,9 +72,11 @@ def test_help_describes_every_option_and_its_default(capsys):
     assert all(flag in text for action in options for flag in action.option_strings)
 
 
-def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path):
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, trainer):
     """``torchrun --nproc_per_node 2`` (gloo): the loss curve equals one process taking both ranks'
-    batches per step (grad accumulation 2), and stopping and resuming both ranks continues exactly."""
+    batches per step (grad accumulation 2), and stopping and resuming both ranks continues exactly;
+    with the plain loop and with PackedTrainer."""
     import os
     import subprocess
 
@@ -66,14 +84,15 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path):
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
     common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
-              "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1"]
+              "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1", "--trainer", trainer]
     main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one"), "--max-steps", "4"])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[1])}
 
     def torchrun(*args: str) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    str(script), *common, *args]
-        subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
 
     torchrun("--out", str(tmp_path / "two"), "--max-steps", "2", "--save-every", "2")
     checkpoint = tmp_path / "two" / "checkpoint-2"

@@ -1,0 +1,128 @@
+"""Packed evaluation: per-example loss and perplexity from the shards of a held-out split.
+
+Evaluation data packs like training data, so it runs as fast: every row of every shard is read
+once, in order (no shuffle, no rank split, nothing dropped), ``batch_rows`` rows per forward.
+Each target token's cross-entropy (fp32) is summed per packed sequence, and the sequences are
+summed per source example (``example_ids``), so the result is reported by example id, in source
+order. An example's loss is the mean over its target tokens, its perplexity ``exp`` of that; an
+example with no target token has neither (``None``, never NaN).
+
+    >>> result = evaluate_packed(model, "shards/DIR-validation")
+    >>> result.summary["mean_token_loss"], result.summary["mean_example_loss"]
+
+The packed numbers equal running each example alone: the attention backend must keep examples
+apart (``python -m loaders.check``). A chunk of an example split at packing time does not see
+the chunk before it, as in training.
+
+Imports only torch, numpy and the read side.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS, collate_rows
+from loaders.remote import locate
+from loaders.shard_reader import Shard, open_shard
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Per-example losses (indexed by example id) and the summary over the split."""
+
+    example_ids: np.ndarray  # int64, ascending: every example of the build that has a packed token
+    loss_sum: np.ndarray  # float64: summed cross-entropy of each example's target tokens
+    target_tokens: np.ndarray  # int64: each example's target tokens
+    seconds: float
+
+    @property
+    def example_loss(self) -> np.ndarray:
+        """Mean loss per target token of each example; NaN where it has none (see ``records``)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.target_tokens > 0, self.loss_sum / np.maximum(self.target_tokens, 1), np.nan)
+
+    def records(self) -> Iterator[dict]:
+        """One dict per example, in source order: id, target tokens, loss and perplexity (None without targets)."""
+        for example, tokens, loss in zip(self.example_ids.tolist(), self.target_tokens.tolist(),
+                                         self.example_loss.tolist()):
+            trained = tokens > 0
+            yield {"example_id": example, "target_tokens": tokens, "loss": loss if trained else None,
+                   "perplexity": math.exp(loss) if trained else None}
+
+    @property
+    def summary(self) -> dict:
+        """Mean token loss (over all target tokens), mean example loss (over examples with targets), perplexities."""
+        tokens = int(self.target_tokens.sum())
+        trained = self.target_tokens > 0
+        mean_token = float(self.loss_sum.sum() / tokens) if tokens else None
+        mean_example = float(self.example_loss[trained].mean()) if trained.any() else None
+        return {
+            "examples": int(self.example_ids.size),
+            "examples_without_targets": int((~trained).sum()),
+            "target_tokens": tokens,
+            "mean_token_loss": mean_token,
+            "token_perplexity": math.exp(mean_token) if mean_token is not None else None,
+            "mean_example_loss": mean_example,
+            "seconds": self.seconds,
+        }
+
+
+def packed_batches(source: str | os.PathLike[str], batch_rows: int) -> Iterator[tuple[dict, np.ndarray]]:
+    """Every row of the build in order, ``batch_rows`` a batch: (batch, example id of each sequence)."""
+    location = locate(source)
+    manifest = location.read_manifest()
+    for path, info in zip(location.local_shards(manifest, None, verify_checksum=True), manifest.shards):
+        shard: Shard = open_shard(path, manifest.capacity, expected=info)
+        for first in range(0, shard.num_rows, batch_rows):
+            rows = range(first, min(first + batch_rows, shard.num_rows))
+            examples = shard.example_ids[shard.segment_offsets[rows.start] : shard.segment_offsets[rows.stop]]
+            yield collate_rows([(shard, i) for i in rows]), examples
+
+
+def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed fp32 cross-entropy and target count of each packed sequence of one batch ([1, T] labels)."""
+    targets = labels[0, 1:]
+    per_token = F.cross_entropy(logits[0, :-1].float(), targets.to(logits.device), ignore_index=IGNORE_INDEX,
+                                reduction="none")
+    lengths = torch.diff(cu_seqlens.long())
+    # Position t predicts label t + 1, which lies in the sequence of position t + 1.
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[1:].to(per_token.device)
+    loss = torch.zeros(lengths.numel(), dtype=torch.float64, device=per_token.device)
+    loss.index_add_(0, sequence, per_token.double())
+    count = torch.bincount(sequence, weights=(targets != IGNORE_INDEX).to(per_token.device).double(),
+                           minlength=lengths.numel())
+    return loss.cpu(), count.cpu()
+
+
+def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batch_rows: int = 1) -> EvalResult:
+    """Per-example loss of ``model`` (an HF causal LM, on its device, any backend that keeps examples apart)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    example_chunks, loss_chunks, count_chunks = [], [], []
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for batch, examples in packed_batches(source, batch_rows):
+                inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+                          if k not in ("labels", NUM_REAL_TOKENS, NUM_LOSS_TOKENS)}
+                logits = model(**inputs).logits
+                loss, count = sequence_losses(logits, batch["labels"], batch["cu_seq_lens_q"])
+                example_chunks.append(examples)
+                loss_chunks.append(loss.numpy())
+                count_chunks.append(count.numpy())
+    finally:
+        model.train(was_training)
+    examples = np.concatenate(example_chunks)
+    ids, where = np.unique(examples, return_inverse=True)
+    loss_sum = np.bincount(where, weights=np.concatenate(loss_chunks), minlength=ids.size)
+    counts = np.bincount(where, weights=np.concatenate(count_chunks), minlength=ids.size).astype(np.int64)
+    return EvalResult(ids.astype(np.int64), loss_sum, counts, time.perf_counter() - start)

@@ -1,0 +1,275 @@
+"""The Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` on packed shards, without workarounds.
+
+    from loaders.hf_trainer import PackedTrainer          # or PackedSFTTrainer (pip install -e '.[train]')
+
+    args = TrainingArguments(output_dir="runs/a", max_steps=1000, gradient_accumulation_steps=4, ...)
+    dataset = PackedIterableDataset("shards/DIR", batch_rows=8)   # after args: it reads the ranks
+    trainer = PackedTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=True)                   # or None on the first run
+
+What the trainers add to the ones they subclass:
+
+- The train DataLoader is built here, over the dataset's batches as they are (``batch_size=None``,
+  read in the training process) and never passed to accelerate, which would slice
+  ``cu_seq_lens`` as if it were a batch dimension. The dataset already splits by rank.
+- It runs through the dataset's epochs one after the other, calling ``set_epoch`` at each, and
+  gradient accumulation windows run across epoch ends, as in a plain loop; training is bounded
+  by ``max_steps`` (or ``num_train_epochs`` times the optimizer steps of an epoch).
+- ``num_items_in_batch`` is the loss tokens (or, with ``loss_reduction``/``example_weights``, the
+  weight sum) of the whole global batch: every micro-batch of the window on every rank, from the
+  counts the batches carry (one all-reduce, no device sync), so the loss and its gradients equal
+  one big batch's.
+- Every checkpoint holds each rank's loader position (``loader_state.pt``,
+  ``loader_state-rankN.pt``), and ``train(resume_from_checkpoint=...)`` restores it, so the run
+  continues at the exact batch; the trainer's own data skipping is off.
+- Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second.
+- ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
+  runs ``loaders.evaluate.evaluate_packed`` over all of its rows: ``eval_loss`` is the mean token
+  loss, with ``eval_perplexity`` and ``eval_mean_example_loss``.
+
+transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
+so ``loaders`` still imports without them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from loaders.collate import COUNT_KEYS, NUM_REAL_TOKENS
+from loaders.dataset import PackedIterableDataset
+from loaders.distributed import global_loss_tokens, world_size
+from loaders.evaluate import evaluate_packed
+from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
+
+LOADER_STATE = "loader_state.pt"
+
+
+def loader_state_name(rank: int) -> str:
+    """Each rank saves its own loader position; rank 0's (the only one of a single process) keeps the plain name."""
+    return LOADER_STATE if rank == 0 else LOADER_STATE.replace(".pt", f"-rank{rank}.pt")
+
+
+class EpochAfterEpoch(IterableDataset):
+    """The dataset's batches, epoch after epoch, without end; ``set_epoch`` is called at each new epoch."""
+
+    def __init__(self, dataset: PackedIterableDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
+        while True:
+            yield from self.dataset
+            self.dataset.set_epoch(self.dataset.epoch + 1)
+
+
+class PackedTrainerMixin:
+    """What PackedTrainer and PackedSFTTrainer add to a transformers ``Trainer`` (see the module docstring)."""
+
+    # The loss is divided by the global batch's normaliser, gradient accumulation included.
+    loss_is_scaled_for_ga = True
+
+    def _check_packed(self, train_dataset: Any, args: Any) -> PackedIterableDataset:
+        if not isinstance(train_dataset, PackedIterableDataset):
+            raise TypeError(f"{type(self).__name__} trains on a PackedIterableDataset, got {type(train_dataset).__name__}")
+        if train_dataset.world_size != args.world_size:
+            raise ValueError(
+                f"the dataset reads rank {train_dataset.rank} of {train_dataset.world_size} but training runs on "
+                f"{args.world_size} processes: create the TrainingArguments (which start torch.distributed) before "
+                "the PackedIterableDataset, or pass it rank= and world_size="
+            )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"{args.n_gpu} GPUs are visible to one process, so the trainer would use nn.DataParallel, which splits "
+                "a packed batch along its first dimension; launch with torchrun (one process per GPU) or make one "
+                "GPU visible (CUDA_VISIBLE_DEVICES)"
+            )
+        if args.dataloader_num_workers:
+            raise ValueError(
+                f"dataloader_num_workers={args.dataloader_num_workers}: {type(self).__name__} reads batches in the "
+                "training process (faster than workers, and its checkpointed position is exact); set it to 0"
+            )
+        args.ignore_data_skip = True  # the loader seeks to its saved position; replaying batches would skip more
+        if args.max_steps <= 0:
+            args.max_steps = math.ceil(args.num_train_epochs * math.ceil(len(train_dataset) / args.gradient_accumulation_steps))
+        return train_dataset
+
+    def get_train_dataloader(self) -> DataLoader:
+        pin = self.args.dataloader_pin_memory and torch.cuda.is_available()
+        return DataLoader(EpochAfterEpoch(self.packed_dataset), batch_size=None, num_workers=0, pin_memory=pin)
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The window's batches and ``num_items_in_batch``: their loss tokens (or weights) summed over all ranks."""
+        if self.state.global_step >= self.state.max_steps:  # resumed from the last step: read nothing more
+            return [], None
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        if not batches:
+            return batches, None
+        total = global_loss_tokens(sum(batch_normalizer(b) for b in batches), device)
+        # With average_tokens_across_devices the trainer multiplies each rank's loss by the world size, which
+        # DDP's gradient average undoes; without it, divide here instead.
+        return batches, total if self.args.average_tokens_across_devices else total / world_size()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._real_tokens += inputs[NUM_REAL_TOKENS]
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def model_inputs(self, model, inputs: dict) -> dict:
+        """The batch as the model takes it: the counts stay only for the loss-position head, which consumes them."""
+        if getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False):
+            return inputs
+        return {k: v for k, v in inputs.items() if k not in COUNT_KEYS}
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log: every rank is here
+            now = time.perf_counter()
+            tokens = global_loss_tokens(self._real_tokens, self.args.device).item()
+            logs = {**logs, "real_tokens_per_s": tokens / max(now - self._real_tokens_since, 1e-9)}
+            self._real_tokens, self._real_tokens_since = 0, now
+        super().log(logs, *args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """On a PackedIterableDataset: ``evaluate_packed`` over all its rows (exact token and example means)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if not isinstance(dataset, PackedIterableDataset):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        with self.compute_loss_context_manager():
+            summary = evaluate_packed(self.model, dataset.source, batch_rows=dataset.batch_rows or 1).summary
+        metrics = {f"{metric_key_prefix}_loss": summary["mean_token_loss"],
+                   f"{metric_key_prefix}_perplexity": summary["token_perplexity"],
+                   f"{metric_key_prefix}_mean_example_loss": summary["mean_example_loss"],
+                   f"{metric_key_prefix}_runtime": summary["seconds"]}
+        self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the trainer's error
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.path.join(resume_from_checkpoint, loader_state_name(self.packed_dataset.rank))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{path}: the checkpoint holds no loader position for rank {self.packed_dataset.rank}; it was not "
+                    f"written by {type(self).__name__}, so the data position cannot be restored"
+                )
+            self.packed_dataset.load_state_dict(torch.load(path, weights_only=False))
+        self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(path, exist_ok=True)
+        torch.save(self.packed_dataset.state_dict(), os.path.join(path, loader_state_name(self.packed_dataset.rank)))
+        if world_size() > 1:
+            torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
+
+
+@functools.cache
+def _packed_trainer() -> type:
+    from transformers import Trainer
+
+    class PackedTrainer(PackedTrainerMixin, Trainer):
+        """``transformers.Trainer`` on a PackedIterableDataset: see ``loaders/hf_trainer.py``.
+
+        The loss is the model's (``use_loss_position_head`` works as it is); batches with
+        ``loss_weights`` are reduced by ``loaders.loss`` on the model's logits, or by the head.
+        """
+
+        def __init__(self, model: Any = None, args: Any = None, *, train_dataset: PackedIterableDataset,
+                     **kwargs: Any) -> None:
+            super().__init__(model, args, train_dataset=train_dataset, **kwargs)
+            self.packed_dataset = self._check_packed(train_dataset, self.args)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs = self.model_inputs(model, inputs)
+            if LOSS_WEIGHTS in inputs and not getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False):
+                outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", LOSS_WEIGHTS, LOSS_WEIGHT_SUM)})
+                loss = weighted_causal_lm_loss(outputs.logits, inputs["labels"], inputs[LOSS_WEIGHTS], num_items_in_batch)
+            else:
+                outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+                loss = outputs.loss
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * world_size()
+            return (loss, outputs) if return_outputs else loss
+
+    return PackedTrainer
+
+
+@functools.cache
+def _packed_sft_trainer() -> type:
+    from trl import SFTTrainer
+
+    class PackedSFTTrainer(PackedTrainerMixin, SFTTrainer):
+        """TRL's ``SFTTrainer`` on a PackedIterableDataset: see ``loaders/hf_trainer.py``.
+
+        The shards are the prepared dataset, so TRL's preparation and collator are skipped
+        (``dataset_kwargs={"skip_prepare_dataset": True}``); ``processing_class`` is the
+        tokenizer the shards were built with. The loss and metrics are TRL's (its fused LM head);
+        batches with ``loss_weights`` are weighted on its per-token log-probabilities.
+        """
+
+        def __init__(self, model: Any, args: Any = None, *, train_dataset: PackedIterableDataset, **kwargs: Any) -> None:
+            from trl import SFTConfig
+
+            if args is None:
+                args = SFTConfig(output_dir="trainer_output")
+            if not isinstance(args, SFTConfig):
+                raise TypeError(f"{type(self).__name__} takes an SFTConfig as args, got {type(args).__name__}")
+            args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+            # Without a collator SFTTrainer builds its padding one; the train loader here needs none.
+            kwargs.setdefault("data_collator", _already_collated)
+            # SFTTrainer takes only a `datasets` dataset, and reads a row to tell the kind of data (text, not
+            # images or prompt-completion pairs): a one-row stand-in, replaced by the shards right after.
+            import datasets
+
+            super().__init__(model, args, train_dataset=datasets.Dataset.from_dict({"input_ids": [[0]]}), **kwargs)
+            self.train_dataset = train_dataset
+            self.packed_dataset = self._check_packed(train_dataset, self.args)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs = self.model_inputs(model, inputs)
+            if LOSS_WEIGHTS not in inputs:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            weights = inputs.pop(LOSS_WEIGHTS)[:, 1:]
+            inputs.pop(LOSS_WEIGHT_SUM, None)
+            outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+            normalizer = weights.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = -(outputs.log_probs * weights.to(outputs.log_probs.device)).sum() / normalizer
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * world_size()
+            return (loss, outputs) if return_outputs else loss
+
+    return PackedSFTTrainer
+
+
+def _already_collated(features: Any) -> Any:
+    """A collator for batches that are already whole (the loader's)."""
+    return features[0] if isinstance(features, list) else features
+
+
+def __getattr__(name: str) -> type:
+    # The classes subclass transformers' and TRL's trainers, so they are built on first use.
+    if name == "PackedTrainer":
+        return _packed_trainer()
+    if name == "PackedSFTTrainer":
+        return _packed_sft_trainer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["EpochAfterEpoch", "LOADER_STATE", "PackedSFTTrainer", "PackedTrainer", "PackedTrainerMixin",
+           "loader_state_name"]

@@ -1,0 +1,137 @@
+"""Loss reductions over a packed global batch: per token, per example, and weighted by example.
+
+In a packed batch the mean over tokens lets long examples dominate. ``reduction="sequence"``
+gives every example the same weight: the mean over examples of each example's mean token loss.
+``example_weights`` (one weight per source example id, e.g. from a column or a data mixture)
+scales each example's tokens. Both come down to one weight per target token, ``w_t``, and
+
+    loss = sum_t w_t * CE_t / sum_t w_t
+
+over the whole global batch: every micro-batch of a gradient-accumulation window and every rank.
+The loader puts ``w_t`` in the batch (``loss_weights``, aligned with ``labels``) and its sum
+(``loss_weight_sum``, a Python float), so the global normaliser is one all-reduce of sums the
+host already knows; each micro-batch then divides its weighted sum by it, not by its own count.
+
+For example, two packed examples with 3 and 1 target tokens, under ``"sequence"``: the first's
+targets weigh 1/3 each, the second's 1, and ``loss_weight_sum`` is 2 (two examples).
+
+``"token"`` with no ``example_weights`` is the default and adds nothing to the batch:
+``num_loss_tokens`` is its normaliser. A chunk of an example split at packing time (overflow
+policy ``split``) is its own sequence, and counts as one example.
+
+Imports only torch and numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS
+from loaders.shard_reader import Shard
+
+LOSS_REDUCTIONS = ("token", "sequence")
+# Batch keys: the weight of each label (float32 [1, T], 0 where labels == -100) and their sum.
+LOSS_WEIGHTS = "loss_weights"
+LOSS_WEIGHT_SUM = "loss_weight_sum"
+
+
+@dataclass(frozen=True)
+class LossWeighting:
+    """How a batch's target tokens are weighed: ``reduction`` and optional per-example weights."""
+
+    reduction: str = "token"
+    example_weights: np.ndarray | None = None  # float64 [num_examples], indexed by example id
+
+    def __post_init__(self) -> None:
+        if self.reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {self.reduction!r}")
+
+    @property
+    def is_plain_token_mean(self) -> bool:
+        """True when every target weighs 1: the batch needs no weights."""
+        return self.reduction == "token" and self.example_weights is None
+
+
+def make_loss_weighting(reduction: str, example_weights, num_examples: int | None, source: str) -> LossWeighting:
+    """A checked LossWeighting: ``example_weights`` must give one finite, non-negative weight per example."""
+    if example_weights is None:
+        return LossWeighting(reduction)
+    weights = np.asarray(example_weights, dtype=np.float64)
+    if weights.ndim != 1 or (num_examples is not None and weights.size != num_examples):
+        raise ValueError(
+            f"{source}: example_weights holds {weights.size} values, the build has {num_examples} examples; "
+            "give one weight per example, in the order of the input data (example id)"
+        )
+    bad = np.flatnonzero(~np.isfinite(weights) | (weights < 0))
+    if bad.size:
+        raise ValueError(f"example_weights[{int(bad[0])}] is {weights[bad[0]]}; weights must be finite and >= 0")
+    return LossWeighting(reduction, weights)
+
+
+def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWeighting,
+                   segment_examples: np.ndarray) -> np.ndarray:
+    """The weight of every label (float32 [T]): 0 where it is -100, else its sequence's weight.
+
+    ``segment_examples`` holds the example id of each real sequence of ``cu_seqlens``; any
+    sequences after them (a fixed shape's pad) have no targets. Under ``"sequence"`` a sequence's
+    weight is divided by its number of targets.
+
+    >>> labels = np.array([-100, 5, 7, 8, -100, 9])
+    >>> target_weights(labels, np.array([0, 4, 6]), LossWeighting("sequence"), np.array([0, 1])).tolist()
+    [0.0, 0.3333333432674408, 0.3333333432674408, 0.3333333432674408, 0.0, 1.0]
+    """
+    lengths = np.diff(cu_seqlens).astype(np.int64)
+    sequence = np.repeat(np.arange(lengths.size), lengths)
+    is_target = labels != IGNORE_INDEX
+    weights = np.zeros(lengths.size, dtype=np.float64)
+    if weighting.example_weights is None:
+        weights[: segment_examples.size] = 1.0
+    else:
+        weights[: segment_examples.size] = weighting.example_weights[segment_examples]
+    if weighting.reduction == "sequence":
+        targets = np.bincount(sequence, weights=is_target, minlength=lengths.size)
+        weights /= np.maximum(targets, 1)
+    return (weights[sequence] * is_target).astype(np.float32)
+
+
+def add_loss_weights(batch: dict, rows: Sequence[tuple[Shard, int]], weighting: LossWeighting) -> dict:
+    """``batch`` (collated from ``rows``) with its ``loss_weights`` and ``loss_weight_sum`` added."""
+    segment_examples = np.concatenate(
+        [shard.example_ids[shard.segment_offsets[i] : shard.segment_offsets[i + 1]] for shard, i in rows]
+    )
+    weights = target_weights(batch["labels"][0].numpy(), batch["cu_seq_lens_q"].numpy(), weighting, segment_examples)
+    return {**batch, LOSS_WEIGHTS: torch.from_numpy(weights).unsqueeze(0), LOSS_WEIGHT_SUM: float(weights.sum(dtype=np.float64))}
+
+
+def batch_normalizer(batch: dict) -> float:
+    """What a batch adds to its global batch's normaliser: its weight sum, or its count of loss tokens."""
+    return float(batch.get(LOSS_WEIGHT_SUM, batch[NUM_LOSS_TOKENS]))
+
+
+def weighted_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor | None = None,
+                            num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+    """The causal-LM loss of any model's ``logits`` [B, S, V]: ``sum w * CE / num_items_in_batch`` in fp32.
+
+    ``labels`` are unshifted, as transformers takes them; ``loss_weights`` (the batch's, same
+    shape) weigh each label, 1 where not given. ``num_items_in_batch``: the global batch's sum of
+    weights (``loaders.distributed.global_loss_tokens`` over ``batch_normalizer``); by default
+    this batch's own. Without weights it equals transformers' ``ForCausalLMLoss``.
+    """
+    targets = labels[:, 1:].reshape(-1).to(logits.device)
+    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets,
+                                ignore_index=IGNORE_INDEX, reduction="none")
+    if loss_weights is None:
+        weights = (targets != IGNORE_INDEX).float()
+    else:
+        weights = loss_weights[:, 1:].reshape(-1).to(per_token.device, torch.float32)
+    total = (per_token * weights).sum()
+    if num_items_in_batch is None:
+        num_items_in_batch = weights.sum()
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch

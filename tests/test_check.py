@@ -1,0 +1,96 @@
+"""``python -m loaders.check`` on CPU: a tiny random Llama saved with ``save_pretrained``.
+
+It passes with the backends that keep examples apart, and fails, naming the setting, for each
+way packed examples come to attend to each other: a cache enabled (transformers' sdpa then
+ignores the packed position ids), an attention mask in the batch, and an attention backend that
+ignores ``cu_seq_lens``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from shard_factory import build_shard_dir
+
+from loaders import PackedIterableDataset
+from loaders.check import check_isolation, main
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+CAPACITY = 64
+WHOLE_ROW = "test_whole_row_causal"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    lengths = np.random.default_rng(4).integers(4, 40, 60)
+    return build_shard_dir(tmp_path_factory.mktemp("check-shards"), lengths, capacity=CAPACITY, vocab_size=VOCAB).path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama as a user has it on disk; its config keeps the default use_cache=True."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * CAPACITY)
+    path = tmp_path_factory.mktemp("model")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def whole_row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A backend that ignores cu_seq_lens: causal attention over the whole packed row."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def run(capsys, *args: str) -> tuple[int, str]:
+    status = main(list(args))
+    captured = capsys.readouterr()
+    return status, (captured.out + captured.err).strip()
+
+
+@pytest.mark.parametrize("attn", ["sdpa_segments", "sdpa"])
+def test_isolated_backends_pass(capsys, shards, model_dir, attn):
+    status, line = run(capsys, "--model", str(model_dir), "--shards", str(shards), "--attn", attn, "--no-cache")
+    assert status == 0, line
+    assert line.startswith("varpack check: ok:") and "\n" not in line
+
+
+def test_per_example_backend_passes_with_the_cache_on(capsys, shards, model_dir):
+    """varpack_segments reads cu_seq_lens itself, so the config's use_cache=True does not matter there."""
+    status, line = run(capsys, "--model", str(model_dir), "--shards", str(shards), "--attn", "sdpa_segments")
+    assert status == 0, line
+
+
+def test_a_cache_enabled_is_named(capsys, shards, model_dir):
+    status, line = run(capsys, "--model", str(model_dir), "--shards", str(shards), "--attn", "sdpa")
+    assert status == 1
+    assert line.startswith("varpack check: FAILED: config.use_cache=True") and "use_cache = False" in line
+
+
+def test_an_attention_mask_is_named(capsys, shards, model_dir):
+    status, line = run(capsys, "--model", str(model_dir), "--shards", str(shards), "--attn", "sdpa", "--no-cache",
+                       "--attention-mask")
+    assert status == 1
+    assert line.startswith("varpack check: FAILED: an attention_mask is in the batch")
+
+
+def test_a_backend_ignoring_cu_seq_lens_is_named(shards, model_dir):
+    transformers.AttentionInterface.register(WHOLE_ROW, whole_row_attention)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=WHOLE_ROW).eval()
+    model.config.use_cache = False
+    batch = next(iter(PackedIterableDataset(shards, batch_rows=2, shuffle=False)))
+    report = check_isolation(model, batch)
+    assert not report.ok and report.culprit == "backend"
+    assert report.perturbation_gap > 100 * report.tolerance
+    assert f"attention implementation '{WHOLE_ROW}' ignores cu_seq_lens" in report.verdict
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys, shards, tmp_path):
+    status, line = run(capsys, "--model", str(tmp_path / "missing"), "--shards", str(shards), "--attn", "sdpa")
+    assert status == 2
+    assert line.startswith("varpack check: error: --model") and "\n" not in line

@@ -1,0 +1,188 @@
+"""PackedTrainer (transformers) and PackedSFTTrainer (TRL) on packed shards, on CPU with a tiny Llama.
+
+- After N optimizer steps with gradient accumulation, the weights equal those of a plain loop
+  that divides each window's summed loss by the window's loss tokens (or weights): the trainers'
+  ``num_items_in_batch`` covers the whole window, across epoch ends too.
+- Stopping at a checkpoint and resuming with ``resume_from_checkpoint=True`` ends with the same
+  weights as an uninterrupted run: the loader continues at the exact batch.
+- The loss reductions of ``loaders/loss.py`` reach the trainers.
+Two ranks under torchrun are tested through ``scripts/train.py --trainer hf`` in test_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from shard_factory import build_shard_dir
+
+from loaders import PackedIterableDataset
+from loaders.loss import LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+CAPACITY = 64
+STEPS = 4
+GRAD_ACCUM = 3
+LR = 0.5
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    # 11 rows, 2 per batch: 5 batches an epoch, so windows of 3 batches run across epoch ends.
+    lengths = np.random.default_rng(7).integers(4, 40, 30)
+    return build_shard_dir(tmp_path_factory.mktemp("trainer-shards"), lengths, capacity=CAPACITY, vocab_size=VOCAB).path
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2 * CAPACITY, attn_implementation="sdpa", use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def dataset(shards, **kwargs) -> PackedIterableDataset:
+    return PackedIterableDataset(shards, batch_rows=2, seed=0, **kwargs)
+
+
+def plain_loop(shards, steps: int = STEPS, **kwargs) -> dict[str, torch.Tensor]:
+    """SGD on windows of GRAD_ACCUM batches, each window's loss normalised over the whole window."""
+    model, data = tiny_llama(), dataset(shards, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = iter(data)
+    for _ in range(steps):
+        window = []
+        while len(window) < GRAD_ACCUM:
+            batch = next(batches, None)
+            if batch is None:
+                batches = iter(data)
+                continue
+            window.append(batch)
+        normalizer = sum(batch_normalizer(b) for b in window)
+        for b in window:
+            logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+            weighted_causal_lm_loss(logits, b["labels"], b.get(LOSS_WEIGHTS), normalizer).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def training_args(out, **kwargs):
+    values = dict(output_dir=str(out), max_steps=STEPS, gradient_accumulation_steps=GRAD_ACCUM, learning_rate=LR,
+                  optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_steps=2,
+                  report_to="none", use_cpu=True, seed=0, disable_tqdm=True, bf16=False)
+    return {**values, **kwargs}
+
+
+def tokenizer():
+    """A word-level tokenizer over the shards' ids: what TRL expects as the processing class."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token="t1", pad_token="t0"
+    )
+
+
+def make_trainer(kind: str, shards, out, data_kwargs=None, eval_dataset=None, **args):
+    data_kwargs = data_kwargs or {}
+    if kind == "hf":
+        from loaders.hf_trainer import PackedTrainer
+
+        train_args = transformers.TrainingArguments(**training_args(out, **args))
+        return PackedTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs),
+                             eval_dataset=eval_dataset)
+    from trl import SFTConfig
+
+    from loaders.hf_trainer import PackedSFTTrainer
+
+    train_args = SFTConfig(**training_args(out, **args))
+    return PackedSFTTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs),
+                            processing_class=tokenizer())
+
+
+def assert_same_weights(actual: dict, expected: dict) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def trained(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module", params=["hf", "sft"])
+def straight(request, shards, tmp_path_factory):
+    """An uninterrupted run of STEPS steps, checkpointed every 2: (kind, trainer, output directory)."""
+    if request.param == "sft":
+        pytest.importorskip("trl")
+    out = tmp_path_factory.mktemp(f"straight-{request.param}")
+    trainer = make_trainer(request.param, shards, out)
+    trainer.train()
+    return request.param, trainer, out
+
+
+def test_trainer_equals_the_plain_loop_over_accumulated_windows(shards, straight):
+    _, trainer, out = straight
+    assert trainer.packed_dataset.epoch == 2  # 12 batches read, 5 an epoch: set_epoch moved it on twice
+    assert_same_weights(trained(trainer), plain_loop(shards))
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == STEPS and all(entry["real_tokens_per_s"] > 0 for entry in logs)
+    saved = sorted(p.name for p in (out / "checkpoint-2").glob("loader_state*"))
+    assert saved == ["loader_state.pt"]
+
+
+def test_resume_from_checkpoint_continues_at_the_exact_batch(shards, tmp_path, straight):
+    kind, trainer, _ = straight
+    make_trainer(kind, shards, tmp_path, max_steps=2).train()
+    resumed = make_trainer(kind, shards, tmp_path)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == STEPS
+    assert_same_weights(trained(resumed), trained(trainer))
+    state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]
+    finished = make_trainer(kind, shards, tmp_path)  # resuming a finished run trains no further
+    finished.train(resume_from_checkpoint=True)
+    assert finished.state.global_step == STEPS
+    assert_same_weights(trained(finished), trained(trainer))
+
+
+@pytest.mark.parametrize("kind", ["hf", "sft"])
+def test_sequence_loss_reduction_reaches_the_trainer(shards, tmp_path, kind):
+    if kind == "sft":
+        pytest.importorskip("trl")
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, 30)
+    data_kwargs = {"loss_reduction": "sequence", "example_weights": weights}
+    trainer = make_trainer(kind, shards, tmp_path, data_kwargs=data_kwargs, max_steps=2)
+    trainer.train()
+    expected = plain_loop(shards, steps=2, **data_kwargs)
+    assert_same_weights(trained(trainer), expected)
+    token_mean = plain_loop(shards, steps=2)
+    assert any(not torch.allclose(expected[k], token_mean[k], rtol=1e-4, atol=1e-5) for k in expected)
+
+
+def test_evaluation_on_packed_shards_during_training(shards, tmp_path):
+    from loaders.evaluate import evaluate_packed
+
+    trainer = make_trainer("hf", shards, tmp_path, eval_dataset=dataset(shards, shuffle=False), eval_strategy="steps",
+                           eval_steps=2)
+    trainer.train()
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [2, 4]
+    summary = evaluate_packed(trainer.model, shards).summary
+    assert evals[-1]["eval_loss"] == pytest.approx(summary["mean_token_loss"], rel=1e-6)
+    assert evals[-1]["eval_mean_example_loss"] == pytest.approx(summary["mean_example_loss"], rel=1e-6)
+    assert evals[0]["eval_loss"] != pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+
+
+def test_the_dataset_must_know_the_ranks(shards, tmp_path):
+    from loaders.hf_trainer import PackedTrainer
+
+    args = transformers.TrainingArguments(**training_args(tmp_path))
+    data = PackedIterableDataset(shards, batch_rows=2, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="reads rank 0 of 2 but training runs on 1"):
+        PackedTrainer(model=tiny_llama(), args=args, train_dataset=data)
