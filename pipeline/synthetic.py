@@ -34,6 +34,9 @@ _WORD_CHARS = np.array([len(w) + 1 for w in WORDS], dtype=np.int32)
 _WORD_STARTS = (np.cumsum(_WORD_CHARS) - _WORD_CHARS).astype(np.int64)
 
 
+TEXT_CHUNK = 1024
+
+
 @dataclass(frozen=True)
 class LengthShape:
     """A distribution of example token lengths and the share of each example that is prompt."""
@@ -69,15 +72,21 @@ def generate_block(shape: LengthShape, block: int, count: int = BLOCK_EXAMPLES) 
     words_per_example = shape.lengths(rng, BLOCK_EXAMPLES)[:count] - SPECIAL_TOKENS
     prompt_words = np.clip(np.rint(words_per_example * shape.prompt_share).astype(np.int64), 1, words_per_example - 1)
     response_words = words_per_example - prompt_words
-    # All words as one ASCII buffer gathered with numpy, then each text is a slice of it.
     word_ids = rng.integers(0, len(WORDS), int(words_per_example.sum()))
-    word_chars = _WORD_CHARS[word_ids]  # each word plus its trailing space
-    char_ends = np.cumsum(word_chars, dtype=np.int64)
-    gather = np.repeat((_WORD_STARTS[word_ids] - (char_ends - word_chars)).astype(np.int32), word_chars)
-    gather += np.arange(int(char_ends[-1]), dtype=np.int32)
-    text = _WORD_BUFFER[gather].tobytes().decode("ascii")
-    word_ends = np.cumsum(np.stack([prompt_words, response_words], axis=1).ravel())
-    ends = char_ends[word_ends - 1] - 1
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    texts = [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+    # Each text is a run of words (each with its trailing space) minus the last space. The
+    # characters are gathered with numpy from one ASCII buffer, TEXT_CHUNK texts at a time:
+    # a whole block at once would hold about 300 MB of gather indices.
+    text_word_ends = np.cumsum(np.stack([prompt_words, response_words], axis=1).ravel())
+    texts: list[str] = []
+    for first in range(0, text_word_ends.size, TEXT_CHUNK):
+        ends = text_word_ends[first : first + TEXT_CHUNK]
+        word_start = int(text_word_ends[first - 1]) if first else 0
+        word_chars = _WORD_CHARS[word_ids[word_start : int(ends[-1])]]
+        char_ends = np.cumsum(word_chars, dtype=np.int64)
+        gather = np.repeat((_WORD_STARTS[word_ids[word_start : int(ends[-1])]] - (char_ends - word_chars)).astype(np.int32), word_chars)
+        gather += np.arange(int(char_ends[-1]), dtype=np.int32)
+        text = _WORD_BUFFER[gather].tobytes().decode("ascii")
+        stops = char_ends[ends - word_start - 1] - 1
+        starts = np.concatenate(([0], stops[:-1] + 1))
+        texts += [text[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
     return pa.table({"prompt": texts[0::2], "response": texts[1::2]})
