@@ -94,12 +94,17 @@ def test_another_epoch_or_seed_reorders():
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 40), st.integers(0, 45), st.integers(1, 5), st.integers(1, 5))
 def test_resume_order_is_the_same_for_any_number_of_workers(num_batches, consumed, saved_workers, workers):
-    """A DataLoader takes one batch from each worker in turn: that sequence continues at the next batch."""
+    """A DataLoader takes one batch from each worker in turn. A run with ``saved_workers`` stopped
+    after ``consumed`` batches and resumed with ``workers`` sees every batch once, in order."""
     consumed = min(consumed, num_batches)
-    position = Position(epoch=0, pass_start=0, next_batch=consumed)
-    streams = [list(range(position.first_batch(w, workers)[1], num_batches, workers)) for w in range(workers)]
-    round_robin = [s[i] for i in range(max(map(len, streams), default=0)) for s in streams if i < len(s)]
-    assert round_robin == list(range(consumed, num_batches))
+
+    def dataloader_order(next_batch: int, num_workers: int) -> list[int]:
+        position = Position(epoch=0, pass_start=0, next_batch=next_batch)
+        streams = [list(range(position.first_batch(w, num_workers)[1], num_batches, num_workers)) for w in range(num_workers)]
+        return [s[i] for i in range(max(map(len, streams), default=0)) for s in streams if i < len(s)]
+
+    before = dataloader_order(0, saved_workers)[:consumed]
+    assert before + dataloader_order(consumed, workers) == list(range(num_batches))
 
 
 @settings(max_examples=200, deadline=None)
