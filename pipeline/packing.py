@@ -293,6 +293,22 @@ def pack(
     order); segments within a row are ordered by example. The same inputs and seed always
     give the same plan. No lengths give a plan of no rows; bad lengths or settings raise
     PackingError.
+
+    Three examples of 3, 2 and 4 tokens in rows of 5: best-fit decreasing puts 4 alone and 3
+    with 2, 9 tokens in 10 slots. Row ``i`` holds segments ``row_offsets[i]:row_offsets[i + 1]``:
+
+    >>> plan = pack([3, 2, 4], capacity=5)
+    >>> plan.row_offsets.tolist(), plan.segment_example.tolist(), plan.segment_length.tolist()
+    ([0, 1, 3], [2, 0, 1], [4, 3, 2])
+    >>> plan.stats.fill
+    0.9
+
+    An example longer than a row is cut into chunks under ``split``; ``segment_offset`` says
+    where each chunk starts in its example:
+
+    >>> plan = pack([3, 7], capacity=5, overflow="split")
+    >>> plan.segment_example.tolist(), plan.segment_offset.tolist(), plan.segment_length.tolist()
+    ([1, 0, 1], [0, 0, 5], [5, 3, 2])
     """
     if algorithm not in PACKING_ALGORITHMS:
         raise PackingError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(PACKING_ALGORITHMS)}")

@@ -3,6 +3,24 @@
 A row is up to ``capacity`` tokens holding one or more segments: whole examples, or chunks of
 an example split under the ``split`` overflow policy. ``cu_seqlens`` marks where each segment
 starts, so the read side never recomputes boundaries from token values.
+
+A worked row: three examples of 3, 2 and 4 tokens (``<s>`` = 1, ``</s>`` = 2), the first one's
+prompt untrained, packed into a row of capacity 10::
+
+    input_ids       = [1, 306, 2,   1, 2,   1, 450, 338, 2]
+    loss_mask       = [0,   0, 1,   1, 1,   1,   1,   1, 1]
+    cu_seqlens      = [0, 3, 5, 9]        max_seqlen = 4, num_tokens = 9
+    example_ids     = [7, 12, 40]         example_offsets = [0, 0, 0]
+
+The loader turns it into the FA2 varlen keyword arguments: ``cu_seq_lens_q = cu_seq_lens_k =
+[0, 3, 5, 9]``, ``max_length_q = max_length_k = 4``, positions restarting per example, and
+labels that are -100 where ``loss_mask`` is 0 and on every example's first token (no example
+learns to predict the start of the next)::
+
+    position_ids = [0, 1, 2,   0, 1,   0, 1, 2, 3]
+    labels       = [-100, -100, 2,   -100, 2,   -100, 450, 338, 2]
+
+(``labels`` are the inputs, not shifted: the model shifts them, as transformers' causal LMs do.)
 """
 
 from __future__ import annotations
