@@ -91,7 +91,7 @@ class PackedIterableDataset(IterableDataset):
             rounded up to a power of two, and ``cu_seq_lens`` holds a multiple of 64
             sequences. FA2 then launches no blocks for the worst case's empty sequences; the
             few shapes compile once each when ``cu_seq_lens`` and ``max_length`` are dynamic
-            (``scripts/train.py``'s ``compile_layers``).
+            (``loaders.training.compile_layers``).
         loss_reduction, example_weights: how the loss weighs target tokens (``loaders/loss.py``):
             ``"token"`` (every target the same) or ``"sequence"`` (every example the same), each
             optionally scaled by ``example_weights`` (one weight per example id, e.g. from a

@@ -61,7 +61,7 @@ from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
 from schemas import read_manifest  # noqa: E402
-from train import compile_layers, count_on_device, linear_warmup, prewarm_buckets  # noqa: E402
+from loaders.training import compile_layers, count_on_device, linear_warmup, prewarm_buckets  # noqa: E402
 
 Batch = dict[str, torch.Tensor | int]
 DEVICE = torch.device("cuda")

@@ -3,6 +3,7 @@ trains exactly as an uninterrupted one, with the plain loop and with the Hugging
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -10,7 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+
+
+def load_script():
+    """scripts/train.py as a module, without putting scripts/ on the import path."""
+    if "varpack_train_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("varpack_train_script", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+        spec.loader.exec_module(module)
+    return sys.modules["varpack_train_script"]
 
 MODEL = "llama:hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=1"
 
@@ -31,7 +42,7 @@ def losses(out: Path) -> dict[int, float]:
 def test_resume_continues_exactly(shards, tmp_path, trainer):
     if trainer == "hf":
         pytest.importorskip("accelerate")
-    from train import main
+    main = load_script().main
 
     common = ["--shards", str(shards), "--random-init", MODEL, "--trainer", trainer, "--attn", "sdpa",
               "--precision", "fp32", "--lr", "1e-2", "--batch-rows", "2", "--grad-accum", "2", "--log-every", "1"]
@@ -45,7 +56,7 @@ def test_resume_continues_exactly(shards, tmp_path, trainer):
 
 
 def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, capsys):
-    from train import main
+    main = load_script().main
 
     common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
               "--batch-rows", "2", "--grad-accum", "2", "--log-every", "1", "--max-steps", "3"]
@@ -61,7 +72,8 @@ def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, ca
 
 
 def test_help_describes_every_option_and_its_default(capsys):
-    from train import TrainConfig, main, make_parser
+    script = load_script()
+    TrainConfig, main, make_parser = script.TrainConfig, script.main, script.make_parser
 
     options = [action for action in make_parser()._actions if action.dest != "help"]
     assert {action.dest for action in options} == set(TrainConfig.__dataclass_fields__)
@@ -80,9 +92,8 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, 
     import os
     import subprocess
 
-    from train import main
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    main = load_script().main
+    script = SCRIPT
     common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
               "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1", "--trainer", trainer]
     main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one"), "--max-steps", "4"])

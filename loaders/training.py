@@ -1,0 +1,70 @@
+"""Model-side helpers for training on packed batches: regional compilation, bucket prewarming,
+the batch keys a model takes, counts on the device without a sync, the warm-up schedule.
+
+``scripts/train.py`` and ``scripts/bench_train.py`` both use them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loaders.collate import COUNT_KEYS
+
+
+def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:
+    """torch.compile each decoder layer; identical layers share one graph (regional compilation).
+
+    ``dynamic=None``: shapes start static and what changes between calls becomes dynamic. Fixed
+    shapes then compile once; bucketed ones change only ``cu_seq_lens``' length and
+    ``max_length``, so after ``prewarm_buckets`` no bucket compiles again.
+    """
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of layers to compile")
+    # Layers differ in integer attributes (layer_idx); left static, each layer would get its own
+    # graph and past the recompile limit run uncompiled.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    for layer in layers:
+        layer.compile(dynamic=dynamic, mode=mode)
+
+
+def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
+    """Compile a model with compiled layers for every bucket of ``bucket_shapes`` batches at once.
+
+    Runs ``batch`` (on the model's device, counts consumed or removed), then the same batch with
+    64 more empty sequences and twice the ``max_length`` (both still valid bounds), forward and
+    backward, and drops the gradients: dynamo sees both change and makes them dynamic, so no
+    later bucket compiles. The weights and the optimizer are untouched.
+    """
+    cu = batch["cu_seq_lens_q"]
+    wider = torch.cat((cu, cu[-1:].expand(64)))
+    variant = {**batch, "cu_seq_lens_q": wider, "cu_seq_lens_k": wider,
+               "max_length_q": 2 * batch["max_length_q"], "max_length_k": 2 * batch["max_length_k"]}
+    for inputs in (batch, variant):
+        model(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
+    """The batch keys the model takes, on ``device``: the loss-position head consumes the counts;
+    the model's own forward would pass them to its layers, where compile bakes ints in."""
+    drop = COUNT_KEYS if full_logits else ()
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
+
+
+def count_on_device(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` as a float32 scalar on ``device``, copied without waiting for the GPU to drain."""
+    value = torch.tensor(float(count))
+    if device.type == "cuda":
+        value = value.pin_memory()
+    return value.to(device, non_blocking=True)
+
+
+def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup_steps``, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+
+
+def peak_memory_gib() -> float:
+    """The most GPU memory allocated so far, in GiB (0 without CUDA)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
