@@ -179,10 +179,12 @@ class PackedIterableDataset(IterableDataset):
         if bucket_shapes and not pad_to_fixed_shape:
             raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
         self.bucket_shapes = bool(bucket_shapes)
-        self.loss_weighting = make_loss_weighting(loss_reduction, example_weights, manifest.inputs.dataset.num_examples,
-                                                  location.source)
-
         self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
+        self.loss_weighting = make_loss_weighting(
+            loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
+            [open_shard(path, self.capacity, expected=info) for path, info in zip(self._paths, manifest.shards)]
+            if loss_reduction == "sequence" else (),
+        )
         row_tokens, row_segments = self._read_row_index(verify_checksum and location.is_local)
         self._row_tokens = row_tokens
         self._first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)

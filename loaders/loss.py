@@ -16,8 +16,9 @@ For example, two packed examples with 3 and 1 target tokens, under ``"sequence"`
 targets weigh 1/3 each, the second's 1, and ``loss_weight_sum`` is 2 (two examples).
 
 ``"token"`` with no ``example_weights`` is the default and adds nothing to the batch:
-``num_loss_tokens`` is its normaliser. A chunk of an example split at packing time (overflow
-policy ``split``) is its own sequence, and counts as one example.
+``num_loss_tokens`` is its normaliser. Under ``"sequence"`` an example split into chunks at
+packing time (overflow policy ``split``) still weighs one example: each of its targets weighs
+1 / (its targets in all chunks), wherever the chunks land.
 
 Imports only torch and numpy.
 """
@@ -46,6 +47,7 @@ class LossWeighting:
 
     reduction: str = "token"
     example_weights: np.ndarray | None = None  # float64 [num_examples], indexed by example id
+    example_targets: np.ndarray | None = None  # "sequence": int64 targets of each example id, all chunks
 
     def __post_init__(self) -> None:
         if self.reduction not in LOSS_REDUCTIONS:
@@ -57,10 +59,30 @@ class LossWeighting:
         return self.reduction == "token" and self.example_weights is None
 
 
-def make_loss_weighting(reduction: str, example_weights, num_examples: int | None, source: str) -> LossWeighting:
-    """A checked LossWeighting: ``example_weights`` must give one finite, non-negative weight per example."""
+def example_target_counts(shards: Sequence[Shard]) -> np.ndarray:
+    """Targets of every example id over all its chunks: its loss-mask tokens but the first of each chunk."""
+    per_shard = []
+    for shard in shards:
+        entry_row = np.repeat(np.arange(shard.num_rows), np.diff(shard.cu_offsets))
+        bounds = shard.cu_seqlens.astype(np.int64) + shard.token_offsets[entry_row]
+        starts = np.delete(bounds, shard.cu_offsets[1:] - 1)
+        ends = np.delete(bounds, shard.cu_offsets[:-1])
+        trained = np.concatenate(([0], np.cumsum(shard.loss_mask, dtype=np.int64)))
+        per_shard.append((shard.example_ids, trained[ends] - trained[np.minimum(starts + 1, ends)]))
+    examples = np.concatenate([ids for ids, _ in per_shard])
+    targets = np.concatenate([count for _, count in per_shard])
+    return np.bincount(examples, weights=targets, minlength=int(examples.max()) + 1).astype(np.int64)
+
+
+def make_loss_weighting(reduction: str, example_weights, num_examples: int | None, source: str,
+                        shards: Sequence[Shard] = ()) -> LossWeighting:
+    """A checked LossWeighting: ``example_weights`` must give one finite, non-negative weight per example.
+
+    Under ``"sequence"`` the examples' target counts are read from ``shards`` (every shard of the build).
+    """
+    targets = example_target_counts(shards) if reduction == "sequence" else None
     if example_weights is None:
-        return LossWeighting(reduction)
+        return LossWeighting(reduction, None, targets)
     weights = np.asarray(example_weights, dtype=np.float64)
     if weights.ndim != 1 or (num_examples is not None and weights.size != num_examples):
         raise ValueError(
@@ -70,7 +92,7 @@ def make_loss_weighting(reduction: str, example_weights, num_examples: int | Non
     bad = np.flatnonzero(~np.isfinite(weights) | (weights < 0))
     if bad.size:
         raise ValueError(f"example_weights[{int(bad[0])}] is {weights[bad[0]]}; weights must be finite and >= 0")
-    return LossWeighting(reduction, weights)
+    return LossWeighting(reduction, weights, targets)
 
 
 def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWeighting,
@@ -79,7 +101,8 @@ def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWe
 
     ``segment_examples`` holds the example id of each real sequence of ``cu_seqlens``; any
     sequences after them (a fixed shape's pad) have no targets. Under ``"sequence"`` a sequence's
-    weight is divided by its number of targets.
+    weight is divided by its example's number of targets (``weighting.example_targets``, all
+    chunks; by default the sequence's own).
 
     >>> labels = np.array([-100, 5, 7, 8, -100, 9])
     >>> target_weights(labels, np.array([0, 4, 6]), LossWeighting("sequence"), np.array([0, 1])).tolist()
@@ -94,7 +117,11 @@ def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWe
     else:
         weights[: segment_examples.size] = weighting.example_weights[segment_examples]
     if weighting.reduction == "sequence":
-        targets = np.bincount(sequence, weights=is_target, minlength=lengths.size)
+        if weighting.example_targets is None:
+            targets = np.bincount(sequence, weights=is_target, minlength=lengths.size)
+        else:
+            targets = np.zeros(lengths.size, dtype=np.int64)
+            targets[: segment_examples.size] = weighting.example_targets[segment_examples]
         weights /= np.maximum(targets, 1)
     return (weights[sequence] * is_target).astype(np.float32)
 

@@ -160,6 +160,17 @@ def test_plain_token_batches_carry_no_weights_and_keep_the_model_loss(shards):
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
 
 
+def test_a_split_example_weighs_one_example(tmp_path):
+    """Examples longer than a row are split into chunks; under "sequence" each still sums to weight 1."""
+    lengths = np.random.default_rng(12).integers(3, 3 * CAPACITY, 40)
+    split = build_shard_dir(tmp_path, lengths, capacity=CAPACITY, vocab_size=VOCAB, overflow="split")
+    assert (lengths > CAPACITY).sum() >= 5
+    data = PackedIterableDataset(split.path, batch_rows=1, shuffle=False, loss_reduction="sequence")
+    total = sum(batch["loss_weight_sum"] for batch in data)
+    trained = sum(int(split.example(i)[1][1:].any()) for i in range(lengths.size))
+    assert total == pytest.approx(trained, rel=1e-5)
+
+
 def test_bad_reduction_or_weights_are_refused(shards):
     with pytest.raises(ValueError, match="loss_reduction must be one of token, sequence"):
         PackedIterableDataset(shards.path, loss_reduction="mean")
