@@ -29,12 +29,10 @@ import contextlib
 import logging
 import os
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -46,20 +44,17 @@ from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
 from pipeline.layout import EXAMPLES_PER_GROUP, BatchKey, make_layout
 from pipeline.packing import PackingPlan
-from pipeline.routing import GroupBatch, PackedGroup, ShardPlan, assemble_shard, merge_stats, pack_group
-from pipeline.shard_writer import shard_name, write_shard
+from pipeline.routing import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
+from pipeline.shard_writer import finish_build, publish_shard, shard_name
 from pipeline.spill import SpilledBatch, spill
 from pipeline.sources import ReadTask
 from pipeline.tokenizer import LoadedTokenizer
 from schemas import (
     MANIFEST_NAME,
     BuildInputs,
-    Manifest,
     PackingStats,
     RejectedRows,
     ShardInfo,
-    validate_manifest,
-    write_manifest,
 )
 
 _COUNTERS = "varpack"
@@ -215,13 +210,7 @@ class WriteShard(beam.DoFn):
         _, joined = element
         (plan_path,), ((shard, total_rows),) = joined["plan"], joined["index"]
         table = assemble_shard(ShardPlan.load(plan_path))
-        name = shard_name(shard)
-        if storage.is_url(self.out_dir):
-            with tempfile.TemporaryDirectory() as tmp:
-                info = write_shard(table, tmp, name, self.capacity)
-                storage.publish(os.path.join(tmp, name), storage.join(self.out_dir, name))
-        else:
-            info = write_shard(table, self.out_dir, name, self.capacity)
+        info = publish_shard(table, self.out_dir, shard_name(shard), self.capacity)
         self.rows.inc(info.rows)
         self.shards.inc()
         progress.advance("rows written", info.rows, total_rows, "rows")
@@ -233,7 +222,6 @@ class ManifestSpec:
     """What the manifest records besides the shards and statistics."""
 
     out_dir: str
-    fingerprint: str
     inputs: BuildInputs
     rows_per_shard: int
 
@@ -242,7 +230,7 @@ def write_build_manifest(
     shards: list[tuple[int, ShardInfo]], groups: list[PackedGroup], filtered: Filtered, spec: ManifestSpec
 ) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path."""
-    stats = merge_stats([g.stats for g in sorted(groups, key=lambda g: g.group)])
+    stats = PackingStats.merged([g.stats for g in sorted(groups, key=lambda g: g.group)])
     stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
     capacity = spec.inputs.max_len
     if stats.rows == 0:
@@ -253,24 +241,8 @@ def write_build_manifest(
     shards = sorted(shards, key=lambda item: item[0])
     if [index for index, _ in shards] != list(range(len(shards))):
         raise RuntimeError(f"shards {[index for index, _ in shards]} were written; expected 0..{len(shards) - 1}")
-    manifest = Manifest(
-        fingerprint=spec.fingerprint,
-        inputs=spec.inputs,
-        capacity=capacity,
-        rows_per_shard=spec.rows_per_shard,
-        shards=[info for _, info in shards],
-        stats=stats,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        rejected=filtered.rejected,
-    )
-    if not storage.is_url(spec.out_dir):
-        return str(write_manifest(manifest, spec.out_dir))
-    validate_manifest(manifest.to_dict(), MANIFEST_NAME)
-    path = storage.join(spec.out_dir, MANIFEST_NAME)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as tmp:
-        tmp.write(manifest.to_json())
-    storage.publish(tmp.name, path)
-    return path
+    finish_build(spec.out_dir, spec.inputs, spec.rows_per_shard, [info for _, info in shards], stats, filtered.rejected)
+    return storage.join(spec.out_dir, MANIFEST_NAME)
 
 
 def _gather(label: str, pcoll):
@@ -329,7 +301,7 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
         | "GroupByShard" >> beam.CoGroupByKey()
         | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len))
     )
-    manifest = ManifestSpec(spec.out_dir, spec.fingerprint, inputs, rows_per_shard)
+    manifest = ManifestSpec(spec.out_dir, inputs, rows_per_shard)
     (
         {"shards": _gather("Shards", shards), "groups": _gather("AllGroups", groups), "filtered": filtered}
         | "JoinForManifest" >> beam.CoGroupByKey()

@@ -153,16 +153,3 @@ def assemble_shard(shard_plan: ShardPlan) -> pa.Table:
     segment_starts[order] = np.cumsum(lengths) - lengths
     return build_rows(plan, segment_starts, np.concatenate(tokens), np.concatenate(loss_mask))
 
-
-def merge_stats(parts: list[PackingStats]) -> PackingStats:
-    """The statistics of the whole dataset from those of its groups."""
-    total = PackingStats()
-    for part in parts:
-        for field in dataclasses.fields(PackingStats):
-            if field.name == "segments_per_row":
-                for count, rows in part.segments_per_row.items():
-                    total.segments_per_row[count] = total.segments_per_row.get(count, 0) + rows
-            else:
-                setattr(total, field.name, getattr(total, field.name) + getattr(part, field.name))
-    total.segments_per_row = dict(sorted(total.segments_per_row.items(), key=lambda item: int(item[0])))
-    return total

@@ -145,6 +145,20 @@ class PackingStats:
     def from_dict(cls, data: dict[str, Any]) -> PackingStats:
         return cls(**{k: v for k, v in data.items() if k != "fill"})
 
+    @classmethod
+    def merged(cls, parts: list[PackingStats]) -> PackingStats:
+        """The statistics of a whole build from those of its parts (packing groups, batches of rows)."""
+        total = cls()
+        for part in parts:
+            for item in dataclasses.fields(cls):
+                if item.name == "segments_per_row":
+                    for count, rows in part.segments_per_row.items():
+                        total.segments_per_row[count] = total.segments_per_row.get(count, 0) + rows
+                else:
+                    setattr(total, item.name, getattr(total, item.name) + getattr(part, item.name))
+        total.segments_per_row = dict(sorted(total.segments_per_row.items(), key=lambda item: int(item[0])))
+        return total
+
 
 @dataclass(frozen=True)
 class RejectedRows:

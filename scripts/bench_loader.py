@@ -28,11 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from shard_factory import build_shard_dir  # noqa: E402
+from pipeline.synthetic import random_token_build  # noqa: E402
 
 
 def flan_lengths(num_examples: int, capacity: int, seed: int) -> np.ndarray:
@@ -63,17 +62,19 @@ def loader_tokens(directory: Path, batch_rows: int, epochs: int) -> int:
     return total
 
 
-def collator_tokens_per_s(shards, tokens_per_batch: int, epochs: int, seed: int) -> tuple[float, int]:
+def collator_tokens_per_s(
+    tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, tokens_per_batch: int, epochs: int, seed: int
+) -> tuple[float, int]:
     """(tokens per second, tokens) for DataCollatorWithFlattening over the same examples."""
     from transformers import DataCollatorWithFlattening
 
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
-    features = []
-    for i in range(shards.lengths.size):
-        ids, mask = shards.example(i)
-        features.append({"input_ids": ids.tolist(), "labels": np.where(mask == 1, ids, -100).tolist()})
-    lengths = shards.lengths
-    tokens = 0
+    example_ends = np.cumsum(lengths)[:-1]
+    features = [
+        {"input_ids": ids.tolist(), "labels": np.where(mask == 1, ids, -100).tolist()}
+        for ids, mask in zip(np.split(tokens, example_ends), np.split(loss_mask, example_ends))
+    ]
+    collated = 0
     elapsed = 0.0
     for epoch in range(epochs):
         order = np.random.default_rng([seed, epoch]).permutation(lengths.size)
@@ -83,9 +84,9 @@ def collator_tokens_per_s(shards, tokens_per_batch: int, epochs: int, seed: int)
         start = time.perf_counter()
         for group in groups:
             batch = collator([features[i] for i in group])
-            tokens += int(batch["cu_seq_lens_q"][-1])
+            collated += int(batch["cu_seq_lens_q"][-1])
         elapsed += time.perf_counter() - start
-    return tokens / elapsed, tokens
+    return collated / elapsed, collated
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,12 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.out or tmp)
         start = time.perf_counter()
-        shards = build_shard_dir(
-            directory, flan_lengths(args.examples, args.capacity, args.seed), capacity=args.capacity,
-            rows_per_shard=args.rows_per_shard, vocab_size=32000, seed=args.seed,
+        lengths = flan_lengths(args.examples, args.capacity, args.seed)
+        manifest, tokens, loss_mask = random_token_build(
+            directory, lengths, args.capacity, args.rows_per_shard, vocab_size=32000, seed=args.seed
         )
         build_s = time.perf_counter() - start
-        manifest = shards.manifest
         print(f"built {manifest.stats.examples} examples, {manifest.num_tokens} tokens, {manifest.num_rows} rows, "
               f"{len(manifest.shards)} shards in {build_s:.1f}s (fill {manifest.stats.fill:.4f})", file=sys.stderr)
 
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         ours_s, batches = loader_run(directory, args.batch_rows, args.epochs, fixed=False)
         fixed_s, _ = loader_run(directory, args.batch_rows, args.epochs, fixed=True)
         ours, fixed = ours_tokens / ours_s, ours_tokens / fixed_s
-        reference, reference_tokens = collator_tokens_per_s(shards, args.batch_rows * args.capacity, args.epochs, args.seed)
+        reference, reference_tokens = collator_tokens_per_s(
+            tokens, loss_mask, lengths, args.batch_rows * args.capacity, args.epochs, args.seed
+        )
 
     result = {
         "tokens_per_s": round(ours),

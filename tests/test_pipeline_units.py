@@ -18,11 +18,11 @@ from pipeline.formats import CHAT, PROMPT_RESPONSE, TEXT, ExampleFormat
 from pipeline.layout import make_layout
 from pipeline.readers import BatchRows, scan_file
 from pipeline.spill import spill
-from pipeline.routing import GroupBatch, ShardPlan, assemble_shard, merge_stats, pack_group
+from pipeline.routing import GroupBatch, ShardPlan, assemble_shard, pack_group
 from pipeline.sources import resolve_source
 from pipeline.synthetic import SHAPES, generate_block
 from pipeline.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
-from schemas import validate_table
+from schemas import PackingStats, validate_table
 
 BOS, EOS = 1, 2
 CHATS = [
@@ -370,7 +370,7 @@ def test_routing_places_every_token_once(overflow, tmp_path):
             for j, (example, offset) in enumerate(zip(row["example_ids"], row["example_offsets"])):
                 a, b = row["cu_seqlens"][j], row["cu_seqlens"][j + 1]
                 placed.setdefault(example, []).append((offset, row["input_ids"][a:b], row["loss_mask"][a:b]))
-    stats = merge_stats([g.stats for g in groups])
+    stats = PackingStats.merged([g.stats for g in groups])
     assert stats.examples == 125 and stats.rows == sum(p.num_rows for p in plans.values())
     example = 0
     for key in sorted(batches):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from loaders.shard_reader import Shard, open_shard
 from pipeline.packing import PackingPlan, pack
-from pipeline.shard_writer import build_rows, default_rows_per_shard, shard_name, write_shard
+from pipeline.shard_writer import ShardWriter, build_rows, default_rows_per_shard, shard_name, write_shard
 from schemas import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -25,10 +25,8 @@ from schemas import (
     ShardError,
     ShardInfo,
     TokenizerInputs,
-    compute_fingerprint,
     read_manifest,
     validate_table,
-    write_manifest,
 )
 
 CAPACITY = 16
@@ -69,28 +67,16 @@ def packed_table(examples: Examples, capacity: int = CAPACITY, algorithm: str = 
 
 def write_build(directory: Path, examples: Examples, capacity: int = CAPACITY, rows_per_shard: int = 4,
                 example_ids: np.ndarray | None = None) -> tuple[Manifest, PackingPlan]:
-    """Pack, write shards of ``rows_per_shard`` rows, and write the manifest, as the pipeline does."""
-    plan = pack(examples.lengths, capacity, seed=7)
-    segment_starts = examples.starts[plan.segment_example] + plan.segment_offset
-    shards = []
-    for index, first in enumerate(range(0, plan.num_rows, rows_per_shard)):
-        part = plan.row_slice(first, min(first + rows_per_shard, plan.num_rows))
-        lo = plan.row_offsets[first]
-        starts = segment_starts[lo : lo + part.segment_length.size]
-        table = build_rows(part, starts, examples.tokens, examples.loss_mask, example_ids)
-        shards.append(write_shard(table, directory, shard_name(index), capacity))
+    """Pack and write the examples with ShardWriter, in shards of ``rows_per_shard`` rows; the plan it packed by."""
     inputs = BuildInputs(
         dataset=DatasetInputs(id="test", split="train", content_hash="00"),
         tokenizer=TokenizerInputs(name="test", content_hash="11", vocab_size=50_000),
         template="none", loss_masking="random", max_len=capacity, overflow="split",
         packing="best_fit_decreasing", seed=7, package_version="0.1.0",
     )
-    manifest = Manifest(
-        fingerprint=compute_fingerprint(inputs), inputs=inputs, capacity=capacity, rows_per_shard=rows_per_shard,
-        shards=shards, stats=plan.stats, created_at="2026-01-01T00:00:00+00:00",
-    )
-    write_manifest(manifest, directory)
-    return manifest, plan
+    with ShardWriter(directory, inputs, rows_per_shard) as writer:
+        writer.write_examples(examples.tokens, examples.lengths, examples.loss_mask, example_ids)
+    return writer.manifest, pack(examples.lengths, capacity, seed=7)
 
 
 def open_build(directory: Path) -> list[Shard]:
