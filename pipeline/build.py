@@ -26,10 +26,10 @@ from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint
 
-# The files a build writes: shards, the rejected rows, the manifest, and their temporary names.
+# The files a build writes: shards, the rejected rows, the manifest, the report figure, and their temporary names.
 _BUILD_FILE = re.compile(
-    r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl"
-    r"|\.(shard-\d+\.arrow|manifest\.json|rejected\.jsonl)\.(tmp-\w+|uploading))$"
+    r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png"
+    r"|\.(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)\.(tmp-\w+|uploading))$"
 )
 
 

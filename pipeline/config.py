@@ -57,6 +57,8 @@ class PackConfig:
     max_bad_rows: int | float = DEFAULT_MAX_BAD_ROWS
     batch_size: int = DEFAULT_BATCH_SIZE
     progress: bool = True
+    # Write report.png (the build's histograms) beside the manifest; needs matplotlib.
+    report: bool = True
     beam_args: tuple[str, ...] = ()
 
     def validate(self) -> None:

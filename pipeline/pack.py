@@ -28,7 +28,7 @@ from pipeline.config import (
     PackConfig,
 )
 from pipeline.errors import ConfigError
-from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS, VarpackError
+from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS, Manifest, VarpackError
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -97,6 +97,9 @@ def make_parser() -> argparse.ArgumentParser:
              "are bad (default: %(default)s)")
     add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
+    add("--report", action=argparse.BooleanOptionalAction, default=True,
+        help="write report.png beside the manifest: histograms of example length, examples per row and row fill "
+             "(needs matplotlib: pip install 'varpack[plot]'; default: on)")
     return parser
 
 
@@ -232,7 +235,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
         result.layout, manifest.rejected,
     ))
+    if config.report and not result.reused:
+        write_report_figure(result.out_dir, manifest)
     return 0
+
+
+def write_report_figure(out_dir: str, manifest: Manifest) -> None:
+    """Write report.png beside the manifest; without matplotlib, say so once and how to get it."""
+    from pipeline.figures import missing_matplotlib, write_report
+    from pipeline.inspect import read_profile
+
+    missing = missing_matplotlib()
+    if missing:
+        print(f"varpack: report figure skipped: {missing} (or pass --no-report)", file=sys.stderr)
+        return
+    try:
+        path = write_report(read_profile(out_dir, manifest), manifest, out_dir)
+    except OSError as err:
+        print(f"varpack: report figure not written ({err}); the build itself is complete", file=sys.stderr)
+        return
+    print(f"  {'histograms':<12}  {path}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,26 @@ def format_report(
     """A few aligned lines: the example layout, examples, tokens, rows and fill, overflow, examples per row,
     rows left out, time, path."""
     mean, low, high = examples_per_row(stats)
+    lines = [
+        *([("example", layout)] if layout else []),
+        ("examples", f"{stats.examples:,}"),
+        ("tokens", f"{stats.tokens:,} packed"),
+        ("overflow", describe_overflow(stats)),
+        ("rows", f"{plural(stats.rows, 'row')} of {capacity:,} tokens in {plural(shards, 'shard')}"),
+        ("fill", f"{100 * stats.fill:.3f}%"),
+        ("examples/row", f"{mean:.2f} mean, {low} to {high}"),
+    ]
+    if rejected is not None and rejected.rows:
+        lines.append(("rejected", describe_rejected(rejected)))
+    lines += [
+        ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
+        ("output", out_dir),
+    ]
+    return aligned(lines)
+
+
+def describe_overflow(stats: PackingStats) -> str:
+    """Tokens and examples split, truncated and dropped, and those truncation left untrained."""
     overflow = (
         f"{stats.tokens_split:,} tokens split ({stats.examples_split:,} examples), "
         f"{stats.tokens_truncated:,} truncated ({stats.examples_truncated:,}), "
@@ -43,21 +63,16 @@ def format_report(
             f"; {plural(stats.examples_untrained, 'example')} ({stats.tokens_untrained:,} tokens) dropped with no "
             "trained token left after truncation"
         )
-    lines = [
-        *([("example", layout)] if layout else []),
-        ("examples", f"{stats.examples:,}"),
-        ("tokens", f"{stats.tokens:,} packed"),
-        ("overflow", overflow),
-        ("rows", f"{plural(stats.rows, 'row')} of {capacity:,} tokens in {plural(shards, 'shard')}"),
-        ("fill", f"{100 * stats.fill:.3f}%"),
-        ("examples/row", f"{mean:.2f} mean, {low} to {high}"),
-    ]
-    if rejected is not None and rejected.rows:
-        reasons = ", ".join(f"{count:,} {reason}" for reason, count in rejected.by_reason.items())
-        lines.append(("rejected", f"{plural(rejected.rows, 'row')} ({reasons}), listed in {REJECTED_NAME}"))
-    lines += [
-        ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
-        ("output", out_dir),
-    ]
+    return overflow
+
+
+def describe_rejected(rejected: RejectedRows) -> str:
+    """Source rows left out, by reason."""
+    reasons = ", ".join(f"{count:,} {reason}" for reason, count in rejected.by_reason.items())
+    return f"{plural(rejected.rows, 'row')} ({reasons}), listed in {REJECTED_NAME}"
+
+
+def aligned(lines: list[tuple[str, str]]) -> str:
+    """``label  value`` lines, the values aligned."""
     width = max(len(label) for label, _ in lines)
     return "\n".join(f"  {label:<{width}}  {value}" for label, value in lines)

@@ -261,7 +261,9 @@ class ShardWriter:
             raise ValueError(f"rows_per_shard must be a positive integer, got {rows_per_shard!r}")
         held = storage.list_files(self.out_dir) + storage.list_subdirs(self.out_dir)
         if held:
-            raise OutputDirError(f"{self.out_dir} is not empty (it holds {', '.join(held[:3])}); write a build into a new directory")
+            raise OutputDirError(
+                f"{self.out_dir} is not empty (it holds {', '.join(held[:3])}); write a build into a new directory"
+            )
         storage.make_dirs(self.out_dir)
         self.manifest: Manifest | None = None
         self._pending: list[pa.Table] = []  # rows not yet in a shard, fewer than rows_per_shard
@@ -290,7 +292,9 @@ class ShardWriter:
         offsets = np.zeros(segments, np.int64) if example_offsets is None else np.asarray(example_offsets)
         where = f"row {self._rows}"
         if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != input_ids.size or np.any(np.diff(cu) <= 0):
-            raise ShardError(where, f"cu_seqlens must rise strictly from 0 to the row's {input_ids.size} tokens, got {cu.tolist()}")
+            raise ShardError(
+                where, f"cu_seqlens must rise strictly from 0 to the row's {input_ids.size} tokens, got {cu.tolist()}"
+            )
         if input_ids.size > self.capacity:
             raise ShardError(where, f"holds {input_ids.size} tokens, more than the capacity of {self.capacity}")
         if mask.shape != input_ids.shape:

@@ -1,0 +1,228 @@
+"""``python -m pipeline.inspect`` and the report figure pack writes: what a user sees of a build before training.
+
+Builds come from the real pack command (GSM8K, the default tokenizer) and from ShardWriter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders import PackedIterableDataset
+from loaders.shard_reader import open_shard
+from pipeline import cli
+from pipeline.figures import REPORT_NAME
+from pipeline.inspect import format_rows, main
+from pipeline.pack import main as pack_main
+from pipeline.synthetic import random_token_build
+from pipeline.tokenizer import load_tokenizer
+from schemas import MANIFEST_NAME, read_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PACK_ARGS = ["--num-examples", "120", "--max-len", "512", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GSM8K build written by the pack command, with its report figure."""
+    out = tmp_path_factory.mktemp("packed")
+    assert pack_main([*PACK_ARGS, "--out", str(out)]) == 0
+    (build_dir,) = out.iterdir()
+    return build_dir
+
+
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG, from its header."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_pack_writes_the_report_beside_the_manifest_and_the_build_stays_the_same(packed: Path, tmp_path: Path, capsys) -> None:
+    width, height = png_size(packed / REPORT_NAME)
+    assert width > 1200 and height > 400
+    # The figure changes nothing the loader, reuse or the fingerprint rely on.
+    plain = tmp_path / "plain"
+    assert pack_main([*PACK_ARGS, "--out", str(plain), "--no-report"]) == 0
+    (plain_dir,) = plain.iterdir()
+    assert plain_dir.name == packed.name and not (plain_dir / REPORT_NAME).exists()
+    assert sorted(p.name for p in packed.iterdir()) == sorted([MANIFEST_NAME, REPORT_NAME, "shard-00000.arrow"])
+    assert (packed / "shard-00000.arrow").read_bytes() == (plain_dir / "shard-00000.arrow").read_bytes()
+    capsys.readouterr()
+    assert pack_main([*PACK_ARGS, "--out", str(packed.parent)]) == 0
+    assert "reusing" in capsys.readouterr().out
+    batches = list(PackedIterableDataset(packed, batch_rows=1, verify_checksum=True))
+    assert sum(int(b["cu_seq_lens_q"][-1]) for b in batches) == read_manifest(packed).num_tokens
+
+
+def test_pack_without_matplotlib_says_once_that_the_figure_was_skipped(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import importlib.abc, sys
+        class Blocker(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "matplotlib":
+                    raise ImportError("No module named 'matplotlib'")
+        sys.meta_path.insert(0, Blocker())
+        from pipeline.pack import main
+        sys.exit(main({[*PACK_ARGS, "--num-examples", "20", "--out", str(tmp_path)]!r}))
+        """
+    )
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    skipped = [line for line in result.stderr.splitlines() if "report figure" in line]
+    assert skipped == [
+        "varpack: report figure skipped: matplotlib is not installed; pip install 'varpack[plot]' (or pass --no-report)"
+    ]
+    (build_dir,) = tmp_path.iterdir()
+    assert (build_dir / MANIFEST_NAME).exists() and not (build_dir / REPORT_NAME).exists()
+
+
+def test_summary_names_the_inputs_and_the_packing(packed: Path, capsys) -> None:
+    assert main([str(packed.parent)]) == 0  # the directory holding the one build
+    out = capsys.readouterr().out
+    manifest = read_manifest(packed)
+    fields = dict(re.findall(r"^  (\S+(?: \S+)?)\s{2,}(.+)$", out, re.MULTILINE))
+    assert fields["build"] == str(packed)
+    assert fields["fingerprint"].startswith(manifest.fingerprint)
+    assert fields["dataset"].startswith("gsm8k, split test")
+    assert fields["tokenizer"].startswith("mistral-7b-v0.1 (vocabulary 32,000")
+    assert fields["special ids"] == "BOS 1, EOS 2" and fields["loss on"] == "response_and_eos"
+    assert fields["fill"] == f"{100 * manifest.stats.fill:.3f}%"
+    assert fields["examples"].startswith(f"{manifest.stats.examples:,} in ")
+    assert fields["bad rows"] == "none (--on-bad-row error)"
+
+
+def test_json_summary_is_the_manifest_figures(packed: Path, capsys) -> None:
+    assert main([str(packed), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    manifest = read_manifest(packed)
+    assert summary["fingerprint"] == manifest.fingerprint and summary["inputs"] == manifest.inputs.to_dict()
+    assert summary["stats"] == manifest.stats.to_dict() and summary["shards"] == len(manifest.shards)
+    assert summary["rejected"] == {"rows": 0, "by_reason": {}}
+    assert summary["examples_per_row"]["max"] == max(int(k) for k in manifest.stats.segments_per_row)
+
+
+def test_rows_piped_mark_examples_and_trained_spans_in_plain_text(packed: Path, capsys) -> None:
+    assert main([str(packed), "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "\033[" not in out
+    manifest = read_manifest(packed)
+    shard = open_shard(packed / manifest.shards[0].path, manifest.capacity)
+    rows = [shard.row(i) for i in range(2)]
+    headers = re.findall(r"^row (\d+) \(shard-00000.arrow row \d+\): (\d+) examples?, ", out, re.MULTILINE)
+    assert headers == [(str(i), str(len(r["cu_seqlens"]) - 1)) for i, r in enumerate(rows)]
+    examples = re.findall(r"^  -- example (\d+): ", out, re.MULTILINE)
+    assert examples == [str(e) for r in rows for e in r["example_ids"].tolist()]
+    # Each example is [bos] prompt, then its trained response and EOS: one marked span ending in </s>.
+    trained = re.findall(r"«(.*?)»", out, re.DOTALL)
+    assert len(trained) == len(examples) and all(span.endswith("</s>") for span in trained)
+    tokenizer = load_tokenizer().backend()
+    first = rows[0]
+    a, b = first["cu_seqlens"][:2]
+    ids, mask = first["input_ids"][a:b], first["loss_mask"][a:b]
+    response = tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+    assert trained[0].replace("\n    ", "\n").strip() == response.strip()
+
+
+def test_rows_on_a_terminal_are_coloured(packed: Path) -> None:
+    manifest = read_manifest(packed)
+    lines = list(format_rows(str(packed), manifest, 1, lambda ids: " ".join(map(str, ids.tolist())), color=True))
+    assert lines[0].startswith("\033[1mrow 0 ") and "«" not in "".join(lines)
+    assert any("\033[32m" in line for line in lines)
+
+
+def test_split_examples_shown_as_ids_with_their_chunks(tmp_path: Path, capsys) -> None:
+    manifest, tokens, loss_mask = random_token_build(tmp_path, [40, 5, 7], capacity=16, vocab_size=50, seed=1)
+    assert main([str(tmp_path), "--rows", "10", "--ids"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  overflow\s+40 tokens split \(1 examples\)", out, re.MULTILINE)
+    assert len(re.findall(r"from token (16|32) \(a later chunk of a split example\)", out)) == 2
+    # Every token of every example appears once: the ids printed are the build's tokens.
+    printed = sorted(int(t) for line in out.splitlines() if line.startswith("    ")
+                     for t in line.replace("«", " ").replace("»", " ").split())
+    assert printed == sorted(tokens.tolist())
+
+
+def test_plot_writes_the_figure_where_asked(tmp_path: Path, capsys) -> None:
+    random_token_build(tmp_path / "build", np.random.default_rng(0).integers(1, 100, 300), capacity=64)
+    assert main([str(tmp_path / "build"), "--plot", str(tmp_path / "figures")]) == 0
+    assert png_size(tmp_path / "figures" / REPORT_NAME)[0] > 1200
+    assert f"wrote {tmp_path / 'figures' / REPORT_NAME}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", r"^varpack: error: .*/missing: no such directory$"),
+        ("empty", r"^varpack: error: .*/empty: no manifest.json; the build is missing or was interrupted"),
+        ("two", r"^varpack: error: .*/two holds 2 builds \(a, b\); pass one of them$"),
+        ("corrupt", r"^varpack: error: .*/corrupt/shard-00000.arrow: is missing or not a readable Arrow IPC file"),
+        ("tokenizer", r"^varpack: error: cannot load tokenizer synthetic to decode the rows .*; pass --tokenizer PATH, "
+                      r"or --ids to print token ids$"),
+    ],
+)
+def test_bad_builds_fail_in_one_line(tmp_path: Path, capsys, setup: str, message: str) -> None:
+    target, args = tmp_path / setup, []
+    if setup == "empty":
+        target.mkdir()
+    elif setup == "two":
+        for name in ("a", "b"):
+            random_token_build(target / name, [3, 4], capacity=8)
+    elif setup == "corrupt":
+        random_token_build(target, [3, 4], capacity=8)
+        (target / "shard-00000.arrow").write_bytes(b"not arrow")
+        args = ["--rows", "1", "--ids"]
+    elif setup == "tokenizer":
+        random_token_build(target, [3, 4], capacity=8)
+        args = ["--rows", "1"]
+    assert main([str(target), *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(message, err[0]), err
+
+
+def test_varpack_dispatches_to_the_commands(packed: Path, capsys) -> None:
+    assert cli.main(["inspect", str(packed), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fingerprint"] == read_manifest(packed).fingerprint
+    assert cli.main(["--help"]) == 0 and "pack" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.strip() == "varpack: error: unknown command 'frobnicate'; choose one of pack, inspect, check"
+
+
+def test_varpack_check_needs_no_beam(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import importlib.abc, sys
+        class Blocker(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("apache_beam", "datasets", "tokenizers", "transformers"):
+                    raise ImportError(name + " is not installed on a GPU box")
+        sys.meta_path.insert(0, Blocker())
+        from pipeline.cli import main
+        sys.exit(main(["check", "--help"]))
+        """
+    )
+    result = run_python(code, tmp_path)
+    if importlib.util.find_spec("loaders.check") is None:
+        assert result.returncode == 1
+        assert result.stderr.strip() == (
+            "varpack: error: varpack check is not in this installation (no module loaders.check); install a varpack that has it"
+        )
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "usage" in result.stdout
