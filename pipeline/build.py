@@ -108,7 +108,8 @@ def plan_build(config: PackConfig) -> BuildPlan:
     return BuildPlan(config, source, tokenizer, example_format, inputs, fingerprint, out_dir)
 
 
-def _read_manifest(out_dir: str) -> Manifest:
+def read_build_manifest(out_dir: str) -> Manifest:
+    """The validated manifest of the build in ``out_dir``, local or at a URL."""
     path = storage.join(out_dir, MANIFEST_NAME)
     try:
         return Manifest.from_json(storage.read_text(path), path)
@@ -145,7 +146,7 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
         )
     if MANIFEST_NAME in names and not plan.config.force:
         try:
-            manifest = _read_manifest(out_dir)
+            manifest = read_build_manifest(out_dir)
         except ManifestError as err:
             log(f"rebuilding {out_dir}: its manifest is unreadable ({err})")
         else:
@@ -227,7 +228,7 @@ def build(
     finally:
         spill.remove_spill(spill_dir)
         progress.close()
-    return BuildResult(_read_manifest(plan.out_dir), plan.out_dir, False, time.perf_counter() - started, _layout(plan))
+    return BuildResult(read_build_manifest(plan.out_dir), plan.out_dir, False, time.perf_counter() - started, _layout(plan))
 
 
 def _temp_location(beam_args: tuple[str, ...]) -> str | None:

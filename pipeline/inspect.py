@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import storage
+from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
 from pipeline.report import aligned, describe_overflow, describe_rejected, examples_per_row, plural
 from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, VarpackError, validate_table
@@ -46,16 +47,6 @@ def locate_build(path: str) -> str:
     if not storage.exists(path):
         raise InputError(f"{path}: no such directory")
     raise ManifestError(f"{path}: no {MANIFEST_NAME}; the build is missing or was interrupted, run the pipeline again")
-
-
-def read_build_manifest(build_dir: str) -> Manifest:
-    """The validated manifest of a build directory, local or at a URL."""
-    path = storage.join(build_dir, MANIFEST_NAME)
-    try:
-        text = storage.read_text(path)
-    except (OSError, UnicodeDecodeError) as err:
-        raise ManifestError(f"{path}: cannot be read ({err})") from err
-    return Manifest.from_json(text, path)
 
 
 def read_shard_table(build_dir: str, info: ShardInfo, capacity: int) -> pa.Table:
