@@ -75,4 +75,5 @@ def to_hf_dataset(build: str | os.PathLike[str], verify_checksum: bool = False, 
         table = _memory_mapped(path)
         validate_table(table, manifest.capacity, path)
         tables.append(table)
-    return datasets.Dataset(pa.concat_tables(tables))
+    # The build's fingerprint addresses its content: datasets would otherwise hash every row to make one.
+    return datasets.Dataset(pa.concat_tables(tables), split=datasets.Split.TRAIN, fingerprint=manifest.fingerprint)

@@ -37,7 +37,7 @@ def test_to_hf_dataset_maps_the_shards_without_copying(build) -> None:
     hf = to_hf_dataset(build.path, verify_checksum=True)
     assert pa.total_allocated_bytes() - allocated < size / 20  # the rows stay in the memory-mapped files
     assert hf.num_rows == build.manifest.num_rows and hf.column_names == list(ROW_COLUMNS)
-    assert hf.cache_files == []
+    assert hf.cache_files == [] and hf._fingerprint == build.manifest.fingerprint
     expected = stored_rows(build)
     assert all(hf.data.table.column(name).equals(expected.column(name)) for name in ROW_COLUMNS)
     rows = hf.with_format("numpy")
