@@ -2,7 +2,7 @@
 
     python -m pipeline.pack [--dataset NAME] [--out DIR] [--tokenizer T] [--max-len 4096]
         [--split S] [--num-examples N] [--overflow split|truncate|drop|error] [--seed S]
-        [--force] [column options] [Apache Beam options, passed through unchanged]
+        [--force] [--no-report] [column options] [Apache Beam options, passed through unchanged]
 
 With no arguments it packs the embedded GSM8K test set with the embedded Mistral-7B v0.1
 tokenizer into ./shards/gsm8k-<fingerprint>/. Every option maps onto a field of PackConfig.
