@@ -238,6 +238,9 @@ class ShardWriter:
     exception, removes what was written. ``out_dir`` (local or a ``gs://``/``s3://`` URL) must
     be empty or absent.
 
+    >>> import tempfile
+    >>> from schemas import BuildInputs, DatasetInputs, TokenizerInputs
+    >>> directory = tempfile.mkdtemp() + "/my-build"
     >>> inputs = BuildInputs(
     ...     dataset=DatasetInputs(id="my-corpus", split="train", content_hash="sha256-of-my-data"),
     ...     tokenizer=TokenizerInputs(name="my-tokenizer", content_hash="sha256-of-tokenizer.json", vocab_size=32000),
@@ -319,7 +322,9 @@ class ShardWriter:
         tokens = np.asarray(tokens)
         mask = np.ones(tokens.size, np.uint8) if loss_mask is None else np.asarray(loss_mask)
         if tokens.ndim != 1 or tokens.size != int(lengths.sum()):
-            raise ValueError(f"tokens must hold the examples back to back: {tokens.size} tokens, lengths sum to {int(lengths.sum())}")
+            raise ValueError(
+                f"tokens must hold the examples back to back: {tokens.size} tokens, lengths sum to {int(lengths.sum())}"
+            )
         ids = np.arange(self._examples, self._examples + lengths.size) if example_ids is None else np.asarray(example_ids)
         if ids.shape != lengths.shape:
             raise ValueError(f"example_ids holds {ids.size} ids for {lengths.size} examples")
@@ -368,8 +373,9 @@ class ShardWriter:
         return self.manifest
 
     def abort(self) -> None:
-        """Remove the shards written so far (nothing of the build is left)."""
+        """Remove the shards written so far, and the directory if that leaves it empty: nothing of the build is left."""
         storage.remove([storage.join(self.out_dir, s.path) for s in self._shards])
+        storage.remove_empty_dir(self.out_dir)
         self._shards, self._pending = [], []
 
     def __enter__(self) -> ShardWriter:

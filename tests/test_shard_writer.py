@@ -16,7 +16,6 @@ from loaders.shard_reader import open_shard
 from pipeline.errors import OutputDirError
 from pipeline.shard_writer import ShardWriter
 from schemas import (
-    MANIFEST_NAME,
     BuildInputs,
     DatasetInputs,
     ShardError,
@@ -49,18 +48,17 @@ def stored_rows(directory: Path) -> list[dict]:
     return rows
 
 
-def test_the_documented_example_runs_and_the_loader_reads_the_build(tmp_path: Path) -> None:
-    globs = {"ShardWriter": ShardWriter, "BuildInputs": BuildInputs, "DatasetInputs": DatasetInputs,
-             "TokenizerInputs": TokenizerInputs, "directory": tmp_path / "build"}
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in doctest.DocTestFinder().find(ShardWriter, "ShardWriter", globs=globs):
-        runner.run(test)
+def test_the_documented_example_runs_and_the_loader_reads_the_build() -> None:
+    (example,) = doctest.DocTestFinder(recurse=False).find(ShardWriter, "ShardWriter", globs={"ShardWriter": ShardWriter})
+    runner = doctest.DocTestRunner()
+    runner.run(example, clear_globs=False)
     assert runner.summarize(verbose=False).failed == 0
-    manifest = read_manifest(tmp_path / "build")
+    directory = Path(example.globs["directory"])
+    manifest = read_manifest(directory)
     assert manifest.fingerprint == compute_fingerprint(manifest.inputs)
-    first = stored_rows(tmp_path / "build")[0]
+    first = stored_rows(directory)[0]
     assert first["input_ids"] == [5, 6, 7, 8, 9] and first["cu_seqlens"] == [0, 3, 5] and first["loss_mask"] == [0, 1, 1, 0, 1]
-    batches = list(PackedIterableDataset(tmp_path / "build", batch_rows=3, shuffle=False))
+    batches = list(PackedIterableDataset(directory, batch_rows=3, shuffle=False))
     assert sum(int(b["cu_seq_lens_q"][-1]) for b in batches) == 15
 
 
@@ -102,9 +100,10 @@ def test_examples_are_packed_by_the_inputs_policies_with_running_ids(tmp_path: P
 
 def test_an_exception_inside_the_block_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="upstream failed"):
-        with ShardWriter(tmp_path, inputs(), rows_per_shard=1) as writer:
+        with ShardWriter(tmp_path / "build", inputs(), rows_per_shard=1) as writer:
             writer.write_row([1, 2, 3])
             writer.write_row([4, 5])
+            assert len(list((tmp_path / "build").iterdir())) == 2
             raise RuntimeError("upstream failed")
     assert list(tmp_path.iterdir()) == []
 
@@ -121,7 +120,7 @@ def test_an_exception_inside_the_block_leaves_nothing(tmp_path: Path) -> None:
 )
 def test_a_bad_row_is_named_and_nothing_is_left(tmp_path: Path, row: dict, message: str) -> None:
     with pytest.raises(ShardError, match=message):
-        with ShardWriter(tmp_path, inputs(), rows_per_shard=1) as writer:
+        with ShardWriter(tmp_path / "build", inputs(), rows_per_shard=1) as writer:
             writer.write_row([1, 2, 3])
             writer.write_row(**row)
     assert list(tmp_path.iterdir()) == []
@@ -134,7 +133,7 @@ def test_a_directory_with_files_is_refused_and_a_build_needs_rows(tmp_path: Path
     with pytest.raises(ValueError, match="no rows were written"):
         with ShardWriter(tmp_path / "empty", inputs()):
             pass
-    assert not (tmp_path / "empty" / MANIFEST_NAME).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_the_writer_needs_no_beam_nor_datasets(tmp_path: Path) -> None:
