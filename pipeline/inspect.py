@@ -251,9 +251,10 @@ def make_parser() -> argparse.ArgumentParser:
         "and histograms.",
     )
     parser.add_argument("build", help="build directory (holding manifest.json), or a directory holding one build")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    parser.add_argument("--rows", type=int, default=0, metavar="N", help="print the first N rows, decoded, with "
-                        "example boundaries and trained (loss) spans marked")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    shown.add_argument("--rows", type=int, default=0, metavar="N", help="after the summary, print the first N rows, "
+                       "decoded, with example boundaries and trained (loss) spans marked")
     parser.add_argument("--tokenizer", help="tokenizer to decode with (default: the one the manifest names)")
     parser.add_argument("--ids", action="store_true", help="with --rows, print token ids instead of text")
     parser.add_argument("--plot", metavar="DIR", help="write DIR/report.png: histograms of example length "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -60,3 +61,13 @@ def test_loaders_and_schemas_import_without_the_write_side() -> None:
 def test_the_blocker_does_block() -> None:
     result = import_blocked(("pipeline",))
     assert result.returncode != 0 and "pipeline is not installed on a GPU box" in result.stderr
+
+
+def test_scripts_import_nothing_from_tests() -> None:
+    test_modules = {path.stem for path in (ROOT / "tests").glob("*.py")}
+    for script in (ROOT / "scripts").glob("*.py"):
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & (test_modules | {"tests"}), f"{script.name} imports {imported & test_modules} from tests/"
+        assert '"tests"' not in script.read_text(encoding="utf-8"), f"{script.name} puts tests/ on sys.path"
