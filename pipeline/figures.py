@@ -40,7 +40,7 @@ def _thousands(axis) -> None:
 def draw_report(profile: Profile, manifest: Manifest):
     """The report figure (a ``matplotlib.figure.Figure``)."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
     stats, capacity = manifest.stats, profile.capacity
     figure = Figure(figsize=(16, 4.8), dpi=110, layout="constrained")
@@ -53,7 +53,7 @@ def draw_report(profile: Profile, manifest: Manifest):
     lengths, per_row, fill = figure.subplots(1, 3, width_ratios=(1.5, 1, 1))
 
     # Log-spaced bins on a log axis: lengths span orders of magnitude and have a long tail.
-    shortest = max(1, int(min(profile.example_lengths.min(), profile.segment_lengths.min())))
+    shortest = max(1, min(int(profile.segment_lengths.min()), capacity // 10))  # a decade at least
     longest = int(max(profile.example_lengths.max(), capacity))
     bins = np.geomspace(shortest, longest * 1.05, 61)
     overflowed = stats.examples_split + stats.examples_truncated + stats.examples_dropped
@@ -66,6 +66,7 @@ def draw_report(profile: Profile, manifest: Manifest):
     lengths.axvline(capacity, color=_LIMIT, linestyle="--", linewidth=1.5, label=f"row capacity {capacity:,}")
     lengths.set_xscale("log")
     lengths.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    lengths.xaxis.set_minor_formatter(NullFormatter())
     lengths.set_title("Example length", fontsize=12)
     lengths.set_xlabel("tokens (log scale)")
     lengths.set_ylabel("examples")
@@ -81,7 +82,7 @@ def draw_report(profile: Profile, manifest: Manifest):
 
     percent = 100 * profile.row_tokens / capacity
     # 1% bins from the emptiest row's tens: best-fit rows crowd just under 100%.
-    lowest = 10 * int(percent.min() // 10)
+    lowest = min(10 * int(percent.min() // 10), 90)
     fill.hist(percent, bins=np.arange(lowest, 101), color=_ROWS)
     fill.set_yscale("log")
     fill.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
@@ -98,6 +99,7 @@ def draw_report(profile: Profile, manifest: Manifest):
     counts = np.bincount(profile.row_segments)
     present = np.flatnonzero(counts)
     per_row.bar(present, counts[present], width=0.8, color=_AFTER)
+    per_row.set_xlim(0, present.max() + 1)
     per_row.set_title("Examples per row", fontsize=12)
     per_row.set_xlabel("segments (examples or chunks) in the row")
     per_row.set_ylabel("rows")

@@ -159,8 +159,9 @@ def test_split_examples_shown_as_ids_with_their_chunks(tmp_path: Path, capsys) -
     assert printed == sorted(tokens.tolist())
 
 
-def test_plot_writes_the_figure_where_asked(tmp_path: Path, capsys) -> None:
-    random_token_build(tmp_path / "build", np.random.default_rng(0).integers(1, 100, 300), capacity=64)
+@pytest.mark.parametrize("lengths", [np.random.default_rng(0).integers(1, 100, 300), [64]], ids=["many", "one full row"])
+def test_plot_writes_the_figure_where_asked(tmp_path: Path, capsys, lengths) -> None:
+    random_token_build(tmp_path / "build", lengths, capacity=64)
     assert main([str(tmp_path / "build"), "--plot", str(tmp_path / "figures")]) == 0
     assert png_size(tmp_path / "figures" / REPORT_NAME)[0] > 1200
     assert f"wrote {tmp_path / 'figures' / REPORT_NAME}" in capsys.readouterr().err
