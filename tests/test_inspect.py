@@ -108,6 +108,22 @@ def test_summary_names_the_inputs_and_the_packing(packed: Path, capsys) -> None:
     assert fields["bad rows"] == "none (--on-bad-row error)"
 
 
+def test_summary_counts_the_bad_rows_left_out(tmp_path: Path, capsys) -> None:
+    rows = [{"text": "a fine row"}, {"text": ""}, {"text": "another"}, {"text": None}, {"text": "and a third"}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    args = ["--dataset", str(data), "--out", str(out), "--on-bad-row", "skip", "--max-bad-rows", "0.5", "--no-progress"]
+    assert pack_main(args) == 0
+    (build_dir,) = out.iterdir()
+    assert sorted(p.name for p in build_dir.iterdir()) == [MANIFEST_NAME, "rejected.jsonl", REPORT_NAME, "shard-00000.arrow"]
+    capsys.readouterr()
+    assert pack_main(args) == 0 and "reusing" in capsys.readouterr().out
+    assert main([str(build_dir)]) == 0
+    (bad_rows,) = re.findall(r"^  bad rows\s+(.+)$", capsys.readouterr().out, re.MULTILINE)
+    assert bad_rows == "2 rows (1 empty_text, 1 null), listed in rejected.jsonl (--on-bad-row skip)"
+
+
 def test_json_summary_is_the_manifest_figures(packed: Path, capsys) -> None:
     assert main([str(packed), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
