@@ -2,7 +2,7 @@
 
     varpack pack ...      python -m pipeline.pack: pack a dataset into shards
     varpack inspect ...   python -m pipeline.inspect: what a build holds
-    varpack check ...     loaders.check: the isolation self-check (read side only)
+    varpack check ...     python -m loaders.check: the isolation self-check (read side only)
 
 Commands are imported by module name only when run, so ``varpack check`` works on a training
 box that has the read side (torch, pyarrow, numpy) but no Apache Beam, datasets or tokenizers.
@@ -19,7 +19,7 @@ EXIT_ERROR, EXIT_USAGE = 1, 2
 COMMANDS = {
     "pack": ("pipeline.pack", "pack a dataset into content-addressed shards of packed rows"),
     "inspect": ("pipeline.inspect", "show what a build holds: summary, decoded rows, histograms"),
-    "check": ("loaders.check", "check on this machine that packed examples do not attend to each other"),
+    "check": ("loaders.check", "check that a model, attention backend and settings keep packed examples apart"),
 }
 
 
