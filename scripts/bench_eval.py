@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_loader import flan_lengths  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.evaluate import evaluate_packed  # noqa: E402
-from shard_factory import build_shard_dir  # noqa: E402
+from pipeline.synthetic import random_token_build  # noqa: E402
 
 
 def small_llama(vocab: int, capacity: int, attn: str):
@@ -47,12 +47,14 @@ def small_llama(vocab: int, capacity: int, attn: str):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def padded_losses(model, shards, batch: int) -> np.ndarray:
+def padded_losses(model, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
     """Per-example mean loss from right-padded batches with an attention mask, in source order."""
+    ends = np.cumsum(lengths)[:-1]
+    all_examples = list(zip(np.split(tokens, ends), np.split(loss_mask, ends)))
     losses = []
     with torch.no_grad():
-        for first in range(0, shards.lengths.size, batch):
-            examples = [shards.example(i) for i in range(first, min(first + batch, shards.lengths.size))]
+        for first in range(0, len(all_examples), batch):
+            examples = all_examples[first : first + batch]
             width = max(t.size for t, _ in examples)
             ids = torch.zeros(len(examples), width, dtype=torch.long)
             labels = torch.full((len(examples), width), -100, dtype=torch.long)
@@ -77,15 +79,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     lengths = flan_lengths(args.examples, args.capacity, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        shards = build_shard_dir(tmp, lengths, capacity=args.capacity, vocab_size=1000, seed=0)
+        _, example_tokens, loss_mask = random_token_build(tmp, lengths, args.capacity, vocab_size=1000, seed=0)
         tokens = int(lengths.sum())
         packed_model = small_llama(1000, args.capacity, attn_implementation_for("auto"))
         start = time.perf_counter()
-        result = evaluate_packed(packed_model, shards.path, batch_rows=args.batch_rows)
+        result = evaluate_packed(packed_model, tmp, batch_rows=args.batch_rows)
         packed_seconds = time.perf_counter() - start
         padded_model = small_llama(1000, args.capacity, "sdpa")
         start = time.perf_counter()
-        padded = padded_losses(padded_model, shards, args.padded_batch)
+        padded = padded_losses(padded_model, example_tokens, loss_mask, lengths, args.padded_batch)
         padded_seconds = time.perf_counter() - start
     gap = float(np.max(np.abs(result.example_loss - padded)))
     record = {
