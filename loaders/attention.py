@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -145,10 +145,11 @@ def varlen_attention(
                 groups = query.shape[1] // key.shape[1]
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         # varlen_attn reads causality from the window: (-1, 0) is causal, (-1, -1) full.
-        return varlen_attn(
+        out = varlen_attn(
             query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             scale=softmax_scale, window_size=window, **extra,
         )
+        return cast(torch.Tensor, out)  # a tuple only with return_aux
     raise ValueError(f"varlen_attention runs flash_attn or torch_varlen, not {backend!r}")
 
 
@@ -197,7 +198,8 @@ def varlen_attention_forward(
         max_length_q = seq_len
     if cu_seq_lens_k is None:
         cu_seq_lens_k, max_length_k = cu_seq_lens_q, max_length_q
-    causal = module.is_causal if is_causal is None else is_causal
+    causal = cast(bool, module.is_causal) if is_causal is None else is_causal
+    assert max_length_q is not None and max_length_k is not None  # transformers passes them with cu_seq_lens_q/k
     dtype = _half_dtype(query)
 
     def tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -268,7 +270,7 @@ def segment_attention_forward(
         raise ValueError(f"{SEGMENTS_IMPLEMENTATION} does not support attention logit softcapping; use eager")
     batch, heads, seq_len, head_dim = query.shape
     bounds = _example_bounds(query, cu_seq_lens_q)
-    causal = module.is_causal if is_causal is None else is_causal
+    causal = cast(bool, module.is_causal) if is_causal is None else is_causal
     q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):

@@ -24,6 +24,7 @@ import argparse
 import itertools
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable, cast
 
 import torch
 
@@ -72,8 +73,14 @@ class IsolationReport:
             reason = ("no example sees another, but the logits differ from the examples run alone by more than the "
                       "tolerance: check position_ids handling and the dtype")
         else:
+            assert self.culprit is not None  # every failed check names one
             reason = "; and ".join(SETTINGS[name] for name in self.culprit.split("+"))
         return f"FAILED: {reason} ({measured})"
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The rows of a transformers model's input embedding (``model.get_input_embeddings()``)."""
+    return cast(Callable[[], torch.nn.Embedding], model.get_input_embeddings)().num_embeddings
 
 
 def _model_inputs(batch: dict) -> dict:
@@ -102,7 +109,7 @@ def _gaps(model: torch.nn.Module, batch: dict, examples: int) -> tuple[float, fl
             scale = max(scale, alone.abs().max().item())
         first_a, first_b = sequences[0]
         changed = input_ids.clone()
-        vocab = model.get_input_embeddings().num_embeddings
+        vocab = vocab_size(model)
         changed[:, first_a:first_b] = (changed[:, first_a:first_b] + 1 + vocab // 2) % vocab
         perturbed = model(**{**inputs, "input_ids": changed}).logits[0].float()
         others = torch.cat([(perturbed[a:b] - packed[a:b]).abs().flatten() for a, b in sequences[1:]])
@@ -120,7 +127,8 @@ def check_isolation(model: torch.nn.Module, batch: dict, examples: int = 4) -> I
                          "with several packed examples (more rows, or shards with more than one example a row)")
     dtype = next(model.parameters()).dtype
     relative = RELATIVE_TOLERANCE.get(dtype, RELATIVE_TOLERANCE[torch.bfloat16])
-    implementation = str(getattr(model.config, "_attn_implementation", None))
+    config: Any = model.config  # a transformers PretrainedConfig; its attributes vary by model
+    implementation = str(getattr(config, "_attn_implementation", None))
 
     def measure(candidate: dict) -> tuple[bool, float, float, float, int]:
         alone, perturbation, scale, compared = _gaps(model, candidate, examples)
@@ -133,16 +141,16 @@ def check_isolation(model: torch.nn.Module, batch: dict, examples: int = 4) -> I
         return report
     # Run again without the suspect settings, fewest first; the first set whose removal passes is at fault.
     suspects = [name for name, present in (("attention_mask", "attention_mask" in batch),
-                                           ("use_cache", bool(getattr(model.config, "use_cache", False)))) if present]
+                                           ("use_cache", bool(getattr(config, "use_cache", False)))) if present]
     for size in range(1, len(suspects) + 1):
         for removed in itertools.combinations(suspects, size):
             candidate = {k: v for k, v in batch.items() if k != "attention_mask"} if "attention_mask" in removed else batch
-            cache = model.config.use_cache
-            model.config.use_cache = cache and "use_cache" not in removed
+            cache = config.use_cache
+            config.use_cache = cache and "use_cache" not in removed
             try:
                 passed = measure(candidate)[0]
             finally:
-                model.config.use_cache = cache
+                config.use_cache = cache
             if passed:
                 return IsolationReport(False, compared, alone, perturbation, tolerance, implementation, "+".join(removed))
     culprit = "numerics" if perturbation <= PERTURBATION_SHARE * tolerance else "backend"
@@ -157,6 +165,8 @@ def first_batch_with_examples(dataset, examples: int, limit: int = 64) -> dict:
             best = batch
         if len(_sequences(batch)) > examples:
             break
+    if best is None:
+        raise ValueError("the dataset yields no batch: check its shards")
     return best
 
 
@@ -207,12 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         dataset = PackedIterableDataset(args.shards, batch_rows=args.batch_rows, shuffle=False, verify_checksum=False)
         batch = first_batch_with_examples(dataset, args.examples)
         model = load_causal_lm(args.model, attn_implementation_for(args.attn), dtype).to(device).eval()
-        vocab = model.get_input_embeddings().num_embeddings
+        vocab = vocab_size(model)
         if int(batch["input_ids"].max()) >= vocab:
             raise ValueError(f"{args.shards}: token id {int(batch['input_ids'].max())} is outside the model's vocabulary "
                              f"of {vocab}: these shards were built with another tokenizer")
         if args.no_cache:
-            model.config.use_cache = False
+            cast(Any, model.config).use_cache = False
         if args.attention_mask:
             batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
         report = check_isolation(model, batch, args.examples)

@@ -21,7 +21,7 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def global_loss_tokens(count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def global_loss_tokens(count: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """``count`` summed over all ranks, as a float tensor on ``device`` (one all-reduce; none on one rank).
 
     ``count`` is a batch's ``num_loss_tokens`` (a Python int the loader computes), so nothing

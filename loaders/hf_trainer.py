@@ -38,7 +38,7 @@ import itertools
 import math
 import os
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -69,11 +69,21 @@ class EpochAfterEpoch(IterableDataset):
             self.dataset.set_epoch(self.dataset.epoch + 1)
 
 
-class PackedTrainerMixin:
+if TYPE_CHECKING:  # the mixin is only ever combined with a Trainer; at run time it stands alone
+    from transformers import Trainer as _TrainerBase
+    from transformers.trainer_utils import TrainOutput
+else:
+    _TrainerBase = object
+
+
+class PackedTrainerMixin(_TrainerBase):
     """What PackedTrainer and PackedSFTTrainer add to a transformers ``Trainer`` (see the module docstring)."""
 
     # The loss is divided by the global batch's normaliser, gradient accumulation included.
-    loss_is_scaled_for_ga = True
+    loss_is_scaled_for_ga: bool | None = True
+    packed_dataset: PackedIterableDataset
+    _real_tokens: int
+    _real_tokens_since: float
 
     def _check_packed(self, train_dataset: Any, args: Any) -> PackedIterableDataset:
         if not isinstance(train_dataset, PackedIterableDataset):
@@ -140,6 +150,7 @@ class PackedTrainerMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if not isinstance(dataset, PackedIterableDataset):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        assert self.model is not None  # Trainer.__init__ sets it (from model_init when model is None)
         with self.compute_loss_context_manager():
             summary = evaluate_packed(self.model, dataset.source, batch_rows=dataset.batch_rows or 1).summary
         metrics = {f"{metric_key_prefix}_loss": summary["mean_token_loss"],
@@ -151,7 +162,8 @@ class PackedTrainerMixin:
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""
         from transformers.trainer_utils import get_last_checkpoint
 
@@ -166,7 +178,8 @@ class PackedTrainerMixin:
                 )
             self.packed_dataset.load_state_dict(torch.load(path, weights_only=False))
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
@@ -214,7 +227,8 @@ def _packed_trainer() -> type:
 def _packed_sft_trainer() -> type:
     from trl import SFTTrainer
 
-    class PackedSFTTrainer(PackedTrainerMixin, SFTTrainer):
+    # TRL's base class leaves loss_is_scaled_for_ga unannotated (= None), which mypy reads as type None.
+    class PackedSFTTrainer(PackedTrainerMixin, SFTTrainer):  # type: ignore[misc]
         """TRL's ``SFTTrainer`` on a PackedIterableDataset: see ``loaders/hf_trainer.py``.
 
         The shards are the prepared dataset, so TRL's preparation and collator are skipped
@@ -230,6 +244,7 @@ def _packed_sft_trainer() -> type:
                 args = SFTConfig(output_dir="trainer_output")
             if not isinstance(args, SFTConfig):
                 raise TypeError(f"{type(self).__name__} takes an SFTConfig as args, got {type(args).__name__}")
+            assert not isinstance(args.dataset_kwargs, str)  # SFTConfig parses a JSON string into a dict
             args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
             # Without a collator SFTTrainer builds its padding one; the train loader here needs none.
             kwargs.setdefault("data_collator", _already_collated)

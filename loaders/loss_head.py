@@ -19,7 +19,7 @@ Imports only torch at module import; transformers is imported inside the functio
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, cast
 
 import torch
 
@@ -48,7 +48,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Accumulated over chunks in fp32, as one matmul over all rows would accumulate.
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias else None
+        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias and bias is not None else None
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start : start + chunk_rows]
             t = targets[start : start + chunk_rows]
@@ -64,11 +64,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if w is not None:
                     grad.mul_(w[:, None])
                 grad = grad.to(h.dtype)
-                if need_hidden:
+                if grad_hidden is not None:
                     grad_hidden[start : start + chunk_rows] = grad @ weight
-                if need_weight:
+                if grad_weight is not None:
                     grad_weight += grad.t() @ h
-                if need_bias:
+                if grad_bias is not None:
                     grad_bias += grad.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.weight_dtype = weight.dtype
@@ -118,9 +118,14 @@ def loss_positions(labels: torch.Tensor, num_loss_tokens: int | None = None) -> 
     return index, targets[index]
 
 
+def output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A transformers model's LM head (``model.get_output_embeddings()``)."""
+    return cast(Callable[[], "torch.nn.Module | None"], model.get_output_embeddings)()
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """Raise ValueError unless the model's logits are its output embedding's linear map of the last hidden states."""
-    head = model.get_output_embeddings()
+    head = output_embeddings(model)
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"{type(model).__name__}: the LM head is a {type(head).__name__}, not an nn.Linear; "
                          "the loss-position head needs logits = lm_head(hidden_states)")
@@ -142,7 +147,7 @@ def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labe
     ``loss_weights`` (a batch's, ``loaders/loss.py``) each label's term is weighted and the
     default divisor is the sum of the weights, as in ``loaders.loss.weighted_causal_lm_loss``.
     """
-    head = model.get_output_embeddings()
+    head = cast(torch.nn.Linear, output_embeddings(model))  # check_supported's condition
     index, targets = loss_positions(labels, num_loss_tokens)
     states = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])[index]
     row_weights = None
@@ -182,12 +187,13 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
-        outputs = model.base_model(input_ids=input_ids, **kwargs)
+        outputs = cast(torch.nn.Module, model.base_model)(input_ids=input_ids, **kwargs)
         loss = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows,
                                   loss_weights)
         return CausalLMOutputWithPast(loss=loss, hidden_states=getattr(outputs, "hidden_states", None),
                                       attentions=getattr(outputs, "attentions", None))
 
     model.forward = forward
-    model.varpack_loss_head = True
+    # nn.Module.__setattr__ is typed for tensors and modules only; a plain value is stored as it is.
+    model.varpack_loss_head = True  # type: ignore[assignment]
     return model

@@ -383,7 +383,7 @@ def validate_manifest(data: Any, source: str = MANIFEST_NAME) -> None:
         raise ManifestError(f"{source}: the manifest must be a JSON object")
     if data.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: not a varpack manifest (format {data.get('format')!r})")
-    version = data.get("format_version")
+    version: Any = data.get("format_version")  # a JSON value, checked just below
     if _is_json_type(version, "integer") and version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{source}: format version {version} is newer than this varpack reads ({FORMAT_VERSION}); upgrade varpack"
