@@ -286,5 +286,6 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["EpochAfterEpoch", "LOADER_STATE", "PackedSFTTrainer", "PackedTrainer", "PackedTrainerMixin",
+# PackedTrainer and PackedSFTTrainer come from __getattr__, which imports transformers or TRL on first use.
+__all__ = ["EpochAfterEpoch", "LOADER_STATE", "PackedSFTTrainer", "PackedTrainer", "PackedTrainerMixin",  # noqa: F822
            "loader_state_name"]

@@ -170,7 +170,8 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     with the loss and no logits. Without labels the model runs as before. ``num_items_in_batch``
     is honoured as in transformers (the HF Trainer passes it), and a PackedIterableDataset
     batch's ``num_loss_tokens`` and ``num_real_tokens`` are consumed here, not passed to the
-    layers, and its ``loss_weights`` (``loaders/loss.py``) weigh the loss, so ``model(**batch)`` needs no device sync and compiled layers see no int arguments.
+    layers, and its ``loss_weights`` (``loaders/loss.py``) weigh the loss, so ``model(**batch)`` needs
+    no device sync and compiled layers see no int arguments.
     """
     check_supported(model)
     full_forward = model.forward

@@ -118,7 +118,8 @@ def pack_group(
     plan = pack(lengths, capacity, overflow=overflow, algorithm=algorithm, seed=seed)
     del lengths
     # Where each example's tokens start in its batch's spill file.
-    example_start = np.concatenate([np.cumsum(b.lengths, dtype=np.int64) - b.lengths for b in batches]) if batches else np.zeros(0, np.int64)
+    starts = [np.cumsum(b.lengths, dtype=np.int64) - b.lengths for b in batches]
+    example_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     batch_of_example = np.repeat(np.arange(len(batches)), [b.lengths.size for b in batches])
     group_first = batches[0].first_id if batches else 0
     paths = np.array([b.path for b in batches], dtype=str)
@@ -145,7 +146,8 @@ def assemble_shard(shard_plan: ShardPlan) -> pa.Table:
         source_tokens, source_mask = read_spilled(str(shard_plan.sources[shard_plan.source[segments[0]]]))
         index = gather_index(shard_plan.token_start[segments], plan.segment_length[segments])
         if index.size and index[-1] >= source_tokens.size:
-            raise RuntimeError(f"a shard plan points past the end of {shard_plan.sources[shard_plan.source[segments[0]]]}: routing is broken")
+            source = shard_plan.sources[shard_plan.source[segments[0]]]
+            raise RuntimeError(f"a shard plan points past the end of {source}: routing is broken")
         tokens.append(source_tokens[index])
         loss_mask.append(source_mask[index])
     lengths = plan.segment_length[order]

@@ -252,7 +252,7 @@ def baseline_step(data: str, tokens: list[np.ndarray], labels: list[np.ndarray],
     if data == "padded":
         micro = padded_micro_batches(tokens, labels, cap)
     else:
-        micro = [to_device(collator([{"input_ids": t.tolist(), "labels": l.tolist()} for t, l in zip(tokens, labels)]))]
+        micro = [to_device(collator([{"input_ids": t.tolist(), "labels": y.tolist()} for t, y in zip(tokens, labels)]))]
     loss = sum(int((x[1:] != -100).sum()) for x in labels)
     return Step(micro, sum(t.size for t in tokens), loss)
 

@@ -38,7 +38,9 @@ def fetches(monkeypatch):
     """The remote paths copied from memory://, in order."""
     calls = []
     original = MemoryFileSystem.get_file
-    monkeypatch.setattr(MemoryFileSystem, "get_file", lambda self, rpath, lpath, **kw: calls.append(rpath) or original(self, rpath, lpath, **kw))
+    monkeypatch.setattr(
+        MemoryFileSystem, "get_file", lambda self, rpath, lpath, **kw: calls.append(rpath) or original(self, rpath, lpath, **kw)
+    )
     return calls
 
 

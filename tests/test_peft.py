@@ -83,8 +83,8 @@ def test_packed_trainer_trains_and_resumes_lora(shards, tmp_path):
 
     def trainer(out, max_steps):
         args = transformers.TrainingArguments(output_dir=str(out), max_steps=max_steps, gradient_accumulation_steps=2,
-                                              learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_steps=2, report_to="none",
-                                              use_cpu=True, seed=0, disable_tqdm=True)
+                                              learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_steps=2,
+                                              report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
         return PackedTrainer(model=lora_llama(), args=args, train_dataset=PackedIterableDataset(shards, batch_rows=2))
 
     straight = trainer(tmp_path / "straight", 4)

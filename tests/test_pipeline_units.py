@@ -176,7 +176,8 @@ def test_too_long_under_error_names_the_row(tokenizer):
 
 def test_bad_chats_are_clear_errors(tokenizer):
     enc = encoder(tokenizer, CHAT, ("m",))
-    with pytest.raises(InputError, match="t row 0: 'm': no assistant turn, so nothing to train on; fix or remove it, or pass --on-bad-row skip"):
+    message = "t row 0: 'm': no assistant turn, so nothing to train on; fix or remove it, or pass --on-bad-row skip"
+    with pytest.raises(InputError, match=message):
         enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}]]}), BatchRows("t", 0))
     with pytest.raises(InputError, match="t row 3: 'm': the chat template rejected the messages"):
         enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 2,
