@@ -298,9 +298,15 @@ class PackedIterableDataset(IterableDataset):
         return add_loss_weights(batch, shard_rows, self.loss_weighting)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it)."""
+        """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it).
+
+        A state loaded from the end of an epoch resumes at the next epoch even when ``set_epoch``
+        names the finished one: a checkpoint taken after the epoch's loop must not replay it.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if self._loaded and self._position.finished and epoch == self._position.epoch:
+            return  # the next iteration moves on to epoch + 1
         if epoch != self._position.epoch or self._position.finished:
             self._position = Position(epoch=int(epoch))
             self._loaded = False

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +20,17 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from loaders.shard_reader import check_shard_file
-from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, read_manifest
-
-CACHE_ENV = "VARPACK_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "varpack")
+from schemas import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ShardError,
+    ShardInfo,
+    atomic_output,
+    atomic_write,
+    cache_dir,
+    read_manifest,
+)
 
 
 @dataclass(frozen=True)
@@ -48,19 +50,10 @@ class BuildLocation:
         """Load and validate the manifest."""
         if self.is_local:
             return read_manifest(self.manifest_path)
-        url = self.fs.unstrip_protocol(self.manifest_path)
-        try:
-            text = self.fs.cat_file(self.manifest_path).decode("utf-8")
-        except FileNotFoundError as err:
-            raise ManifestError(
-                f"{url}: no manifest; the build is missing or was interrupted, run the pipeline again"
-            ) from err
-        except (OSError, UnicodeDecodeError) as err:
-            raise ManifestError(f"{url}: the manifest could not be read ({err})") from err
-        return Manifest.from_json(text, url)
+        return read_manifest(self.fs.unstrip_protocol(self.manifest_path), lambda _: self.fs.cat_file(self.manifest_path))
 
     def local_shards(
-        self, manifest: Manifest, cache_dir: str | os.PathLike[str] | None, verify_checksum: bool
+        self, manifest: Manifest, cache_root: str | os.PathLike[str] | None, verify_checksum: bool
     ) -> list[Path]:
         """Local paths of every shard, copying remote ones into the cache first.
 
@@ -70,12 +63,12 @@ class BuildLocation:
         """
         if self.is_local:
             return [Path(self.root) / shard.path for shard in manifest.shards]
-        directory = Path(cache_dir if cache_dir is not None else default_cache_dir()) / manifest.fingerprint
+        directory = Path(cache_root if cache_root is not None else cache_dir()) / manifest.fingerprint
         directory.mkdir(parents=True, exist_ok=True)
         paths = [self._cached_copy(shard, directory, verify_checksum) for shard in manifest.shards]
         manifest_copy = directory / MANIFEST_NAME
         if not manifest_copy.is_file():
-            _atomic_write(manifest_copy, manifest.to_json().encode("utf-8"))
+            atomic_write(manifest_copy, manifest.to_json())
         return paths
 
     def _cached_copy(self, shard: ShardInfo, directory: Path, verify_checksum: bool) -> Path:
@@ -89,8 +82,7 @@ class BuildLocation:
                 pass  # a stale or damaged copy: fetch it again below
         url = self.fs.unstrip_protocol(posixpath.join(self.root, shard.path))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
+        with atomic_output(path) as tmp:
             try:
                 self.fs.get_file(posixpath.join(self.root, shard.path), str(tmp))
             except FileNotFoundError as err:
@@ -101,9 +93,6 @@ class BuildLocation:
                 raise ShardError(
                     url, f"the copy does not match the manifest ({err}); the source shard is corrupt, rebuild it"
                 ) from err
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return path
 
 
@@ -145,12 +134,3 @@ def _only_build(fs: fsspec.AbstractFileSystem, directory: str, source: str) -> s
     warnings.warn(f"{source} holds no manifest but one build; using {names[0]}", stacklevel=3)
     return builds[0]
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` under a temporary name, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

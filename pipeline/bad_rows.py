@@ -13,8 +13,6 @@ rows read, stops a run whose data is mostly bad.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,14 +93,5 @@ def write_rejected(bad_rows: Sequence[BadRow], out_dir: str) -> None:
     """Write ``rejected.jsonl`` into the build directory, atomically (nothing when no row was left out)."""
     if not bad_rows:
         return
-    path = storage.join(out_dir, REJECTED_NAME)
-    local_dir = None if storage.is_url(out_dir) else out_dir
-    with tempfile.NamedTemporaryFile(
-        "w", dir=local_dir, prefix=f".{REJECTED_NAME}.tmp-", delete=False, encoding="utf-8"
-    ) as tmp:
-        tmp.writelines(row.to_json() + "\n" for row in bad_rows)
-    try:
-        storage.publish(tmp.name, path)
-    finally:
-        if os.path.exists(tmp.name):
-            os.unlink(tmp.name)
+    with storage.output(storage.join(out_dir, REJECTED_NAME)) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(row.to_json() + "\n" for row in bad_rows)

@@ -26,9 +26,12 @@ shard's plan file and gathers the tokens from the spill files (``pipeline/routin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,10 +46,9 @@ from pipeline.encode import Encoder
 from pipeline.errors import InputError
 from pipeline.formats import ExampleFormat
 from pipeline.layout import EXAMPLES_PER_GROUP, BatchKey, make_layout
-from pipeline.packing import PackingPlan
 from pipeline.routing import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.shard_writer import finish_build, publish_shard, shard_name
-from pipeline.spill import SpilledBatch, spill
+from pipeline.spill import spill
 from pipeline.sources import ReadTask
 from pipeline.tokenizer import LoadedTokenizer
 from schemas import (
@@ -70,6 +72,7 @@ class BuildSpec:
     inputs: BuildInputs
     fingerprint: str
     out_dir: str
+    shard_dir: str  # out_dir, or at a URL this attempt's own directory inside it
     spill_dir: str
     rows_per_shard: int
     batch_size: int
@@ -77,12 +80,47 @@ class BuildSpec:
     known_examples: int | None = None  # for the progress bar
     examples_per_group: int = EXAMPLES_PER_GROUP
     max_bad_rows: int | float = 0
+    main_pid: int = dataclasses.field(default_factory=os.getpid)  # the pack command's process
 
     def early_bad_row_limit(self) -> int | None:
         """The bad rows one worker may meet before the whole build is known to be over ``max_bad_rows``."""
         if isinstance(self.max_bad_rows, int):
             return self.max_bad_rows
         return None if self.known_examples is None else int(self.max_bad_rows * self.known_examples)
+
+
+_parent_watch = threading.Lock()
+
+
+def _ancestors() -> list[int]:
+    """The pids of this process's parent, its parent's parent, ..., as far as /proc tells (the parent alone without it)."""
+    chain, pid = [], os.getppid()
+    while pid > 1 and len(chain) < 8:
+        chain.append(pid)
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return chain
+
+
+def exit_with_parent(main_pid: int) -> None:
+    """In a worker process that the pack command started, exit as soon as the command's process is gone.
+
+    So a killed run leaves no worker writing shards behind it. Beam starts local workers
+    through a shell, so the command is the worker's parent or grandparent. Runs once per
+    process; does nothing in the command's own process or in workers it did not start (a
+    cluster's).
+    """
+    if main_pid not in _ancestors() or not _parent_watch.acquire(blocking=False):
+        return
+
+    def watch() -> None:
+        while main_pid in _ancestors():
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="varpack-parent-watch", daemon=True).start()
 
 
 class ReadAndEncode(beam.DoFn):
@@ -101,6 +139,7 @@ class ReadAndEncode(beam.DoFn):
         self.tokens = Metrics.counter(_COUNTERS, "tokens")
 
     def setup(self):
+        exit_with_parent(self.spec.main_pid)
         inputs = self.spec.inputs
         self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow, inputs.on_bad_row)
         self.bad_rows, self.first_bad_row = 0, None
@@ -200,11 +239,15 @@ def shard_indices(groups: list[PackedGroup]):
 class WriteShard(beam.DoFn):
     """Build one shard's rows from its plan file and the spill files it names, and write it: ``(shard, ShardInfo)``."""
 
-    def __init__(self, out_dir: str, capacity: int):
+    def __init__(self, out_dir: str, capacity: int, main_pid: int):
         self.out_dir = out_dir
         self.capacity = capacity
+        self.main_pid = main_pid
         self.rows = Metrics.counter(_COUNTERS, "rows_written")
         self.shards = Metrics.counter(_COUNTERS, "shards_written")
+
+    def setup(self):
+        exit_with_parent(self.main_pid)
 
     def process(self, element):
         _, joined = element
@@ -224,6 +267,7 @@ class ManifestSpec:
     out_dir: str
     inputs: BuildInputs
     rows_per_shard: int
+    shard_prefix: str  # where the shards are, relative to out_dir: "" or an attempt directory's "NAME/"
 
 
 def write_build_manifest(
@@ -241,7 +285,8 @@ def write_build_manifest(
     shards = sorted(shards, key=lambda item: item[0])
     if [index for index, _ in shards] != list(range(len(shards))):
         raise RuntimeError(f"shards {[index for index, _ in shards]} were written; expected 0..{len(shards) - 1}")
-    finish_build(spec.out_dir, spec.inputs, spec.rows_per_shard, [info for _, info in shards], stats, filtered.rejected)
+    shards = [dataclasses.replace(info, path=spec.shard_prefix + info.path) for _, info in shards]
+    finish_build(spec.out_dir, spec.inputs, spec.rows_per_shard, shards, stats, filtered.rejected)
     return storage.join(spec.out_dir, MANIFEST_NAME)
 
 
@@ -299,9 +344,10 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     shards = (
         {"plan": plans, "index": indices}
         | "GroupByShard" >> beam.CoGroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShard(spec.out_dir, inputs.max_len))
+        | "WriteShards" >> beam.ParDo(WriteShard(spec.shard_dir, inputs.max_len, spec.main_pid))
     )
-    manifest = ManifestSpec(spec.out_dir, inputs, rows_per_shard)
+    shard_prefix = spec.shard_dir[len(spec.out_dir) :].strip("/")
+    manifest = ManifestSpec(spec.out_dir, inputs, rows_per_shard, shard_prefix and shard_prefix + "/")
     (
         {"shards": _gather("Shards", shards), "groups": _gather("AllGroups", groups), "filtered": filtered}
         | "JoinForManifest" >> beam.CoGroupByKey()

@@ -1,36 +1,43 @@
 """One build from start to end: resolve inputs, fingerprint them, reuse a finished build or run Beam.
 
 The output goes to ``OUT/<dataset>-<fingerprint>/``. A directory with a manifest of that
-fingerprint and all its shards is reused without reading or tokenizing anything. One without
-a manifest holds the leftovers of an interrupted run: they are removed and the build runs
-again. A failed run removes what it wrote, so no manifest (and no partial shard) is left.
+fingerprint and all its shards, each matching its size and checksum, is reused without
+reading or tokenizing anything; one that fails the check is rebuilt. One without a manifest
+holds the leftovers of an interrupted run: they are removed and the build runs again. A
+failed run removes what it wrote, but never a finished build (one with a manifest).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import re
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import spill, storage
 from pipeline.bad_rows import REJECTED_NAME
+from pipeline.build_lock import build_lock
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.formats import ExampleFormat, resolve_format
 from pipeline.shard_writer import default_rows_per_shard
 from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
-from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint
+from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
 
 # The files a build writes: shards, the rejected rows, the manifest, the report figure, and their temporary names.
 _BUILD_FILE = re.compile(
     r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png"
-    r"|\.(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)\.(tmp-\w+|uploading))$"
+    r"|\.(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)\.(tmp-[\w-]+|uploading))$"
 )
+_TEMPORARY = re.compile(r"^\..*\.(tmp-[\w-]+|uploading)$")
+# At a URL each run writes its shards into its own attempt directory inside the build's.
+ATTEMPT_PREFIX = "attempt-"
 
 
 @dataclass(frozen=True)
@@ -110,31 +117,35 @@ def plan_build(config: PackConfig) -> BuildPlan:
 
 def read_build_manifest(out_dir: str) -> Manifest:
     """The validated manifest of the build in ``out_dir``, local or at a URL."""
-    path = storage.join(out_dir, MANIFEST_NAME)
-    try:
-        return Manifest.from_json(storage.read_text(path), path)
-    except (OSError, UnicodeDecodeError) as err:
-        raise ManifestError(f"{path}: cannot be read ({err})") from err
+    return read_manifest(storage.join(out_dir, MANIFEST_NAME), storage.read_bytes)
 
 
-def _complete(manifest: Manifest, out_dir: str) -> bool:
-    """Whether every shard the manifest lists is present with its recorded size, and rejected.jsonl if rows were."""
+def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
+    """Why a finished build cannot be reused (a file missing, truncated or failing its checksum), or None."""
     if manifest.rejected is not None and manifest.rejected.rows and not storage.exists(storage.join(out_dir, REJECTED_NAME)):
-        return False
+        return f"{REJECTED_NAME} is missing"
     for shard in manifest.shards:
         path = storage.join(out_dir, shard.path)
-        if not storage.exists(path) or storage.size(path) != shard.bytes:
-            return False
-    return True
+        if not storage.exists(path):
+            return f"{shard.path} is missing"
+        if (size := storage.size(path)) != shard.bytes:
+            return f"{shard.path} is {size} bytes, the manifest says {shard.bytes}"
+        with storage.open_read(path) as f:
+            if stream_sha256(f) != shard.sha256:
+                return f"{shard.path} fails its checksum (the file is corrupt)"
+    return None
 
 
 def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None:
     """The manifest of a finished build to reuse, or None after clearing the way for a new build.
 
-    Raises OutputDirError when ``--out`` is itself a build directory, when the build directory
-    holds another fingerprint's build (without ``--force``) or files varpack did not write.
+    A local build directory is only ever checked, and cleared, by the run holding its lock.
+    Reuse verifies every shard's size and checksum; a build that fails is rebuilt. Raises
+    OutputDirError when ``--out`` is itself a build directory, when the build directory holds
+    another fingerprint's build (without ``--force``) or files varpack did not write.
     """
-    out, out_dir = plan.config.out, plan.out_dir
+    out, out_dir, force = plan.config.out, plan.out_dir, plan.config.force
+    local = not storage.is_url(out_dir)
     if storage.exists(storage.join(out, MANIFEST_NAME)):
         raise OutputDirError(f"--out {out} is itself a shard directory (it holds {MANIFEST_NAME}); pass its parent directory")
     names = storage.list_files(out_dir)
@@ -144,26 +155,37 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
         raise OutputDirError(
             f"{out_dir} holds files varpack did not write ({', '.join(foreign[:3])}); move them away and run again"
         )
-    if MANIFEST_NAME in names and not plan.config.force:
+    problem = None
+    if MANIFEST_NAME in names:
         try:
             manifest = read_build_manifest(out_dir)
         except ManifestError as err:
-            log(f"rebuilding {out_dir}: its manifest is unreadable ({err})")
+            problem = f"its manifest is unreadable ({err})"
         else:
-            if manifest.fingerprint != plan.fingerprint:
+            if manifest.fingerprint != plan.fingerprint and not force:
                 raise OutputDirError(
                     f"{out_dir} holds the shards of another build (fingerprint {manifest.fingerprint}, expected "
                     f"{plan.fingerprint}); move it away, or pass --force to replace it"
                 )
-            if _complete(manifest, out_dir):
+            if force and manifest.fingerprint == plan.fingerprint and local:
+                # Same inputs, same bytes: each shard is replaced by a rename, so a loader reading it meanwhile goes on.
+                log(f"--force: rebuilding {out_dir} in place")
+                _remove_temporaries(out_dir)
+                return None
+            problem = "--force" if force else reuse_problem(manifest, out_dir)
+            if problem is None:
                 return manifest
-            log(f"rebuilding {out_dir}: shards listed in its manifest are missing or truncated")
-    elif plan.config.force and names:
-        log(f"--force: rebuilding {out_dir}")
-    elif names:
-        log(f"removing {len(names)} leftover files of an earlier run from {out_dir}")
-    spill.remove_leftover_spills(out_dir)
-    clear_build(out_dir)
+        if not local and not force:
+            raise OutputDirError(f"{out_dir} cannot be reused: {problem}; pass --force to build it again")
+        log(f"rebuilding {out_dir}: {problem}")
+    elif names and local:
+        log(f"removing {len(names)} leftover files of an interrupted run from {out_dir}")
+    if local:
+        spill.remove_leftover_spills(out_dir)
+        clear_build(out_dir)
+    elif problem is not None:
+        # No lock at a URL: only the manifest goes, so the next manifest published wins; attempts stay.
+        storage.remove([storage.join(out_dir, MANIFEST_NAME)])
     return None
 
 
@@ -172,6 +194,23 @@ def clear_build(out_dir: str) -> None:
     names = [n for n in storage.list_files(out_dir) if _BUILD_FILE.match(n)]
     names.sort(key=lambda n: n != MANIFEST_NAME)
     storage.remove([storage.join(out_dir, n) for n in names])
+
+
+def _remove_temporaries(out_dir: str) -> None:
+    """Remove the temporary files and spill directories runs killed in the middle left in a local build directory."""
+    storage.remove([storage.join(out_dir, n) for n in storage.list_files(out_dir) if _TEMPORARY.match(n)])
+    spill.remove_leftover_spills(out_dir)
+
+
+def _discard(out_dir: str, shard_dir: str) -> None:
+    """Remove what a failed run wrote, never a finished build: with a manifest present, only temporaries."""
+    if shard_dir != out_dir:
+        storage.remove([storage.join(shard_dir, n) for n in storage.list_files(shard_dir)])
+    elif storage.exists(storage.join(out_dir, MANIFEST_NAME)):
+        _remove_temporaries(out_dir)
+    else:
+        clear_build(out_dir)
+        storage.remove_empty_dir(out_dir)
 
 
 def _log_to_stderr(message: str) -> None:
@@ -186,6 +225,10 @@ def build(
 ) -> BuildResult:
     """Make (or reuse) the shards ``config`` describes and return the manifest.
 
+    A local build runs holding the build directory's lock (``build_lock.py``): a second run
+    of the same build waits, then reuses what the first made. At a URL every run writes into
+    its own attempt directory and the first manifest published wins.
+
     ``examples_per_group`` and ``rows_per_shard`` override the packing group size and the shard
     size, so tests can reach several groups and shards with little data.
     """
@@ -193,11 +236,33 @@ def build(
     plan = plan_build(config)
     for note in plan.source.notes:
         log(note)
-    existing = check_output(plan, log)
-    if existing is not None:
-        return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
+    local = not storage.is_url(plan.out_dir)
+    with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
+        existing = check_output(plan, log)
+        if existing is not None:
+            return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
+        shard_dir = plan.out_dir if local else storage.join(plan.out_dir, ATTEMPT_PREFIX + uuid.uuid4().hex[:12])
+        _run(plan, shard_dir, log, examples_per_group, rows_per_shard)
+        manifest = read_build_manifest(plan.out_dir)
+        if local:
+            _remove_temporaries(plan.out_dir)  # of workers of a killed run that were still writing when it ended
+    if not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards):
+        log(f"another run published {plan.out_dir} first; using its build")
+        _discard(plan.out_dir, shard_dir)
+    return BuildResult(manifest, plan.out_dir, False, time.perf_counter() - started, _layout(plan))
+
+
+def _run(
+    plan: BuildPlan,
+    shard_dir: str,
+    log: Callable[[str], None],
+    examples_per_group: int | None,
+    rows_per_shard: int | None,
+) -> None:
+    """Run the Beam pipeline of ``plan``, writing shards into ``shard_dir``; on failure remove what it wrote."""
     from pipeline import beam_pipeline, progress
 
+    config = plan.config
     spill_dir = spill.new_spill_dir(plan.out_dir, _temp_location(config.beam_args))
     spec = beam_pipeline.BuildSpec(
         tasks=plan.source.tasks,
@@ -206,6 +271,7 @@ def build(
         inputs=plan.inputs,
         fingerprint=plan.fingerprint,
         out_dir=plan.out_dir,
+        shard_dir=shard_dir,
         spill_dir=spill_dir,
         rows_per_shard=rows_per_shard or default_rows_per_shard(config.max_len),
         batch_size=config.batch_size,
@@ -222,13 +288,11 @@ def build(
         beam_pipeline.run(spec, config.beam_args)
     except BaseException:
         spill.remove_spill(spill_dir)
-        clear_build(plan.out_dir)
-        storage.remove_empty_dir(plan.out_dir)
+        _discard(plan.out_dir, shard_dir)
         raise
     finally:
         spill.remove_spill(spill_dir)
         progress.close()
-    return BuildResult(read_build_manifest(plan.out_dir), plan.out_dir, False, time.perf_counter() - started, _layout(plan))
 
 
 def _temp_location(beam_args: tuple[str, ...]) -> str | None:

@@ -39,6 +39,8 @@ class PackConfig:
     packing: str = "best_fit_decreasing"
     seed: int = 0
     force: bool = False
+    # Seconds to wait for another run building the same directory; None: as long as it takes.
+    lock_timeout: float | None = None
     prompt_column: str | None = None
     response_column: str | None = None
     messages_column: str | None = None
@@ -59,6 +61,7 @@ class PackConfig:
     progress: bool = True
     # Write report.png (the build's histograms) beside the manifest; needs matplotlib.
     report: bool = True
+    verbose: bool = False
     beam_args: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -89,6 +92,8 @@ class PackConfig:
             raise ConfigError(
                 "choose one example format: --prompt-column/--response-column, --messages-column or --text-column"
             )
+        if self.lock_timeout is not None and not self.lock_timeout >= 0:
+            raise ConfigError(f"--lock-timeout must be a number of seconds (0 or more), got {self.lock_timeout!r}")
         if not self.dataset:
             raise ConfigError("--dataset must not be empty")
         if not self.out:

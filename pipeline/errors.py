@@ -11,9 +11,13 @@ from schemas import VarpackError
 class ConfigError(VarpackError):
     """A setting or a combination of settings that cannot work."""
 
+    kind = "config"
+
 
 class InputError(VarpackError):
     """The input data is missing, unreadable or malformed (a column, a row, a value)."""
+
+    kind = "input"
 
 
 class HubUnreachableError(InputError):
@@ -21,4 +25,6 @@ class HubUnreachableError(InputError):
 
 
 class OutputDirError(VarpackError):
-    """The output directory holds something a build must not overwrite."""
+    """The output directory holds something a build must not overwrite, or another run is building it."""
+
+    kind = "output"

@@ -6,7 +6,9 @@
 
 With no arguments it packs the embedded GSM8K test set with the embedded Mistral-7B v0.1
 tokenizer into ./shards/gsm8k-<fingerprint>/. Every option maps onto a field of PackConfig.
-Errors print one line on stderr and exit with status 1; nothing is left half-written.
+Errors print one line on stderr naming the file and the cause, and exit with status 1 (with
+the traceback under ``--verbose``); Ctrl-C prints "interrupted" and exits with 130. Nothing is
+left half-written.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import argparse
 import importlib
 import logging
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 
@@ -71,7 +75,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="what to do with examples longer than --max-len (default: %(default)s)")
     add("--packing", choices=PACKING_ALGORITHMS, default="best_fit_decreasing", help="packing algorithm (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
-    add("--force", action="store_true", help="rebuild even when a build with the same fingerprint exists")
+    add("--force", action="store_true",
+        help="rebuild even when a build with the same fingerprint exists (in place: a loader reading it goes on)")
+    add("--lock-timeout", type=float, metavar="SECONDS",
+        help="how long to wait for another run building the same directory (default: until it finishes)")
+    add("--verbose", action="store_true", help="print the traceback of a failure, and Beam's own error logs")
     add("--prompt-column", help="column of prompts (with --response-column)")
     add("--response-column", help="column of responses, trained on (with --prompt-column)")
     add("--messages-column", help="column of chat messages ([{role, content}, ...] or ShareGPT's [{from, value}, ...]); "
@@ -110,17 +118,20 @@ _BEAM_NOISE = ("apitools not found", "No semi_persistent_directory found", "No s
 
 class _QuietBeam(logging.Filter):
     """Drop Beam log noise: the warnings of _BEAM_NOISE, also as multi-process workers relay them,
-    and the traceback Beam logs for a failing step when the failure is a VarpackError, which the
+    and, unless ``verbose``, the errors and tracebacks Beam logs for a failing step, which the
     command reports itself in one line."""
+
+    verbose = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if any(noise in message for noise in _BEAM_NOISE):
             return False
-        if record.exc_info and _varpack_message(record.exc_info[1]) is not None:
+        if self.verbose:
+            return True
+        if record.exc_info and VarpackError.behind(record.exc_info[1]) is not None:
             return False
-        # Multi-process runners relay the worker's log record of the same failure as text.
-        return not (record.name.startswith("apache_beam") and _WRAPPED_ERROR.search(message))
+        return not (record.name.startswith("apache_beam") and (record.levelno >= logging.ERROR or "Traceback" in message))
 
 
 # Runners Beam knows only by module path, with the extra that provides what they import.
@@ -187,47 +198,66 @@ def parse_args(argv: Sequence[str] | None = None) -> PackConfig:
     return PackConfig(**{k: v for k, v in vars(args).items()}, beam_args=tuple(beam_args))
 
 
-_WRAPPED_ERROR = re.compile(r"(?:pipeline|schemas)\.errors\.\w+: (.+)")
-
-
-def _varpack_message(err: BaseException) -> str | None:
-    """The message of the VarpackError behind ``err``: in its chain, or in the text of a worker's traceback."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, VarpackError):
-            return str(seen)
-        seen = seen.__cause__ or seen.__context__
-    found = _WRAPPED_ERROR.findall(str(err)) if err is not None else []
-    return found[-1] if found else None
-
-
-def _one_line(message: str) -> str:
+def _one_line(err: BaseException) -> str:
+    """What went wrong, in one line: the VarpackError behind ``err``, else the last line of a worker's
+    traceback, else ``err`` itself."""
+    found = VarpackError.behind(err)
+    if found is not None:
+        message = str(found)
+    else:
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        if any(line.startswith("Traceback (most recent call last)") for line in lines):
+            message = [line for line in lines if not line[0].isspace()][-1]
+        else:
+            message = f"{type(err).__name__}: {err}"
+        message += " (pass --verbose for the traceback)"
     # Beam appends the step that failed: [while running 'ReadAndEncode']
     message = re.sub(r"\s*\[while running '[^']*'\]", "", message)
     return " ".join(message.split())
 
 
+_interrupted = threading.Event()
+
+
+def _on_interrupt(signum, frame) -> None:
+    """Remember Ctrl-C, then raise KeyboardInterrupt as Python does: Beam may wrap it in another error."""
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def _is_interrupt(err: BaseException) -> bool:
+    return _interrupted.is_set() or isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in str(err)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet = _QuietBeam()
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_QuietBeam())
+        handler.addFilter(quiet)
+    _interrupted.clear()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_interrupt)
+    config = None
     try:
         config = parse_args(argv)
+        quiet.verbose = config.verbose
         from pipeline.build import build
         from pipeline.report import format_report
 
         result = build(config)
-    except KeyboardInterrupt:
-        print("varpack: interrupted; the next run starts the build again", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:
-        message = _varpack_message(err)
-        if message is None:
-            if not isinstance(err, OSError):  # not bad input but a bug: show where
-                traceback.print_exc()
-            message = f"{type(err).__name__}: {err}"
-        print(f"varpack: error: {_one_line(message)}", file=sys.stderr)
+    except BaseException as err:
+        if config is not None and config.verbose:
+            traceback.print_exc()
+        if _is_interrupt(err):
+            print("varpack: interrupted; the next run starts the build again", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if isinstance(err, SystemExit):
+            raise
+        print(f"varpack: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     manifest = result.manifest
     verb = "reusing" if result.reused else "wrote"
     print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")

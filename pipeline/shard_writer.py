@@ -37,8 +37,8 @@ from schemas import (
     compute_fingerprint,
     file_sha256,
     validate_manifest,
+    atomic_output,
     validate_table,
-    write_manifest,
 )
 
 # About 8M tokens (about 40 MB) per shard: large enough for sequential reads, small enough to spread.
@@ -139,28 +139,18 @@ def write_shard(table: pa.Table, directory: str | os.PathLike[str], name: str, c
     sees half a shard. Returns the manifest entry with the file's sha256.
     """
     validate_table(table, capacity, name)
-    directory = Path(directory)
-    path = directory / name
-    tmp = directory / f".{name}.tmp-{os.getpid()}"
-    try:
+    with atomic_output(Path(directory) / name) as tmp:
         with pa.OSFile(str(tmp), "wb") as sink:
             # One record batch per shard: the reader maps it as contiguous buffers.
             with pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
                 writer.write_table(table.combine_chunks(), max_chunksize=table.num_rows)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        raise ShardError(str(path), f"could not be written: {err}") from err
-    finally:
-        tmp.unlink(missing_ok=True)
-    return ShardInfo(
-        path=name,
-        rows=table.num_rows,
-        tokens=int(table.column("num_tokens").to_numpy().sum()),
-        sha256=file_sha256(path),
-        bytes=path.stat().st_size,
-    )
+        return ShardInfo(
+            path=name,
+            rows=table.num_rows,
+            tokens=int(table.column("num_tokens").to_numpy().sum()),
+            sha256=file_sha256(tmp),
+            bytes=tmp.stat().st_size,
+        )
 
 
 def publish_shard(table: pa.Table, out_dir: str, name: str, capacity: int) -> ShardInfo:
@@ -196,13 +186,12 @@ def finish_build(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         rejected=rejected if rejected is not None else RejectedRows(),
     )
-    if not storage.is_url(out_dir):
-        write_manifest(manifest, out_dir)
-        return manifest
-    validate_manifest(manifest.to_dict(), storage.join(out_dir, MANIFEST_NAME))
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as tmp:
-        tmp.write(manifest.to_json())
-    storage.publish(tmp.name, storage.join(out_dir, MANIFEST_NAME))
+    path = storage.join(out_dir, MANIFEST_NAME)
+    validate_manifest(manifest.to_dict(), path)
+    if storage.is_url(path) and storage.exists(path):
+        return manifest  # another attempt at this URL published the build first, and the first manifest wins
+    with storage.output(path) as tmp:
+        tmp.write_text(manifest.to_json(), encoding="utf-8")
     return manifest
 
 

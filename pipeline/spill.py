@@ -18,7 +18,6 @@ import ctypes
 import ctypes.util
 import os
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 
@@ -58,9 +57,8 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
     table = pa.table({"tokens": batch.tokens, "loss_mask": batch.loss_mask})
     path = storage.join(spill_dir, f"{name}.arrow")
     if storage.is_url(spill_dir):
-        with tempfile.NamedTemporaryFile(suffix=".arrow", delete=False) as tmp:
-            _write(table, tmp.name)
-        storage.publish(tmp.name, path)
+        with storage.output(path) as tmp:
+            _write(table, str(tmp))
     else:
         os.makedirs(spill_dir, exist_ok=True)
         _write(table, path)

@@ -7,11 +7,16 @@ when a URL is met, so checking a local build for reuse never loads Beam. Hub fil
 
 from __future__ import annotations
 
+import contextlib
 import glob as globlib
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from schemas.io import atomic_output, fsync_path
 
 
 HUB_SCHEME = "hf://"
@@ -122,16 +127,33 @@ def remove(paths: list[str]) -> None:
         Path(path).unlink(missing_ok=True)
 
 
-def read_text(path: str) -> str:
-    """The UTF-8 text of a file."""
+def read_bytes(path: str) -> bytes:
+    """The bytes of a file."""
     with open_read(path) as f:
-        return f.read().decode("utf-8")
+        return f.read()
+
+
+@contextlib.contextmanager
+def output(dest: str) -> Iterator[Path]:
+    """A local path to write ``dest``'s content to, published at ``dest`` atomically when the block ends.
+
+    Locally ``schemas.io.atomic_output``; at a URL a local temporary file, then ``publish``.
+    """
+    if not is_url(dest):
+        with atomic_output(dest) as tmp:
+            yield tmp
+        return
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir) / basename(dest)
+        yield tmp
+        publish(str(tmp), dest)
 
 
 def publish(local_path: str, dest: str) -> None:
-    """Move a finished local file to ``dest``: a rename locally, an upload then a rename remotely."""
+    """Move a finished local file to ``dest``: a rename and a directory fsync locally, an upload then a rename remotely."""
     if not is_url(dest):
         os.replace(local_path, dest)
+        fsync_path(os.path.dirname(os.path.abspath(dest)))
         return
     from apache_beam.io.filesystem import CompressionTypes
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -25,7 +24,7 @@ from typing import Any
 from pipeline import hub
 from pipeline.config import DEFAULT_TOKENIZER
 from pipeline.errors import ConfigError, InputError
-from schemas import TokenizerInputs, file_sha256
+from schemas import TokenizerInputs, WriteError, atomic_output, cache_dir, file_sha256
 
 DEFAULT_TOKENIZER_FILE = "tokenizer.model.v1"  # in mistral_common/data, Apache-2.0
 # The chat template of Mistral-7B-Instruct-v0.1, used with the default tokenizer, which has none.
@@ -49,10 +48,6 @@ MISTRAL_V01_TOKENIZER_CONFIG = {
     "unk_token": "<unk>",
 }
 
-
-def cache_dir() -> Path:
-    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``: the cache the loaders use for remote shards too."""
-    return Path(os.environ.get("VARPACK_CACHE_DIR") or Path.home() / ".cache" / "varpack")
 
 
 # Names models give their end- and beginning-of-sequence tokens, most common first: used when a
@@ -273,18 +268,16 @@ def model_file_kind(path: Path) -> str | None:
 def _save_converted(tokenizer: Any, target: Path) -> None:
     """Save a transformers tokenizer (or a ``tokenizers.Tokenizer``) under ``target``, atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        converted = Path(tmp) / "converted"
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(str(converted))
-        else:
-            converted.mkdir()
-            tokenizer.save(str(converted / "tokenizer.json"))
-        try:
-            os.replace(converted, target)
-        except OSError:
-            if not (target / "tokenizer.json").is_file():  # another process may have won the race
-                raise
+    try:
+        with atomic_output(target) as converted:
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(str(converted))
+            else:
+                converted.mkdir()
+                tokenizer.save(str(converted / "tokenizer.json"))
+    except WriteError:
+        if not (target / "tokenizer.json").is_file():  # another process may have won the race
+            raise
 
 
 def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any] | None = None) -> None:

@@ -3,8 +3,8 @@
 Imports only numpy and pyarrow, so it loads on a GPU box without Beam or datasets.
 """
 
-from schemas.checksum import file_sha256
-from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError
+from schemas.checksum import file_sha256, stream_sha256
+from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError, WriteError
 from schemas.manifest import (
     BAD_ROW_POLICIES,
     FORMAT_VERSION,
@@ -20,10 +20,9 @@ from schemas.manifest import (
     ShardInfo,
     TokenizerInputs,
     compute_fingerprint,
-    read_manifest,
     validate_manifest,
-    write_manifest,
 )
+from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
 from schemas.row import ROW_COLUMNS, ROW_SCHEMA, validate_table
 
 __all__ = [
@@ -47,8 +46,13 @@ __all__ = [
     "ShardInfo",
     "TokenizerInputs",
     "VarpackError",
+    "WriteError",
+    "atomic_output",
+    "atomic_write",
+    "cache_dir",
     "compute_fingerprint",
     "file_sha256",
+    "stream_sha256",
     "read_manifest",
     "validate_manifest",
     "validate_table",

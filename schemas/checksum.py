@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import BinaryIO
 
 _CHUNK = 8 << 20
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file's bytes, read in 8 MiB chunks."""
+def stream_sha256(f: BinaryIO) -> str:
+    """Hex sha256 of what is left to read in ``f``, read in 8 MiB chunks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+    while chunk := f.read(_CHUNK):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return stream_sha256(f)

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +21,9 @@ from typing import Any
 from schemas.errors import FormatVersionError, ManifestError
 
 FORMAT_NAME = "varpack.shards"
-# 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained. Version 1 manifests,
-# which lack them, are still read.
-FORMAT_VERSION = 2
+# 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained.
+# 3: shards_digest. Version 1 and 2 manifests, which lack them, are still read.
+FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -87,6 +86,12 @@ class BuildInputs:
                 "on_bad_row": data.get("on_bad_row"),
             }
         )
+
+
+def shards_digest(shards: list[dict[str, Any]]) -> str:
+    """sha256 over the ordered list of shard entries (path, rows, tokens, bytes, sha256), as hex."""
+    canonical = json.dumps(shards, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def compute_fingerprint(inputs: BuildInputs) -> str:
@@ -170,7 +175,11 @@ class RejectedRows:
 
 @dataclass
 class Manifest:
-    """The complete description of one build."""
+    """The complete description of one build.
+
+    ``shards_digest`` (written from format version 3) binds the ordered shard list: a manifest
+    whose entries were swapped, dropped or repeated no longer matches it and is refused.
+    """
 
     fingerprint: str
     inputs: BuildInputs
@@ -204,6 +213,8 @@ class Manifest:
             "stats": self.stats.to_dict(),
             "created_at": self.created_at,
         }
+        if self.format_version >= 3:
+            data["shards_digest"] = shards_digest(data["shards"])
         if self.rejected is not None:
             data["rejected"] = dataclasses.asdict(self.rejected)
         return data
@@ -240,36 +251,6 @@ class Manifest:
         except json.JSONDecodeError as err:
             raise ManifestError(f"{source}: not valid JSON ({err}); rebuild the shards") from err
         return cls.from_dict(data, source)
-
-
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Load and validate a local manifest file (or the manifest inside a shard directory)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / MANIFEST_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as err:
-        raise ManifestError(f"{path}: no manifest; the build is missing or was interrupted, run the pipeline again") from err
-    except (OSError, UnicodeDecodeError) as err:
-        raise ManifestError(f"{path}: the manifest could not be read ({err}); rebuild the shards") from err
-    return Manifest.from_json(text, str(path))
-
-
-def write_manifest(manifest: Manifest, directory: str | os.PathLike[str]) -> Path:
-    """Validate the manifest and write it atomically: a temporary name, fsync, then rename."""
-    path = Path(directory) / MANIFEST_NAME
-    validate_manifest(manifest.to_dict(), str(path))
-    tmp = path.with_name(f".{MANIFEST_NAME}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 # The JSON Schema keywords manifest.schema.json may use: those _check_node applies, and annotations.
@@ -348,6 +329,7 @@ def _check_node(value: Any, schema: dict[str, Any], where: str, source: str) -> 
 
 # Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.
 ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
+ADDED_IN_VERSION_3 = {"": ("shards_digest",)}
 
 
 def _check_across_fields(data: dict[str, Any], source: str) -> None:
@@ -362,12 +344,19 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
             raise ManifestError(f"{source}: shards[{i}] holds more rows or tokens than rows_per_shard and capacity allow")
     if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
         raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
-    if data["format_version"] >= 2:
-        for where, names in ADDED_IN_VERSION_2.items():
+    for version, added in ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3)):
+        if data["format_version"] < version:
+            continue
+        for where, names in added.items():
             fields = data[where] if where else data
             missing = [name for name in names if name not in fields]
             if missing:
                 raise ManifestError(f"{source}: missing field {where + '.' if where else ''}{missing[0]}")
+    if "shards_digest" in data and data["shards_digest"] != shards_digest(shards):
+        raise ManifestError(
+            f"{source}: the shard list does not match shards_digest: entries were reordered, repeated, dropped or "
+            "edited; rebuild the shards (pack --force)"
+        )
     rejected = data.get("rejected")
     if rejected is not None and rejected["rows"] != sum(rejected["by_reason"].values()):
         raise ManifestError(f"{source}: rejected.rows differs from the sum of rejected.by_reason")

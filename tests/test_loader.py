@@ -193,6 +193,20 @@ def test_resume_after_an_epoch_ends(shards):
     assert_same_batches(list(resumed), list(reference))
 
 
+def test_a_state_saved_after_the_epoch_loop_resumes_at_the_next_epoch(shards):
+    dataset = PackedIterableDataset(shards.path, batch_rows=3)
+    dataset.set_epoch(0)
+    list(dataset)
+    state = dataset.state_dict()  # saved after the loop of epoch 0 ended
+    resumed = PackedIterableDataset(shards.path, batch_rows=3)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # the resumed loop names the epoch its checkpoint was taken in
+    reference = PackedIterableDataset(shards.path, batch_rows=3)
+    reference.set_epoch(1)
+    assert_same_batches(list(resumed), list(reference))
+    assert resumed.epoch == 1
+
+
 def test_resume_refuses_a_state_of_other_settings(shards):
     state = PackedIterableDataset(shards.path, batch_rows=3, seed=1).state_dict()
     with pytest.raises(ValueError, match="seed 1 -> 2"):

@@ -35,7 +35,7 @@ from schemas import (
     validate_table,
     write_manifest,
 )
-from schemas.manifest import _SCHEMA_KEYWORDS, ADDED_IN_VERSION_2
+from schemas.manifest import _SCHEMA_KEYWORDS, ADDED_IN_VERSION_2, ADDED_IN_VERSION_3, shards_digest
 
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
 SCHEMA_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -212,7 +212,7 @@ def test_the_schema_enums_are_the_code_constants() -> None:
 def test_the_schema_lists_every_field_the_code_writes() -> None:
     data = make_manifest().to_dict()
     properties = SCHEMA["properties"]
-    assert set(data) == set(properties) == set(SCHEMA["required"]) | set(ADDED_IN_VERSION_2[""])
+    assert set(data) == set(properties) == set(SCHEMA["required"]) | set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""])
     for key in ("inputs", "stats"):
         assert set(data[key]) == set(properties[key]["properties"])
         assert set(properties[key]["required"]) == set(data[key]) - set(ADDED_IN_VERSION_2[key])
@@ -323,6 +323,7 @@ def version_1(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` as format version 1 wrote it: no bad-row policy, rejected rows or untrained counts."""
     old = copy.deepcopy(data)
     old["format_version"] = 1
+    del old["shards_digest"]
     for where, names in ADDED_IN_VERSION_2.items():
         for name in names:
             del (old[where] if where else old)[name]
@@ -355,6 +356,7 @@ def test_an_edited_input_no_longer_matches_the_fingerprint() -> None:
 def test_a_manifest_with_no_shards_is_valid() -> None:
     data = copy.deepcopy(BASE)
     data["shards"] = []
+    data["shards_digest"] = shards_digest([])
     data["stats"].update(rows=0, tokens=0, capacity_tokens=0, segments_per_row={}, fill=0.0)
     assert schema_accepts(data) and code_accepts(data)
 

@@ -1,0 +1,117 @@
+"""Every file varpack writes goes through here: atomic writes, the manifest, the cache directory.
+
+A file is written under a temporary name beside its target (``.NAME.tmp-PID-RANDOM``),
+fsynced, renamed onto the target, and then the directory is fsynced, so after a crash or a
+power cut a reader finds either the old file or the whole new one, and a manifest never names
+a shard whose rename was not yet durable. Both sides import this module: the write side for
+shards, rejected rows and the manifest, the read side for the manifest and its cache of remote
+shards. It imports only the standard library (and fsspec, for a manifest at a URL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from schemas.errors import ManifestError, WriteError
+from schemas.manifest import MANIFEST_NAME, Manifest, validate_manifest
+
+CACHE_ENV = "VARPACK_CACHE_DIR"
+TEMPORARY_MARK = ".tmp-"
+
+
+def cache_dir() -> Path:
+    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``: converted tokenizers and copies of remote shards."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "varpack")
+
+
+def temporary_name(path: str | os.PathLike[str]) -> Path:
+    """A fresh temporary name beside ``path``, unique across processes and hosts."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path to write ``path``'s content to; made durable and renamed onto ``path`` when the block ends.
+
+    The temporary file (or directory) is removed if the block raises; then ``path`` is untouched.
+    An OSError (a full disk, a read-only directory) becomes a WriteError naming ``path``.
+
+    >>> import tempfile; directory = Path(tempfile.mkdtemp())
+    >>> with atomic_output(directory / "a.txt") as tmp:
+    ...     _ = tmp.write_text("whole or nothing")
+    >>> (directory / "a.txt").read_text(), sorted(p.name for p in directory.iterdir())
+    ('whole or nothing', ['a.txt'])
+    """
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except OSError as err:
+        raise WriteError(
+            f"{path}: could not be written ({err.strerror or err}); free some space or fix the directory's "
+            "permissions, then run again"
+        ) from err
+    finally:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically and durably."""
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def write_manifest(manifest: Manifest, directory: str | os.PathLike[str]) -> Path:
+    """Validate the manifest and write it into ``directory`` atomically; its presence marks a complete build."""
+    path = Path(directory) / MANIFEST_NAME
+    validate_manifest(manifest.to_dict(), str(path))
+    atomic_write(path, manifest.to_json())
+    return path
+
+
+def _read_local_or_fsspec(path: str) -> bytes:
+    if "://" not in path:
+        return Path(path).read_bytes()
+    import fsspec
+
+    with fsspec.open(path, "rb") as f:
+        return f.read()
+
+
+def read_manifest(path: str | os.PathLike[str], read: Callable[[str], bytes] | None = None) -> Manifest:
+    """Load and validate a manifest: a file, a shard directory holding one, or a URL.
+
+    ``read`` returns a file's bytes (default: the local disk, or fsspec for a URL); the write
+    side passes its own, which reads the filesystems Apache Beam knows.
+    """
+    path = os.fspath(path)
+    if "://" not in path and os.path.isdir(path):
+        path = os.path.join(path, MANIFEST_NAME)
+    try:
+        text = (read or _read_local_or_fsspec)(path).decode("utf-8")
+    except FileNotFoundError as err:
+        raise ManifestError(f"{path}: no manifest; the build is missing or was interrupted, run the pipeline again") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ManifestError(f"{path}: the manifest could not be read ({err}); rebuild the shards") from err
+    return Manifest.from_json(text, path)

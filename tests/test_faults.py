@@ -1,0 +1,274 @@
+"""Faults a careful user meets: concurrent runs of one build, Ctrl-C, kill -9, a full disk, a
+corrupted shard, a reordered manifest. Each test is bounded in time; the runs are real pack
+commands on a small JSON lines file."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loaders import PackedIterableDataset
+from pipeline import pack
+from pipeline.build import build, plan_build
+from pipeline.build_lock import build_lock, lock_path
+from pipeline.config import PackConfig
+from schemas import MANIFEST_NAME, ManifestError, WriteError, read_manifest
+from tests.test_pipeline_e2e import REPO
+
+RECORDS = [{"prompt": f"Question {i}: what is {i} plus {i * 7}?", "answer": f"The sum is {i + i * 7}. " * (1 + i % 5)}
+           for i in range(3000)]
+ARGS = ["--prompt-column", "prompt", "--response-column", "answer", "--max-len", "256", "--batch-size", "256",
+        "--no-progress"]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "sums.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return path
+
+
+def config(data: Path, out: Path, **changes) -> PackConfig:
+    return PackConfig(dataset=str(data), out=str(out), prompt_column="prompt", response_column="answer", max_len=256,
+                      batch_size=256, progress=False, **changes)
+
+
+class Run:
+    """A ``python -m pipeline.pack`` process, its stdout and stderr in files."""
+
+    def __init__(self, data: Path, out: Path, name: str, *extra: str):
+        self.stdout, self.stderr = out.parent / f"{name}.out", out.parent / f"{name}.err"
+        with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out), *ARGS, *extra],
+                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr,
+            )
+
+    def err(self) -> str:
+        return self.stderr.read_text()
+
+    def out(self) -> str:
+        return self.stdout.read_text()
+
+    def wait(self, timeout: float = 120) -> int:
+        return self.proc.wait(timeout)
+
+
+def wait_for(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def holds_lock(out: Path, run: Run) -> bool:
+    return any(f'"pid": {run.proc.pid}' in p.read_text() for p in out.glob(".*.lock"))
+
+
+def shard_bytes(out_dir: str | Path) -> list[bytes]:
+    manifest = read_manifest(out_dir)
+    return [(Path(out_dir) / s.path).read_bytes() for s in manifest.shards]
+
+
+def assert_verified(out_dir: str | Path) -> None:
+    """The build is complete: every shard passes its checksum through the loader."""
+    dataset = PackedIterableDataset(out_dir, batch_rows=1, verify_checksum=True)
+    assert len(list(dataset)) == dataset.manifest.num_rows
+
+
+def test_two_runs_started_together_build_once_and_both_succeed(data, tmp_path):
+    out = tmp_path / "out"
+    runs = [Run(data, out, "a"), Run(data, out, "b")]
+    assert [r.wait() for r in runs] == [0, 0], [r.err() for r in runs]
+    verbs = sorted(r.out().split()[1] for r in runs)
+    assert verbs == ["reusing", "wrote"], [r.out() for r in runs]
+    (build_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    assert_verified(build_dir)
+    assert sorted(p.name for p in out.iterdir()) == [build_dir.name]  # no lock left behind
+
+
+def test_a_second_run_waits_for_a_stopped_first_then_reuses_its_build(data, tmp_path):
+    out = tmp_path / "out"
+    first = Run(data, out, "first")
+    wait_for(lambda: holds_lock(out, first), "the first run to take the lock")
+    first.proc.send_signal(signal.SIGSTOP)
+    try:
+        second = Run(data, out, "second")
+        wait_for(lambda: "waiting for" in second.err(), "the second run to wait")
+        assert f"pid {first.proc.pid} on " in second.err()
+        time.sleep(1)
+        assert second.proc.poll() is None, second.err()  # still waiting: it deleted nothing
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
+    assert first.wait() == 0, first.err()
+    assert second.wait() == 0, second.err()
+    assert first.out().startswith("varpack: wrote") and second.out().startswith("varpack: reusing")
+    assert_verified(plan_build(config(data, out)).out_dir)
+
+
+def test_a_waiting_run_gives_up_naming_the_owner(data, tmp_path):
+    out = tmp_path / "out"
+    out_dir = plan_build(config(data, out)).out_dir
+    with build_lock(out_dir, None, lambda _: None):
+        run = Run(data, out, "late", "--lock-timeout", "0.5")
+        assert run.wait() == 1
+    (line,) = run.err().splitlines()[-1:]
+    assert line.startswith(f"varpack: error: {out_dir} is being built by pid {os.getpid()} on ")
+    assert "raise --lock-timeout" in line
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(data, tmp_path):
+    out = tmp_path / "out"
+    out_dir = plan_build(config(data, out)).out_dir
+    out.mkdir()
+    Path(lock_path(out_dir)).write_text('{"host": "node-7", "pid": 999999, "started_at": "2026-01-01T00:00:00+00:00"}\n')
+    messages: list[str] = []
+    result = build(config(data, out), log=messages.append)
+    assert not result.reused
+    assert any("taking over" in m and "pid 999999 on node-7" in m for m in messages), messages
+    assert not Path(lock_path(out_dir)).exists()
+
+
+def test_an_interrupted_second_run_keeps_the_finished_first(data, tmp_path):
+    out = tmp_path / "out"
+    first = build(config(data, out))
+    expected = shard_bytes(first.out_dir)
+    # A run that waits for the lock, and one that rebuilds in place with --force, both stopped by Ctrl-C.
+    with build_lock(first.out_dir, None, lambda _: None):
+        waiting = Run(data, out, "waiting")
+        wait_for(lambda: "waiting for" in waiting.err(), "the run to wait")
+        waiting.proc.send_signal(signal.SIGINT)
+        assert waiting.wait() == 130
+    forced = Run(data, out, "forced", "--force")
+    wait_for(lambda: "packing" in forced.err(), "the forced run to start packing")
+    forced.proc.send_signal(signal.SIGINT)
+    assert forced.wait() == 130
+    assert shard_bytes(first.out_dir) == expected
+    messages: list[str] = []
+    assert build(config(data, out), log=messages.append).reused, messages
+
+
+def test_sigint_exits_130_saying_interrupted_and_leaves_nothing(data, tmp_path):
+    out = tmp_path / "out"
+    run = Run(data, out, "run")
+    wait_for(lambda: "packing" in run.err(), "the run to start packing")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130
+    lines = run.err().splitlines()
+    assert lines[-1] == "varpack: interrupted; the next run starts the build again", run.err()
+    assert not any("Traceback" in line for line in lines)
+    assert [p.name for p in out.iterdir()] == []
+
+
+def test_kill_9_then_a_rerun_gives_the_same_shards(data, tmp_path):
+    clean = build(config(data, tmp_path / "clean"))
+    out = tmp_path / "out"
+    run = Run(data, out, "killed")
+    wait_for(lambda: "packing" in run.err(), "the run to start packing")
+    time.sleep(0.5)
+    run.proc.kill()
+    run.wait()
+    messages: list[str] = []
+    rerun = build(config(data, out), log=messages.append)
+    assert not rerun.reused
+    assert shard_bytes(rerun.out_dir) == shard_bytes(clean.out_dir)
+    assert sorted(p.name for p in Path(rerun.out_dir).iterdir()) == sorted(
+        [MANIFEST_NAME] + [s.path for s in rerun.manifest.shards]
+    )
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker processes through /proc")
+def test_workers_exit_when_the_main_process_is_killed(data, tmp_path):
+    out = tmp_path / "out"
+    run = Run(data, out, "multi", "--direct_running_mode=multi_processing", "--direct_num_workers=2")
+    wait_for(lambda: any(out.glob("*/.spill-*/*.arrow")), "the workers to write", timeout=120)
+    workers = children(run.proc.pid)
+    assert len(workers) >= 2
+    run.proc.kill()
+    run.wait()
+    wait_for(lambda: not any(alive(w) for w in workers), "the orphaned workers to exit", timeout=10)
+
+
+def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
+    first = build(config(data, tmp_path / "out"), rows_per_shard=40)
+    shard = Path(first.out_dir) / first.manifest.shards[1].path
+    expected = shard.read_bytes()
+    corrupt = bytearray(expected)
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    shard.write_bytes(bytes(corrupt))
+    messages: list[str] = []
+    again = build(config(data, tmp_path / "out"), log=messages.append, rows_per_shard=40)
+    assert not again.reused
+    assert f"rebuilding {first.out_dir}: {shard.name} fails its checksum (the file is corrupt)" in messages
+    assert shard.read_bytes() == expected
+    assert build(config(data, tmp_path / "out"), rows_per_shard=40).reused
+
+
+def test_swapped_manifest_entries_are_refused(data, tmp_path):
+    result = build(config(data, tmp_path / "out"), rows_per_shard=40)
+    path = Path(result.out_dir) / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["shards"][0], manifest["shards"][1] = manifest["shards"][1], manifest["shards"][0]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="the shard list does not match shards_digest"):
+        PackedIterableDataset(result.out_dir, batch_rows=1)
+    manifest["shards"][1] = manifest["shards"][0]  # one shard twice, the stats made to agree
+    manifest["stats"]["rows"] = sum(s["rows"] for s in manifest["shards"])
+    manifest["stats"]["tokens"] = sum(s["tokens"] for s in manifest["shards"])
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="the shard list does not match shards_digest"):
+        PackedIterableDataset(result.out_dir, batch_rows=1)
+    messages: list[str] = []
+    assert not build(config(data, tmp_path / "out"), log=messages.append, rows_per_shard=40).reused
+    assert any("its manifest is unreadable" in m for m in messages), messages
+
+
+def test_a_full_disk_while_writing_the_manifest_names_it_and_leaves_nothing(data, tmp_path, monkeypatch, capsys):
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if os.path.basename(dst) == MANIFEST_NAME:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out"
+    out_dir = plan_build(config(data, out)).out_dir
+    with pytest.raises(WriteError, match=rf"^{out_dir}/{MANIFEST_NAME}: could not be written \(No space left on device\)"):
+        build(config(data, out))
+    assert list(out.iterdir()) == []
+    code = pack.main(["--dataset", str(data), "--out", str(out), *ARGS])
+    (line,) = capsys.readouterr().err.splitlines()[-1:]
+    assert code == 1
+    assert line.startswith(f"varpack: error: {out_dir}/{MANIFEST_NAME}: could not be written (No space left on device)")
+    assert list(out.iterdir()) == []
