@@ -24,6 +24,7 @@ from loaders.remote import locate
 from loaders.resume import Position, from_state_dict, to_state_dict
 from loaders.shard_reader import Shard, open_shard
 from loaders.shuffle import epoch_row_order
+from loaders.verify import verify_build
 from schemas import Manifest, ManifestError
 
 # Shards one shuffle window spans, by default: the window's rows come from about this many shards.
@@ -76,8 +77,10 @@ class PackedIterableDataset(IterableDataset):
         rank, world_size: the data-parallel rank and size; default torch.distributed's when
             initialised, else (0, 1). Pass them under tensor or pipeline parallelism.
         expected_fingerprint, expected_tokenizer_hash: refuse any other build or tokenizer.
-        verify_checksum: check every shard's sha256 once here (local shards; remote copies
-            are always verified when fetched). Sizes and row invariants are always checked.
+        verify_checksum: check every shard's sha256 here, once per build on a host: the
+            result is recorded in the cache directory and later readers of the unchanged
+            files skip the hashing (``loaders/verify.py``). Remote copies are always verified
+            when fetched. Sizes and row invariants are always checked.
         pad_to_fixed_shape: give every batch the same shapes, for torch.compile and CUDA
             graphs (``self.fixed_shape`` holds them): ``T = batch_rows * capacity`` (or
             ``tokens_per_batch``) tokens, the rows followed by pad sequences of at most
@@ -180,12 +183,14 @@ class PackedIterableDataset(IterableDataset):
             raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
         self.bucket_shapes = bool(bucket_shapes)
         self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
+        if verify_checksum and location.is_local:
+            verify_build(manifest, self._paths)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
             [open_shard(path, self.capacity, expected=info) for path, info in zip(self._paths, manifest.shards)]
             if loss_reduction == "sequence" else (),
         )
-        row_tokens, row_segments = self._read_row_index(verify_checksum and location.is_local)
+        row_tokens, row_segments = self._read_row_index()
         self._row_tokens = row_tokens
         self._first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)
         num_rows = int(self._first_row[-1])
@@ -209,11 +214,11 @@ class PackedIterableDataset(IterableDataset):
 
     # ---- set-up -------------------------------------------------------------------------
 
-    def _read_row_index(self, verify_checksum: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _read_row_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and segments of every row, read (and checked) from each shard once."""
         tokens, segments = [], []
         for path, info in zip(self._paths, self.manifest.shards):
-            shard = open_shard(path, self.capacity, expected=info, verify_checksum=verify_checksum)
+            shard = open_shard(path, self.capacity, expected=info)
             tokens.append(np.diff(shard.token_offsets).astype(np.int32))
             segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
             if int(tokens[-1].sum()) != info.tokens:

@@ -245,6 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipeline.report import format_report
 
         result = build(config)
+        manifest = result.manifest
+        verb = "reusing" if result.reused else "wrote"
+        print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
+        print(format_report(
+            manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
+            result.layout, manifest.rejected,
+        ))
+        if config.report and not result.reused:
+            write_report_figure(result.out_dir, manifest)
     except BaseException as err:
         if config is not None and config.verbose:
             traceback.print_exc()
@@ -258,15 +267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
-    manifest = result.manifest
-    verb = "reusing" if result.reused else "wrote"
-    print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
-    print(format_report(
-        manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
-        result.layout, manifest.rejected,
-    ))
-    if config.report and not result.reused:
-        write_report_figure(result.out_dir, manifest)
     return 0
 
 

@@ -11,6 +11,7 @@ import pytest
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
+from loaders.verify import verify_build
 from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
 
 CAPACITY = 32
@@ -121,3 +122,17 @@ def test_fixed_shape_refuses_a_wrong_segment_histogram(build):
     PackedIterableDataset(build.path)  # only the fixed shape depends on it
     with pytest.raises(ManifestError, match="segments_per_row disagrees"):
         PackedIterableDataset(build.path, pad_to_fixed_shape=True)
+
+
+def test_checksums_are_verified_once_per_build_on_a_host(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    paths = [build.path / s.path for s in build.manifest.shards]
+    assert verify_build(build.manifest, paths) == len(paths)
+    assert verify_build(build.manifest, paths) == 0  # recorded: the other ranks and later runs skip the hashing
+    PackedIterableDataset(build.path)
+    path = shard_file(build, 1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))  # rewritten since it was recorded, so hashed again
+    with pytest.raises(ShardError, match="shard-00001.arrow: checksum mismatch"):
+        PackedIterableDataset(build.path)

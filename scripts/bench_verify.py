@@ -1,0 +1,91 @@
+"""Open time of a build with checksums verified: the first reader on a host against the ones after.
+
+Packs one full shard of synthetic FLAN-shaped data (about 8M tokens, 40 MB) with the real
+pipeline, then simulates a 1 GB and a 10 GB build by shard count: a manifest listing that shard
+under N names (hard links, so the bytes are in the page cache: warm, as a rank that opens a
+build another rank just read). For each size, with an empty verification record:
+
+- ``first_open_s``: ``PackedIterableDataset(build, verify_checksum=True)`` hashing every shard,
+  what every rank paid on every open before verification was recorded;
+- ``later_open_s``: the same call again, finding the record (the other ranks, the next run);
+- ``unverified_open_s``: ``verify_checksum=False``, the floor.
+
+The last line printed is one JSON object.
+
+    python scripts/bench_verify.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+from loaders import PackedIterableDataset  # noqa: E402
+from pipeline.build import build  # noqa: E402
+from pipeline.config import PackConfig  # noqa: E402
+from pipeline.shard_writer import shard_name  # noqa: E402
+from schemas import read_manifest, write_manifest  # noqa: E402
+
+GB = 1 << 30
+
+
+def simulated_build(source: Path, directory: Path, target_bytes: int) -> int:
+    """A build in ``directory`` of as many links to ``source``'s first shard as make ``target_bytes``; its shard count."""
+    manifest = read_manifest(source)
+    shard = manifest.shards[0]
+    count = math.ceil(target_bytes / shard.bytes)
+    directory.mkdir(parents=True)
+    shards = []
+    for index in range(count):
+        os.link(source / shard.path, directory / shard_name(index))
+        shards.append(dataclasses.replace(shard, path=shard_name(index)))
+    rows = shard.rows * count
+    stats = dataclasses.replace(manifest.stats, rows=rows, tokens=shard.tokens * count, capacity_tokens=rows * manifest.capacity)
+    write_manifest(dataclasses.replace(manifest, shards=shards, stats=stats), directory)
+    return count
+
+
+def timed_open(directory: Path, verify_checksum: bool) -> float:
+    started = time.perf_counter()
+    PackedIterableDataset(directory, batch_rows=1, verify_checksum=verify_checksum)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 10])
+    parser.add_argument("--examples", type=int, default=28000, help="synthetic-flan examples to pack (one full shard)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        os.environ["VARPACK_CACHE_DIR"] = str(tmp / "cache")
+        packed = build(PackConfig(dataset="synthetic-flan", num_examples=args.examples, out=str(tmp / "out"),
+                                  progress=False), log=lambda _: None)
+        source = Path(packed.out_dir)
+        results = {"shard_bytes": packed.manifest.shards[0].bytes, "sizes": []}
+        for size in args.sizes_gb:
+            directory = tmp / f"build-{size:g}gb"
+            count = simulated_build(source, directory, int(size * GB))
+            first = timed_open(directory, verify_checksum=True)
+            later = timed_open(directory, verify_checksum=True)
+            unverified = timed_open(directory, verify_checksum=False)
+            row = {"size_gb": size, "shards": count, "first_open_s": round(first, 3), "later_open_s": round(later, 3),
+                   "unverified_open_s": round(unverified, 3), "later_over_first": round(later / first, 4),
+                   "first_s_per_gb": round(first / size, 3)}
+            print(json.dumps(row), flush=True)
+            results["sizes"].append(row)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
