@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.encode import EncodedBatch
+from schemas.io import write_error
 
 SPILL_PREFIX = ".spill-"
 CLUSTER_SPILL_PREFIX = "varpack-spill-"
@@ -60,8 +61,11 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
         with storage.output(path) as tmp:
             _write(table, str(tmp))
     else:
-        os.makedirs(spill_dir, exist_ok=True)
-        _write(table, path)
+        try:
+            os.makedirs(spill_dir, exist_ok=True)
+            _write(table, path)
+        except OSError as err:
+            raise write_error(path, err) from err
     release_freed_memory()
     return SpilledBatch(path, batch.lengths.astype(np.int32), batch.rejected, batch.untrained)
 

@@ -44,6 +44,14 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
+    """The error that reports ``err`` (a full disk, a read-only directory) met while writing ``path``."""
+    return WriteError(
+        f"{path}: could not be written ({err.strerror or err}); free some space or fix the directory's permissions, "
+        "then run again"
+    )
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path to write ``path``'s content to; made durable and renamed onto ``path`` when the block ends.
@@ -65,10 +73,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, path)
         fsync_path(path.parent)
     except OSError as err:
-        raise WriteError(
-            f"{path}: could not be written ({err.strerror or err}); free some space or fix the directory's "
-            "permissions, then run again"
-        ) from err
+        raise write_error(path, err) from err
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)

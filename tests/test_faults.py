@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -45,12 +46,13 @@ def config(data: Path, out: Path, **changes) -> PackConfig:
 class Run:
     """A ``python -m pipeline.pack`` process, its stdout and stderr in files."""
 
-    def __init__(self, data: Path, out: Path, name: str, *extra: str):
+    def __init__(self, data: Path, out: Path, name: str, *extra: str, max_file_bytes: int | None = None):
         self.stdout, self.stderr = out.parent / f"{name}.out", out.parent / f"{name}.err"
+        limit = None if max_file_bytes is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes,) * 2)
         with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out), *ARGS, *extra],
-                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr,
+                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr, preexec_fn=limit,
             )
 
     def err(self) -> str:
@@ -270,3 +272,16 @@ def test_a_full_disk_while_writing_the_manifest_names_it_and_leaves_nothing(data
     assert code == 1
     assert line.startswith(f"varpack: error: {out_dir}/{MANIFEST_NAME}: could not be written (No space left on device)")
     assert list(out.iterdir()) == []
+
+
+def test_a_full_disk_in_a_worker_process_is_one_line_naming_the_file(data, tmp_path):
+    out = tmp_path / "out"
+    # Files over 100 KB cannot be written (EFBIG): a worker's spill or shard file fails.
+    run = Run(data, out, "limited", "--direct_running_mode=multi_processing", "--direct_num_workers=2",
+              max_file_bytes=100_000)
+    assert run.wait() == 1
+    lines = run.err().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("varpack: packing"), run.err()
+    assert lines[1].startswith(f"varpack: error: {plan_build(config(data, out)).out_dir}/"), lines[1]
+    assert "could not be written (" in lines[1] and "File too large" in lines[1]
+    assert [p.name for p in out.iterdir()] == []
