@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from pipeline.packing import PackingPlan, pack
 from pipeline.shard_writer import build_rows, gather_index
 from pipeline.spill import read_spilled
 from schemas import PackingStats
+from schemas.io import write_error
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,15 @@ class ShardPlan:
             sources=self.sources,
         )
         if storage.is_url(path):
-            with tempfile.NamedTemporaryFile(suffix=".npz", delete=False) as tmp:
-                tmp.write(buffer.getbuffer())
-            storage.publish(tmp.name, path)
-        else:
+            with storage.output(path) as tmp:
+                tmp.write_bytes(buffer.getbuffer())
+            return
+        try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(buffer.getbuffer())
+        except OSError as err:
+            raise write_error(path, err) from err
 
     @classmethod
     def load(cls, path: str) -> ShardPlan:
