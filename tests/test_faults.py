@@ -23,6 +23,7 @@ from pipeline.build_lock import build_lock, lock_path
 from pipeline.config import PackConfig
 from schemas import MANIFEST_NAME, ManifestError, WriteError, read_manifest
 from tests.test_pipeline_e2e import REPO
+from tests.url_filesystem import PREFIX
 
 RECORDS = [{"prompt": f"Question {i}: what is {i} plus {i * 7}?", "answer": f"The sum is {i + i * 7}. " * (1 + i % 5)}
            for i in range(3000)]
@@ -38,7 +39,7 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def config(data: Path, out: Path, **changes) -> PackConfig:
+def config(data: Path, out: Path | str, **changes) -> PackConfig:
     return PackConfig(dataset=str(data), out=str(out), prompt_column="prompt", response_column="answer", max_len=256,
                       batch_size=256, progress=False, **changes)
 
@@ -285,3 +286,25 @@ def test_a_full_disk_in_a_worker_process_is_one_line_naming_the_file(data, tmp_p
     assert lines[1].startswith(f"varpack: error: {plan_build(config(data, out)).out_dir}/"), lines[1]
     assert "could not be written (" in lines[1] and "File too large" in lines[1]
     assert [p.name for p in out.iterdir()] == []
+
+
+def test_runs_at_a_url_write_attempt_directories_and_the_first_manifest_wins(data, tmp_path):
+    url = f"{PREFIX}{tmp_path / 'bucket'}"
+    code = ("import sys, tests.url_filesystem; from pipeline.pack import main; "
+            f"sys.exit(main({['--dataset', str(data), '--out', url, *ARGS]!r}))")
+    runs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    (build_dir,) = (tmp_path / "bucket").iterdir()
+    manifest = read_manifest(build_dir)
+    (attempt,) = {s.path.split("/")[0] for s in manifest.shards}
+    assert attempt.startswith("attempt-") and not (build_dir / f".{build_dir.name}.lock").exists()
+    # A run that found another's manifest published first removed its own attempt directory.
+    losers = sum("another run published" in err for _, err in outputs)
+    written = [p.name for p in build_dir.glob("attempt-*") if any(p.iterdir())]  # a store has no empty directories
+    assert attempt in written and len(written) == 2 - losers, (written, outputs)
+    assert_verified(build_dir)
+    again = build(config(data, url))  # a later run reuses the published build
+    assert again.reused and again.manifest.shards == manifest.shards
+
