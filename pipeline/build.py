@@ -136,16 +136,13 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
     return None
 
 
-def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None:
-    """The manifest of a finished build to reuse, or None after clearing the way for a new build.
+def _build_files(plan: BuildPlan) -> list[str]:
+    """The names of the files in the build directory.
 
-    A local build directory is only ever checked, and cleared, by the run holding its lock.
-    Reuse verifies every shard's size and checksum; a build that fails is rebuilt. Raises
-    OutputDirError when ``--out`` is itself a build directory, when the build directory holds
-    another fingerprint's build (without ``--force``) or files varpack did not write.
+    Raises OutputDirError when ``--out`` is itself a build directory, or when the build
+    directory holds files varpack did not write.
     """
-    out, out_dir, force = plan.config.out, plan.out_dir, plan.config.force
-    local = not storage.is_url(out_dir)
+    out, out_dir = plan.config.out, plan.out_dir
     if storage.exists(storage.join(out, MANIFEST_NAME)):
         raise OutputDirError(f"--out {out} is itself a shard directory (it holds {MANIFEST_NAME}); pass its parent directory")
     names = storage.list_files(out_dir)
@@ -155,6 +152,33 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
         raise OutputDirError(
             f"{out_dir} holds files varpack did not write ({', '.join(foreign[:3])}); move them away and run again"
         )
+    return names
+
+
+def reusable(plan: BuildPlan) -> Manifest | None:
+    """The manifest of a finished build of ``plan`` whose every file checks out, or None; only reads."""
+    if MANIFEST_NAME not in _build_files(plan):
+        return None
+    try:
+        manifest = _read_manifest(plan.out_dir)
+    except ManifestError:
+        return None
+    if manifest.fingerprint != plan.fingerprint or reuse_problem(manifest, plan.out_dir) is not None:
+        return None
+    return manifest
+
+
+def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None:
+    """The manifest of a finished build to reuse, or None after clearing the way for a new build.
+
+    A local build directory is only ever checked, and cleared, by the run holding its lock.
+    Reuse verifies every shard's size and checksum; a build that fails is rebuilt. Raises
+    OutputDirError when ``--out`` is itself a build directory, when the build directory holds
+    another fingerprint's build (without ``--force``) or files varpack did not write.
+    """
+    out_dir, force = plan.out_dir, plan.config.force
+    local = not storage.is_url(out_dir)
+    names = _build_files(plan)
     problem = None
     if MANIFEST_NAME in names:
         try:
@@ -226,7 +250,8 @@ def build(
     """Make (or reuse) the shards ``config`` describes and return the manifest.
 
     A local build runs holding the build directory's lock (``build_lock.py``): a second run
-    of the same build waits, then reuses what the first made. At a URL every run writes into
+    of the same build waits, then reuses what the first made. Checking a finished build for
+    reuse shares the lock with other runs doing the same. At a URL every run writes into
     its own attempt directory and the first manifest published wins.
 
     ``examples_per_group`` and ``rows_per_shard`` override the packing group size and the shard
@@ -237,6 +262,12 @@ def build(
     for note in plan.source.notes:
         log(note)
     local = not storage.is_url(plan.out_dir)
+    if local and not config.force:
+        # First only read, sharing the lock with other runs that read: the nodes of a job check a build side by side.
+        with build_lock(plan.out_dir, config.lock_timeout, log, shared=True):
+            existing = reusable(plan)
+        if existing is not None:
+            return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
     with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
         existing = check_output(plan, log)
         if existing is not None:

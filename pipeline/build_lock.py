@@ -9,8 +9,10 @@ time), for the messages of the runs that wait:
     {"host": "node-3", "pid": 4121, "started_at": "2026-12-01T19:47:06+00:00"}
 
 A run that finds the lock held waits for it (saying who holds it), then looks at the build
-again: usually it is finished, and reused. Everything that deletes files of a build happens
-while holding its lock, so no run removes another live run's files. Object stores have no such
+again: usually it is finished, and reused. Runs that only check a finished build for reuse
+share the lock, so the nodes of a job verify it side by side. Everything that deletes files
+of a build happens while holding its lock exclusively, so no run removes another live run's
+files. Object stores have no such
 lock; see ``build.py`` for what happens there.
 """
 
@@ -53,7 +55,7 @@ def describe_owner(text: str) -> str:
         owner = json.loads(text)
         return f"pid {owner['pid']} on {owner['host']} (started {owner['started_at']})"
     except (ValueError, KeyError, TypeError):
-        return "another run (its lock file names no owner yet)"
+        return "another run (one checking it for reuse, or one just starting)"
 
 
 def _read(path: str) -> str:
@@ -64,11 +66,18 @@ def _read(path: str) -> str:
         return ""
 
 
-def _try_lock(path: str) -> int | None:
+# What _try_lock returns for a shared lock on a file that does not exist: no run holds or held it.
+_NO_LOCK_FILE = -1
+
+
+def _try_lock(path: str, shared: bool) -> int | None:
     """An open descriptor holding the lock on the file at ``path``, or None when another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        return _NO_LOCK_FILE
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
@@ -84,21 +93,25 @@ def _try_lock(path: str) -> int | None:
         same_file = False
     if not same_file:  # its owner removed it as we opened it: lock the new file instead
         os.close(fd)
-        return _try_lock(path)
+        return _try_lock(path, shared)
     return fd
 
 
 @contextlib.contextmanager
-def build_lock(build_dir: str, timeout_s: float | None, log: Callable[[str], None]) -> Iterator[None]:
+def build_lock(
+    build_dir: str, timeout_s: float | None, log: Callable[[str], None], shared: bool = False
+) -> Iterator[None]:
     """Hold the lock of ``build_dir`` for the block, waiting up to ``timeout_s`` (None: without end) for it.
 
-    Raises OutputDirError naming the owner when the wait times out.
+    The lock is exclusive (to build or clear the directory), or ``shared`` with other runs that
+    only read the build (to check it for reuse) while no run holds it exclusively. Raises
+    OutputDirError naming the owner when the wait times out.
     """
     path = lock_path(build_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waiting = False
-    while (fd := _try_lock(path)) is None:
+    while (fd := _try_lock(path, shared)) is None:
         owner = describe_owner(_read(path))
         if deadline is not None and time.monotonic() >= deadline:
             raise OutputDirError(
@@ -109,17 +122,22 @@ def build_lock(build_dir: str, timeout_s: float | None, log: Callable[[str], Non
             log(f"waiting for {build_dir}: {owner} is building it")
             waiting = True
         time.sleep(POLL_S)
+    if fd == _NO_LOCK_FILE:
+        yield
+        return
     try:
-        previous = os.read(fd, 4096).decode("utf-8", "replace")
-        if previous:
-            log(f"taking over {build_dir} from {describe_owner(previous)}, which is no longer running")
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": _process_started_at()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
-        os.fsync(fd)
+        if not shared:
+            previous = os.read(fd, 4096).decode("utf-8", "replace")
+            if previous:
+                log(f"taking over {build_dir} from {describe_owner(previous)}, which is no longer running")
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": _process_started_at()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+            os.fsync(fd)
         yield
     finally:
-        # Unlink while still holding the lock: a waiter that opened this file sees it was removed and retries.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if not shared:
+            # Unlink while still holding the lock: a waiter that opened this file sees it was removed and retries.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         os.close(fd)

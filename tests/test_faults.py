@@ -21,6 +21,7 @@ from pipeline import pack
 from pipeline.build import build, plan_build
 from pipeline.build_lock import build_lock, lock_path
 from pipeline.config import PackConfig
+from pipeline.errors import OutputDirError
 from schemas import MANIFEST_NAME, ManifestError, WriteError, read_manifest
 from tests.test_pipeline_e2e import REPO
 from tests.url_filesystem import PREFIX
@@ -128,6 +129,16 @@ def test_a_waiting_run_gives_up_naming_the_owner(data, tmp_path):
     (line,) = run.err().splitlines()[-1:]
     assert line.startswith(f"varpack: error: {out_dir} is being built by pid {os.getpid()} on ")
     assert "raise --lock-timeout" in line
+
+
+def test_runs_checking_a_finished_build_share_the_lock(data, tmp_path):
+    out = tmp_path / "out"
+    first = build(config(data, out))
+    Path(lock_path(first.out_dir)).write_text("")  # the lock file exists while runs come and go
+    with build_lock(first.out_dir, None, lambda _: None, shared=True):  # another run checking it for reuse
+        assert build(config(data, out, lock_timeout=0.5)).reused  # checks it alongside
+        with pytest.raises(OutputDirError, match=f"^{first.out_dir} is being built by another run"):
+            build(config(data, out, lock_timeout=0.5, force=True))  # a rebuild waits for the readers
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(data, tmp_path):
