@@ -71,6 +71,10 @@ class Shard:
         }
 
 
+# How: pack checks every shard of a build it finds, and rebuilds one that fails.
+REBUILD = " (run the pack command that made it again)"
+
+
 def check_shard_file(path: Path, expected: ShardInfo | None, verify_checksum: bool) -> None:
     """Check that the shard file exists, has the size in ``expected``, and its sha256 when
     ``verify_checksum``; raise ShardError naming the file. Opens nothing but the file itself."""
@@ -80,9 +84,11 @@ def check_shard_file(path: Path, expected: ShardInfo | None, verify_checksum: bo
     if expected is not None:
         size = path.stat().st_size
         if size != expected.bytes:
-            raise ShardError(name, f"is {size} bytes, the manifest says {expected.bytes}: truncated or replaced; rebuild it")
+            raise ShardError(
+                name, f"is {size} bytes, the manifest says {expected.bytes}: truncated or replaced; rebuild it{REBUILD}"
+            )
         if verify_checksum and file_sha256(path) != expected.sha256:
-            raise ShardError(name, "checksum mismatch: the file is corrupt; rebuild it")
+            raise ShardError(name, f"checksum mismatch: the file is corrupt; rebuild it{REBUILD}")
 
 
 def open_shard(

@@ -22,7 +22,7 @@ from pipeline.build import build, plan_build
 from pipeline.build_lock import build_lock, lock_path
 from pipeline.config import PackConfig
 from pipeline.errors import OutputDirError
-from schemas import MANIFEST_NAME, ManifestError, WriteError, read_manifest
+from schemas import MANIFEST_NAME, ManifestError, ShardError, WriteError, read_manifest
 from tests.test_pipeline_e2e import REPO
 from tests.url_filesystem import PREFIX
 
@@ -238,6 +238,8 @@ def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
     corrupt = bytearray(expected)
     corrupt[len(corrupt) // 2] ^= 0xFF
     shard.write_bytes(bytes(corrupt))
+    with pytest.raises(ShardError, match=r"checksum mismatch: .* \(run the pack command that made it again\)"):
+        PackedIterableDataset(first.out_dir, batch_rows=1)
     messages: list[str] = []
     again = build(config(data, tmp_path / "out"), log=messages.append, rows_per_shard=40)
     assert not again.reused
