@@ -34,6 +34,15 @@ def _identity(path: Path) -> list[int]:
     return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns]
 
 
+def _read_record(record: Path | None) -> dict[str, list[int]]:
+    """The recorded identities of verified shards, by path; empty when there is no readable record."""
+    try:
+        known = json.loads(record.read_text()) if record is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -63,7 +72,7 @@ def verify_build(manifest: Manifest, paths: list[Path]) -> int:
     except OSError:
         record, lock = None, contextlib.nullcontext()
     with lock:
-        known = json.loads(record.read_text()) if record is not None and record.is_file() else {}
+        known = _read_record(record)
         hashed = 0
         for path, info in zip(paths, manifest.shards):
             key = str(path.resolve())

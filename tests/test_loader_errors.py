@@ -11,7 +11,7 @@ import pytest
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
-from loaders.verify import verify_build
+from loaders.verify import record_path, verify_build
 from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
 
 CAPACITY = 32
@@ -136,3 +136,12 @@ def test_checksums_are_verified_once_per_build_on_a_host(build, tmp_path, monkey
     path.write_bytes(bytes(data))  # rewritten since it was recorded, so hashed again
     with pytest.raises(ShardError, match="shard-00001.arrow: checksum mismatch"):
         PackedIterableDataset(build.path)
+
+
+def test_an_unreadable_verification_record_means_hashing_again(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    paths = [build.path / s.path for s in build.manifest.shards]
+    verify_build(build.manifest, paths)
+    record_path(build.manifest).write_text("{not json")
+    assert verify_build(build.manifest, paths) == len(paths)
+    assert verify_build(build.manifest, paths) == 0
