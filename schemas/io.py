@@ -59,11 +59,12 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     The temporary file (or directory) is removed if the block raises; then ``path`` is untouched.
     An OSError (a full disk, a read-only directory) becomes a WriteError naming ``path``.
 
-    >>> import tempfile; directory = Path(tempfile.mkdtemp())
-    >>> with atomic_output(directory / "a.txt") as tmp:
-    ...     _ = tmp.write_text("whole or nothing")
-    >>> (directory / "a.txt").read_text(), sorted(p.name for p in directory.iterdir())
-    ('whole or nothing', ['a.txt'])
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     with atomic_output(Path(directory) / "a.txt") as tmp:
+    ...         _ = tmp.write_text("whole or nothing")
+    ...     print((Path(directory) / "a.txt").read_text(), sorted(p.name for p in Path(directory).iterdir()))
+    whole or nothing ['a.txt']
     """
     path = Path(path)
     tmp = temporary_name(path)
