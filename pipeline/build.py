@@ -160,7 +160,7 @@ def reusable(plan: BuildPlan) -> Manifest | None:
     if MANIFEST_NAME not in _build_files(plan):
         return None
     try:
-        manifest = _read_manifest(plan.out_dir)
+        manifest = read_build_manifest(plan.out_dir)
     except ManifestError:
         return None
     if manifest.fingerprint != plan.fingerprint or reuse_problem(manifest, plan.out_dir) is not None:
