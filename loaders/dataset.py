@@ -240,6 +240,7 @@ class PackedIterableDataset(IterableDataset):
         if self.batch_rows is not None:
             tokens, rows_per_batch = self.batch_rows * self.capacity, self.batch_rows
         else:
+            assert self.tokens_per_batch is not None  # one of the two budgets is always set
             tokens = self.tokens_per_batch
             rows_per_batch = max_rows_per_batch(self._row_tokens, tokens)
         return fixed_shape(tokens, max_segments_per_batch(declared, rows_per_batch), self.capacity, self.bucket_shapes)

@@ -65,10 +65,11 @@ def verify_build(manifest: Manifest, paths: list[Path]) -> int:
     Raises ShardError naming the first shard that is missing, truncated or corrupt. Without a
     writable cache directory every shard is hashed, and nothing is recorded.
     """
-    record = record_path(manifest)
+    record_file = record_path(manifest)
+    record: Path | None = record_file
     try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        lock: contextlib.AbstractContextManager = _locked(record.with_suffix(".lock"))
+        record_file.parent.mkdir(parents=True, exist_ok=True)
+        lock: contextlib.AbstractContextManager = _locked(record_file.with_suffix(".lock"))
     except OSError:
         record, lock = None, contextlib.nullcontext()
     with lock:

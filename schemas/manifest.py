@@ -202,19 +202,20 @@ class Manifest:
         return sum(s.tokens for s in self.shards)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {
+        shards = [dataclasses.asdict(s) for s in self.shards]
+        data: dict[str, Any] = {
             "format": self.format,
             "format_version": self.format_version,
             "fingerprint": self.fingerprint,
             "inputs": self.inputs.to_dict(),
             "capacity": self.capacity,
             "rows_per_shard": self.rows_per_shard,
-            "shards": [dataclasses.asdict(s) for s in self.shards],
+            "shards": shards,
             "stats": self.stats.to_dict(),
             "created_at": self.created_at,
         }
         if self.format_version >= 3:
-            data["shards_digest"] = shards_digest(data["shards"])
+            data["shards_digest"] = shards_digest(shards)
         if self.rejected is not None:
             data["rejected"] = dataclasses.asdict(self.rejected)
         return data
