@@ -25,6 +25,7 @@ from pipeline.build_lock import build_lock
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.formats import ExampleFormat, resolve_format
+from pipeline.layout import EXAMPLES_PER_GROUP
 from pipeline.shard_writer import default_rows_per_shard
 from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
@@ -109,6 +110,8 @@ def plan_build(config: PackConfig) -> BuildPlan:
         seed=config.seed,
         package_version=package_version(),
         on_bad_row=config.on_bad_row,
+        rows_per_shard=config.rows_per_shard,
+        examples_per_group=config.examples_per_group,
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")
@@ -241,21 +244,13 @@ def _log_to_stderr(message: str) -> None:
     print(f"varpack: {message}", file=sys.stderr)
 
 
-def build(
-    config: PackConfig,
-    log: Callable[[str], None] = _log_to_stderr,
-    examples_per_group: int | None = None,
-    rows_per_shard: int | None = None,
-) -> BuildResult:
+def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> BuildResult:
     """Make (or reuse) the shards ``config`` describes and return the manifest.
 
     A local build runs holding the build directory's lock (``build_lock.py``): a second run
     of the same build waits, then reuses what the first made. Checking a finished build for
     reuse shares the lock with other runs doing the same. At a URL every run writes into
     its own attempt directory and the first manifest published wins.
-
-    ``examples_per_group`` and ``rows_per_shard`` override the packing group size and the shard
-    size, so tests can reach several groups and shards with little data.
     """
     started = time.perf_counter()
     plan = plan_build(config)
@@ -273,7 +268,7 @@ def build(
         if existing is not None:
             return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
         shard_dir = plan.out_dir if local else storage.join(plan.out_dir, ATTEMPT_PREFIX + uuid.uuid4().hex[:12])
-        _run(plan, shard_dir, log, examples_per_group, rows_per_shard)
+        _run(plan, shard_dir, log)
         manifest = read_build_manifest(plan.out_dir)
         if local:
             _remove_temporaries(plan.out_dir)  # of workers of a killed run that were still writing when it ended
@@ -283,13 +278,7 @@ def build(
     return BuildResult(manifest, plan.out_dir, False, time.perf_counter() - started, _layout(plan))
 
 
-def _run(
-    plan: BuildPlan,
-    shard_dir: str,
-    log: Callable[[str], None],
-    examples_per_group: int | None,
-    rows_per_shard: int | None,
-) -> None:
+def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
     """Run the Beam pipeline of ``plan``, writing shards into ``shard_dir``; on failure remove what it wrote."""
     from pipeline import beam_pipeline, progress
 
@@ -304,12 +293,12 @@ def _run(
         out_dir=plan.out_dir,
         shard_dir=shard_dir,
         spill_dir=spill_dir,
-        rows_per_shard=rows_per_shard or default_rows_per_shard(config.max_len),
+        rows_per_shard=config.rows_per_shard or default_rows_per_shard(config.max_len),
         batch_size=config.batch_size,
         limit=config.num_examples,
         known_examples=plan.source.known_examples,
         max_bad_rows=config.max_bad_rows,
-        **({"examples_per_group": examples_per_group} if examples_per_group else {}),
+        examples_per_group=config.examples_per_group or EXAMPLES_PER_GROUP,
     )
     storage.make_dirs(plan.out_dir)
     log(f"packing {config.dataset} into {plan.out_dir}")

@@ -58,6 +58,10 @@ class PackConfig:
     # A count of bad rows (an int), or a fraction of the rows read (a float below 1), that stops the build.
     max_bad_rows: int | float = DEFAULT_MAX_BAD_ROWS
     batch_size: int = DEFAULT_BATCH_SIZE
+    # Rows per shard file; None: about 8M tokens per shard.
+    rows_per_shard: int | None = None
+    # Examples packed together as one group (see pipeline/layout.py); None: 50M.
+    examples_per_group: int | None = None
     progress: bool = True
     # Write report.png (the build's histograms) beside the manifest; needs matplotlib.
     report: bool = True
@@ -70,8 +74,10 @@ class PackConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.num_examples is not None and (not isinstance(self.num_examples, int) or self.num_examples < 1):
-            raise ConfigError(f"--num-examples must be a positive integer, got {self.num_examples!r}")
+        for name in ("num_examples", "rows_per_shard", "examples_per_group"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"--overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.packing not in PACKING_ALGORITHMS:

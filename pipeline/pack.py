@@ -104,6 +104,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05) "
              "are bad (default: %(default)s)")
     add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
+    add("--rows-per-shard", type=int, default=None, help="rows per shard file (default: about 8M tokens per shard)")
+    add("--examples-per-group", type=int, default=None,
+        help="examples packed together as one group; more groups pack in parallel on a cluster at a small cost "
+             "in fill (default: 50,000,000)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
     add("--report", action=argparse.BooleanOptionalAction, default=True,
         help="write report.png beside the manifest: histograms of example length, examples per row and row fill "

@@ -69,11 +69,16 @@ class BuildInputs:
     package_version: str
     # What a bad source row does; None in a format 1 manifest, which predates the policy.
     on_bad_row: str | None = "error"
+    # The shard size and the packing group size, when set; None (left out, so builds made
+    # with the defaults keep their fingerprints): the defaults.
+    rows_per_shard: int | None = None
+    examples_per_group: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if data["on_bad_row"] is None:
-            del data["on_bad_row"]
+        for optional in ("on_bad_row", "rows_per_shard", "examples_per_group"):
+            if data[optional] is None:
+                del data[optional]
         return data
 
     @classmethod
@@ -84,6 +89,8 @@ class BuildInputs:
                 "dataset": DatasetInputs(**data["dataset"]),
                 "tokenizer": TokenizerInputs(**data["tokenizer"]),
                 "on_bad_row": data.get("on_bad_row"),
+                "rows_per_shard": data.get("rows_per_shard"),
+                "examples_per_group": data.get("examples_per_group"),
             }
         )
 

@@ -236,7 +236,7 @@ def test_workers_exit_when_the_main_process_is_killed(data, tmp_path):
 
 
 def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
-    first = build(config(data, tmp_path / "out"), rows_per_shard=40)
+    first = build(config(data, tmp_path / "out", rows_per_shard=40))
     shard = Path(first.out_dir) / first.manifest.shards[1].path
     expected = shard.read_bytes()
     corrupt = bytearray(expected)
@@ -245,15 +245,15 @@ def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
     with pytest.raises(ShardError, match=r"checksum mismatch: .* \(run the pack command that made it again\)"):
         PackedIterableDataset(first.out_dir, batch_rows=1)
     messages: list[str] = []
-    again = build(config(data, tmp_path / "out"), log=messages.append, rows_per_shard=40)
+    again = build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append)
     assert not again.reused
     assert f"rebuilding {first.out_dir}: {shard.name} fails its checksum (the file is corrupt)" in messages
     assert shard.read_bytes() == expected
-    assert build(config(data, tmp_path / "out"), rows_per_shard=40).reused
+    assert build(config(data, tmp_path / "out", rows_per_shard=40)).reused
 
 
 def test_swapped_manifest_entries_are_refused(data, tmp_path):
-    result = build(config(data, tmp_path / "out"), rows_per_shard=40)
+    result = build(config(data, tmp_path / "out", rows_per_shard=40))
     path = Path(result.out_dir) / MANIFEST_NAME
     manifest = json.loads(path.read_text())
     manifest["shards"][0], manifest["shards"][1] = manifest["shards"][1], manifest["shards"][0]
@@ -267,7 +267,7 @@ def test_swapped_manifest_entries_are_refused(data, tmp_path):
     with pytest.raises(ManifestError, match="the shard list does not match shards_digest"):
         PackedIterableDataset(result.out_dir, batch_rows=1)
     messages: list[str] = []
-    assert not build(config(data, tmp_path / "out"), log=messages.append, rows_per_shard=40).reused
+    assert not build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append).reused
     assert any("its manifest is unreadable" in m for m in messages), messages
 
 

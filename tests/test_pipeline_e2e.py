@@ -133,12 +133,12 @@ def test_jsonl_prompt_response_after_an_interrupted_run(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     config = PackConfig(dataset=str(data), out=str(tmp_path / "out"), max_len=128, prompt_column="q", response_column="a",
-                        batch_size=64, progress=False)
+                        batch_size=64, rows_per_shard=16, progress=False)
     out_dir = Path(plan_build(config).out_dir)
     out_dir.mkdir(parents=True)  # what a killed run leaves: a shard, a half-written one, no manifest
     (out_dir / "shard-00000.arrow").write_bytes(b"partial")
     (out_dir / ".shard-00001.arrow.tmp-4242").write_bytes(b"partial")
-    result = build(config, rows_per_shard=16)
+    result = build(config)
     assert not result.reused and len(result.manifest.shards) > 3
     assert sorted(p.name for p in out_dir.iterdir()) == sorted([MANIFEST_NAME] + [s.path for s in result.manifest.shards])
     assert_holds_encoded_examples(out_dir, config, pa.Table.from_pylist(records))
@@ -166,12 +166,11 @@ def test_grouped_multi_process_run_writes_the_same_shards(tmp_path):
     table = generate_block(SHAPES["synthetic-orcamath"], 0, 700)
     pq.write_table(table, tmp_path / "orca.parquet", row_group_size=200)
     config = PackConfig(dataset=str(tmp_path / "orca.parquet"), out=str(tmp_path / "in_process"), max_len=1024,
-                        batch_size=64, progress=False)
-    in_process = build(config, examples_per_group=250, rows_per_shard=20)
+                        batch_size=64, examples_per_group=250, rows_per_shard=20, progress=False)
+    in_process = build(config)
     multi = build(
         dataclasses.replace(config, out=str(tmp_path / "multi"),
-                            beam_args=("--direct_running_mode=multi_processing", "--direct_num_workers=2")),
-        examples_per_group=250, rows_per_shard=20,
+                            beam_args=("--direct_running_mode=multi_processing", "--direct_num_workers=2"))
     )
     assert in_process.manifest.fingerprint == multi.manifest.fingerprint
     assert len(in_process.manifest.shards) > 5

@@ -312,9 +312,23 @@ def test_config_errors():
         (PackConfig(prompt_column="p"), "go together"),
         (PackConfig(prompt_column="p", response_column="r", text_column="t"), "choose one example format"),
         (PackConfig(overflow="wrap"), "--overflow must be one of"),
+        (PackConfig(rows_per_shard=0), "--rows-per-shard must be a positive integer"),
+        (PackConfig(examples_per_group=True), "--examples-per-group must be a positive integer"),
     ]:
         with pytest.raises(ConfigError, match=message):
             plan_build(config)
+
+
+def test_shard_and_group_sizes_are_build_inputs_only_when_set():
+    """A different shard or group size is another build; the defaults leave fingerprints as they were."""
+    from pipeline.pack import parse_args
+
+    default = plan_build(PackConfig(dataset="synthetic-flan", num_examples=10))
+    assert "rows_per_shard" not in default.inputs.to_dict() and "examples_per_group" not in default.inputs.to_dict()
+    sized = plan_build(parse_args(["--dataset", "synthetic-flan", "--num-examples", "10", "--rows-per-shard", "7",
+                                   "--examples-per-group", "5"]))
+    assert sized.config.rows_per_shard == 7 and sized.inputs.to_dict()["examples_per_group"] == 5
+    assert sized.fingerprint != default.fingerprint
 
 
 def test_chat_data_needs_a_template(tmp_path, tokenizer):

@@ -34,8 +34,9 @@ def shard_bytes(out_dir: str) -> list[bytes]:
 def reference(tmp_path_factory):
     """The default in-process runner's build: several packing groups and shards."""
     out = tmp_path_factory.mktemp("in-process")
-    config = PackConfig(dataset="synthetic-orcamath", num_examples=2000, max_len=1024, batch_size=300, out=str(out), progress=False)
-    result = build(config, **GROUPS_AND_SHARDS)
+    config = PackConfig(dataset="synthetic-orcamath", num_examples=2000, max_len=1024, batch_size=300, out=str(out), progress=False,
+                        **GROUPS_AND_SHARDS)
+    result = build(config)
     assert len(result.manifest.shards) > 3
     return config, result
 
@@ -48,7 +49,7 @@ def test_dask_cluster_writes_the_same_shards(reference, tmp_path):
     with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None, env=env) as cluster:
         args = ["--runner", "DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]
         beam_args = parse_args(args).beam_args
-        result = build(dataclasses.replace(config, out=str(tmp_path), beam_args=beam_args), **GROUPS_AND_SHARDS)
+        result = build(dataclasses.replace(config, out=str(tmp_path), beam_args=beam_args))
     assert result.manifest.fingerprint == expected.manifest.fingerprint
     assert shard_bytes(result.out_dir) == shard_bytes(expected.out_dir)
     assert result.manifest.stats == expected.manifest.stats
@@ -57,7 +58,7 @@ def test_dask_cluster_writes_the_same_shards(reference, tmp_path):
 def test_portable_runner_writes_the_same_shards(reference, tmp_path):
     config, expected = reference
     beam_args = ("--runner=PortableRunner", "--job_endpoint=embed", "--environment_type=LOOPBACK")
-    result = build(dataclasses.replace(config, out=str(tmp_path), beam_args=beam_args), **GROUPS_AND_SHARDS)
+    result = build(dataclasses.replace(config, out=str(tmp_path), beam_args=beam_args))
     assert shard_bytes(result.out_dir) == shard_bytes(expected.out_dir)
 
 
@@ -83,7 +84,7 @@ def test_spill_files_never_outlive_their_run(reference, tmp_path):
     build_dir = tmp_path / "out" / out_dir.name
     (build_dir / f"{SPILL_PREFIX}killed").mkdir(parents=True)
     (build_dir / f"{SPILL_PREFIX}killed" / "000000-000000.arrow").write_bytes(b"partial")
-    assert shard_bytes(build(fresh, **GROUPS_AND_SHARDS).out_dir) == shard_bytes(expected.out_dir)
+    assert shard_bytes(build(fresh).out_dir) == shard_bytes(expected.out_dir)
     assert spills(build_dir) == []
     # On a cluster, workers spill under --temp_location; it is emptied when the run fails too.
     temp = tmp_path / "temp"

@@ -213,8 +213,11 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     data = make_manifest().to_dict()
     properties = SCHEMA["properties"]
     assert set(data) == set(properties) == set(SCHEMA["required"]) | set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""])
+    # Written only when set: the shard and group sizes (absent, the defaults).
+    optional = {"inputs": {"rows_per_shard", "examples_per_group"}, "stats": set()}
     for key in ("inputs", "stats"):
-        assert set(data[key]) == set(properties[key]["properties"])
+        assert not optional[key] & set(data[key])
+        assert set(data[key]) | optional[key] == set(properties[key]["properties"])
         assert set(properties[key]["required"]) == set(data[key]) - set(ADDED_IN_VERSION_2[key])
     for key in ("dataset", "tokenizer"):
         assert set(data["inputs"][key]) == set(properties["inputs"]["properties"][key]["properties"])
