@@ -31,7 +31,7 @@ from pipeline.chat import conversation
 from pipeline.errors import InputError
 from pipeline.formats import CHAT, PROMPT_RESPONSE, ExampleFormat, split_prompt_template
 from pipeline.readers import BatchRows, select_columns
-from pipeline.shard_writer import gather_index
+from pipeline.ranges import gather_index
 from pipeline.tokenizer import LoadedTokenizer
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

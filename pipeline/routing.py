@@ -21,7 +21,8 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.layout import BatchKey
 from pipeline.packing import PackingPlan, pack
-from pipeline.shard_writer import build_rows, gather_index
+from pipeline.ranges import gather_index
+from pipeline.shard_writer import build_rows
 from pipeline.spill import read_spilled
 from schemas import PackingStats
 from schemas.io import write_error

@@ -25,6 +25,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.errors import OutputDirError
 from pipeline.packing import PackingPlan, pack
+from pipeline.ranges import gather_index
 from schemas import (
     MANIFEST_NAME,
     ROW_SCHEMA,
@@ -54,12 +55,6 @@ def default_rows_per_shard(capacity: int) -> int:
 def shard_name(index: int) -> str:
     """The file name of shard ``index``."""
     return f"shard-{index:05d}.arrow"
-
-
-def gather_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Indices ``starts[j] : starts[j] + lengths[j]`` for all j, concatenated."""
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
 
 
 def _segment_gather(segment_starts: np.ndarray, lengths: np.ndarray, buffer_size: int) -> np.ndarray:
