@@ -25,7 +25,7 @@ from loaders.resume import Position, from_state_dict, to_state_dict
 from loaders.shard_reader import Shard, open_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import verify_build
-from schemas import Manifest, ManifestError
+from schemas import Manifest, ManifestError, positive_int
 
 # Shards one shuffle window spans, by default: the window's rows come from about this many shards.
 DEFAULT_SHUFFLE_WINDOW_SHARDS = 4
@@ -49,12 +49,6 @@ def check_manifest(
         )
     if manifest.num_rows == 0:
         raise ManifestError(f"{source}: the build holds no rows, so there is nothing to train on; check the input data")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 class PackedIterableDataset(IterableDataset):
@@ -163,15 +157,15 @@ class PackedIterableDataset(IterableDataset):
         self.seed = int(seed)
         if shuffle_buffer_rows is None:
             shuffle_buffer_rows = DEFAULT_SHUFFLE_WINDOW_SHARDS * manifest.rows_per_shard
-        self.shuffle_buffer_rows = _positive_int("shuffle_buffer_rows", shuffle_buffer_rows)
+        self.shuffle_buffer_rows = positive_int("shuffle_buffer_rows", shuffle_buffer_rows)
         if tokens_per_batch is None:
-            self.batch_rows: int | None = _positive_int("batch_rows", batch_rows)
+            self.batch_rows: int | None = positive_int("batch_rows", batch_rows)
             self.tokens_per_batch: int | None = None
         else:
             if batch_rows != 1:
                 raise ValueError("give batch_rows or tokens_per_batch, not both")
             self.batch_rows = None
-            self.tokens_per_batch = _positive_int("tokens_per_batch", tokens_per_batch)
+            self.tokens_per_batch = positive_int("tokens_per_batch", tokens_per_batch)
             if self.tokens_per_batch < self.capacity:
                 raise ValueError(
                     f"tokens_per_batch={self.tokens_per_batch} is smaller than one row (capacity {self.capacity} "

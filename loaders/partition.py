@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch.distributed as dist
 
+from schemas import positive_int
+
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """(rank, world_size): the arguments when given, else torch.distributed's when initialised, else (0, 1).
@@ -31,8 +33,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    world_size = positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
     return rank, world_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS
+from schemas import BadRowPolicy, Overflow, PackingAlgorithm, positive_int
 
 DEFAULT_DATASET = "gsm8k"
 DEFAULT_OUT = "shards"
@@ -35,8 +35,8 @@ class PackConfig:
     revision: str | None = None
     # None: every example (synthetic datasets: 100,000).
     num_examples: int | None = None
-    overflow: str = "split"
-    packing: str = "best_fit_decreasing"
+    overflow: str = Overflow.SPLIT
+    packing: str = PackingAlgorithm.BEST_FIT_DECREASING
     seed: int = 0
     force: bool = False
     # Seconds to wait for another run building the same directory; None: as long as it takes.
@@ -54,7 +54,7 @@ class PackConfig:
     bos_token: str | None = None
     eos_token: str | None = None
     train_on_prompt: bool = False
-    on_bad_row: str = "error"
+    on_bad_row: str = BadRowPolicy.ERROR
     # A count of bad rows (an int), or a fraction of the rows read (a float below 1), that stops the build.
     max_bad_rows: int | float = DEFAULT_MAX_BAD_ROWS
     batch_size: int = DEFAULT_BATCH_SIZE
@@ -70,20 +70,19 @@ class PackConfig:
 
     def validate(self) -> None:
         """Raise ConfigError for a setting, or a mix of settings, that cannot work."""
-        for name in ("max_len", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        positive_int("--max-len", self.max_len, ConfigError)
+        positive_int("--batch-size", self.batch_size, ConfigError)
         for name in ("num_examples", "rows_per_shard", "examples_per_group"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.overflow not in OVERFLOW_POLICIES:
-            raise ConfigError(f"--overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
-        if self.packing not in PACKING_ALGORITHMS:
-            raise ConfigError(f"--packing must be one of {', '.join(PACKING_ALGORITHMS)}, got {self.packing!r}")
-        if self.on_bad_row not in BAD_ROW_POLICIES:
-            raise ConfigError(f"--on-bad-row must be one of {', '.join(BAD_ROW_POLICIES)}, got {self.on_bad_row!r}")
+            if value is not None:
+                positive_int(f"--{name.replace('_', '-')}", value, ConfigError)
+        for option, value, choices in (
+            ("--overflow", self.overflow, Overflow),
+            ("--packing", self.packing, PackingAlgorithm),
+            ("--on-bad-row", self.on_bad_row, BadRowPolicy),
+        ):
+            if value not in list(choices):
+                raise ConfigError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
         bound = self.max_bad_rows
         if isinstance(bound, bool) or not (
             (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 < bound < 1)

@@ -29,10 +29,11 @@ import pyarrow.compute as pc
 from pipeline.bad_rows import BadRow, Reason, RowProblem
 from pipeline.chat import conversation
 from pipeline.errors import InputError
-from pipeline.formats import CHAT, PROMPT_RESPONSE, ExampleFormat, split_prompt_template
+from pipeline.formats import ExampleFormat, split_prompt_template
 from pipeline.readers import BatchRows, select_columns
 from pipeline.ranges import gather_index
 from pipeline.tokenizer import LoadedTokenizer
+from schemas import BadRowPolicy, ExampleKind, Overflow
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -102,7 +103,7 @@ class Encoder:
     """Encodes tables of source rows in one format with one tokenizer; checks every value on the way."""
 
     def __init__(
-        self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, max_len: int, overflow: str, on_bad_row: str = "error"
+        self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, max_len: int, overflow: str, on_bad_row: str = BadRowPolicy.ERROR
     ):
         self.tokenizer = tokenizer
         self.format = example_format
@@ -116,7 +117,7 @@ class Encoder:
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
         table = select_columns(table, self.format.columns, rows.origin)
-        problems = {} if self.format.kind == CHAT else self._text_problems(table, rows.origin)
+        problems = {} if self.format.kind == ExampleKind.CHAT else self._text_problems(table, rows.origin)
         rejected, table, source_rows = self._leave_out(problems, table, rows, np.arange(table.num_rows))
         if self.format.is_chat:
             batch, problems = self._encode_chat(self._conversations(table), rows, source_rows)
@@ -130,7 +131,7 @@ class Encoder:
             more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
             rejected += more
             batch = batch.select(batch.lengths > 0)
-        if self.overflow == "error":
+        if self.overflow == Overflow.ERROR:
             long = np.flatnonzero(batch.lengths > self.max_len)
             if long.size:
                 i = int(long[0])
@@ -138,7 +139,7 @@ class Encoder:
                     f"{rows.name(source_rows[i])}: {int(batch.lengths[i])} tokens, more than --max-len {self.max_len}; "
                     "pass --overflow split, truncate or drop"
                 )
-        if self.overflow == "truncate":
+        if self.overflow == Overflow.TRUNCATE:
             batch = self._drop_untrained(batch)
         batch.rejected = rejected
         return batch
@@ -152,7 +153,7 @@ class Encoder:
         if not problems:
             return [], table, source_rows
         indices = sorted(problems)
-        if self.on_bad_row == "error":
+        if self.on_bad_row == BadRowPolicy.ERROR:
             raise BadRow(rows.name(source_rows[indices[0]]), *problems[indices[0]], {}).error()
         values = table.take(pa.array(indices, type=pa.int64())).to_pylist()
         names = rows.names(source_rows[indices])
@@ -197,7 +198,7 @@ class Encoder:
     def _pieces(self, table: pa.Table) -> list[str]:
         """The texts to tokenize, column by column: for prompt/response, each joined with its part of the template."""
         columns = [table.column(column) for column in self.format.columns]
-        if self.format.kind == PROMPT_RESPONSE:
+        if self.format.kind == ExampleKind.PROMPT_RESPONSE:
             before, between, after = split_prompt_template(self.format.prompt_template)
             prompts, responses = columns
             columns = [pc.binary_join_element_wise(before, prompts, between, ""), pc.binary_join_element_wise(responses, after, "")]
@@ -226,7 +227,7 @@ class Encoder:
             [np.full(n, len(self.prefix)), text_lengths.reshape(columns, n).T, np.full(n, len(self.suffix))]
         )
         tokens = np.concatenate([affixes, ids])[gather_index(piece_starts.ravel(), piece_lengths.ravel())]
-        text_mask = [1 if self.format.train_on_prompt else 0, 1] if self.format.kind == PROMPT_RESPONSE else [1]
+        text_mask = [1 if self.format.train_on_prompt else 0, 1] if self.format.kind == ExampleKind.PROMPT_RESPONSE else [1]
         piece_mask = np.tile(np.array([0, *text_mask, 1], dtype=np.uint8), n)
         return EncodedBatch(piece_lengths.sum(axis=1), tokens, np.repeat(piece_mask, piece_lengths.ravel()))
 

@@ -13,10 +13,8 @@ import pyarrow as pa
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.readers import MESSAGES_TYPE, TEXT_TYPE, read_schema
+from schemas import ExampleKind, LossMasking
 
-PROMPT_RESPONSE = "prompt_response"
-CHAT = "chat"
-TEXT = "text"
 # How a prompt and its response are joined into one example, unless --prompt-template says otherwise.
 DEFAULT_PROMPT_TEMPLATE = "{prompt}\n\n{response}"
 
@@ -41,13 +39,13 @@ def split_prompt_template(template: str) -> tuple[str, str, str]:
 
 # Tried in order when no column option is given.
 _AUTODETECT = (
-    (PROMPT_RESPONSE, ("prompt", "response")),
-    (PROMPT_RESPONSE, ("question", "answer")),
-    (PROMPT_RESPONSE, ("inputs", "targets")),
-    (PROMPT_RESPONSE, ("instruction", "output")),
-    (CHAT, ("messages",)),
-    (CHAT, ("conversations",)),
-    (TEXT, ("text",)),
+    (ExampleKind.PROMPT_RESPONSE, ("prompt", "response")),
+    (ExampleKind.PROMPT_RESPONSE, ("question", "answer")),
+    (ExampleKind.PROMPT_RESPONSE, ("inputs", "targets")),
+    (ExampleKind.PROMPT_RESPONSE, ("instruction", "output")),
+    (ExampleKind.CHAT, ("messages",)),
+    (ExampleKind.CHAT, ("conversations",)),
+    (ExampleKind.TEXT, ("text",)),
 )
 
 
@@ -55,7 +53,7 @@ _AUTODETECT = (
 class ExampleFormat:
     """A kind of example and the source columns it reads (prompt and response, messages, or text)."""
 
-    kind: str
+    kind: ExampleKind
     columns: tuple[str, ...]
     train_on_prompt: bool = False
     chat_template: str | None = None
@@ -66,47 +64,45 @@ class ExampleFormat:
     @property
     def is_chat(self) -> bool:
         """Whether examples are rendered with the chat template (chat data, or prompt/response ``--as-chat``)."""
-        return self.kind == CHAT or self.as_chat
+        return self.kind == ExampleKind.CHAT or self.as_chat
 
     @property
     def column_types(self) -> dict[str, pa.DataType]:
         """The Arrow type each top-level source column is read as (a struct for a dotted ``data.question``)."""
-        return read_schema(self.columns, MESSAGES_TYPE if self.kind == CHAT else TEXT_TYPE)
+        return read_schema(self.columns, MESSAGES_TYPE if self.kind == ExampleKind.CHAT else TEXT_TYPE)
 
     @property
     def template(self) -> str:
         """How the tokens are laid out, for the fingerprint (the chat template in full for chat data)."""
-        if self.kind == PROMPT_RESPONSE and self.as_chat:
+        if self.kind == ExampleKind.PROMPT_RESPONSE and self.as_chat:
             prompt, response = self.columns
             return (
                 f"varpack.prompt_response_chat.v1 user={prompt} assistant={response}: the chat template below, "
                 f"tokenized whole\n{self.chat_template}"
             )
-        if self.kind == PROMPT_RESPONSE:
+        if self.kind == ExampleKind.PROMPT_RESPONSE:
             prompt, response = self.columns
             return (
                 f"varpack.prompt_response.v2 prompt={prompt} response={response}: "
                 f"[bos] prompt response [eos] joined as {self.prompt_template!r}"
             )
-        if self.kind == CHAT:
+        if self.kind == ExampleKind.CHAT:
             return f"varpack.chat.v1 messages={self.columns[0]}: the chat template below, tokenized whole\n{self.chat_template}"
         return f"varpack.text.v1 text={self.columns[0]}: [bos] text [eos]"
 
     @property
-    def loss_masking(self) -> str:
+    def loss_masking(self) -> LossMasking:
         """Which tokens are trained on, for the fingerprint."""
-        if self.kind == TEXT:
-            return "all_tokens"
-        if self.train_on_prompt:
-            return "all_tokens"
-        return "assistant_turns" if self.is_chat else "response_and_eos"
+        if self.kind == ExampleKind.TEXT or self.train_on_prompt:
+            return LossMasking.ALL_TOKENS
+        return LossMasking.ASSISTANT_TURNS if self.is_chat else LossMasking.RESPONSE_AND_EOS
 
     def describe(self) -> str:
         """The layout of one example, for the report."""
         if self.is_chat:
-            source = "messages" if self.kind == CHAT else "prompt as user, response as assistant"
+            source = "messages" if self.kind == ExampleKind.CHAT else "prompt as user, response as assistant"
             return f"chat template ({source}); loss on {'every token' if self.train_on_prompt else 'assistant turns'}"
-        if self.kind == TEXT:
+        if self.kind == ExampleKind.TEXT:
             return "[bos] text [eos]; loss on every token"
         shown = self.prompt_template.replace("\n", "\\n").replace("\t", "\\t")
         return f"[bos] {shown} [eos]; loss on {'every token' if self.train_on_prompt else 'response and EOS'}"
@@ -125,11 +121,11 @@ def resolve_format(
     InputError naming ``where`` and the columns that exist.
     """
     if config.prompt_column is not None:
-        chosen = ExampleFormat(PROMPT_RESPONSE, (config.prompt_column, config.response_column))
+        chosen = ExampleFormat(ExampleKind.PROMPT_RESPONSE, (config.prompt_column, config.response_column))
     elif config.messages_column is not None:
-        chosen = ExampleFormat(CHAT, (config.messages_column,))
+        chosen = ExampleFormat(ExampleKind.CHAT, (config.messages_column,))
     elif config.text_column is not None:
-        chosen = ExampleFormat(TEXT, (config.text_column,))
+        chosen = ExampleFormat(ExampleKind.TEXT, (config.text_column,))
     elif default is not None:
         chosen = default
     elif available is not None:
@@ -149,10 +145,10 @@ def resolve_format(
                 f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); "
                 "choose columns with --prompt-column/--response-column, --messages-column or --text-column"
             )
-    as_chat = config.as_chat and chosen.kind == PROMPT_RESPONSE
+    as_chat = config.as_chat and chosen.kind == ExampleKind.PROMPT_RESPONSE
     if config.as_chat and not as_chat:
         raise ConfigError(f"--as-chat renders prompt/response data as a chat; {where} is {chosen.kind} data")
-    if (chosen.kind == CHAT or as_chat) and not chat_template:
+    if (chosen.kind == ExampleKind.CHAT or as_chat) and not chat_template:
         raise InputError(
             f"{where}: {'--as-chat' if as_chat else 'chat data'} needs a chat template and the tokenizer has none; "
             "pass --chat-template (a Jinja template, or a file holding one)"
@@ -163,7 +159,7 @@ def resolve_format(
         chosen.kind,
         chosen.columns,
         train_on_prompt=config.train_on_prompt,
-        chat_template=chat_template if chosen.kind == CHAT or as_chat else None,
+        chat_template=chat_template if chosen.kind == ExampleKind.CHAT or as_chat else None,
         prompt_template=template,
         as_chat=as_chat,
     )

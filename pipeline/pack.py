@@ -32,7 +32,7 @@ from pipeline.config import (
     PackConfig,
 )
 from pipeline.errors import ConfigError
-from schemas import BAD_ROW_POLICIES, OVERFLOW_POLICIES, PACKING_ALGORITHMS, Manifest, VarpackError
+from schemas import BadRowPolicy, Manifest, Overflow, PackingAlgorithm, VarpackError
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -71,9 +71,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("--revision", help="Hub datasets: the commit, branch or tag to read (default: the main branch's "
                             "current commit, recorded in the manifest)")
     add("--num-examples", type=int, help="pack only the first N examples (synthetic datasets: generate N, default 100000)")
-    add("--overflow", choices=OVERFLOW_POLICIES, default="split",
+    add("--overflow", choices=[e.value for e in Overflow], default=Overflow.SPLIT.value,
         help="what to do with examples longer than --max-len (default: %(default)s)")
-    add("--packing", choices=PACKING_ALGORITHMS, default="best_fit_decreasing", help="packing algorithm (default: %(default)s)")
+    add("--packing", choices=[e.value for e in PackingAlgorithm], default=PackingAlgorithm.BEST_FIT_DECREASING.value,
+        help="packing algorithm (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
     add("--force", action="store_true",
         help="rebuild even when a build with the same fingerprint exists (in place: a loader reading it goes on)")
@@ -97,7 +98,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--eos-token", help="token after each prompt/response or text example (default: the tokenizer's EOS, "
                             "from its config, post-processor or special tokens)")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
-    add("--on-bad-row", choices=BAD_ROW_POLICIES, default="error",
+    add("--on-bad-row", choices=[e.value for e in BadRowPolicy], default=BadRowPolicy.ERROR.value,
         help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "
              "it, or skip it and list it in rejected.jsonl in the build (default: %(default)s)")
     add("--max-bad-rows", type=bad_row_bound, default=DEFAULT_MAX_BAD_ROWS,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS, PackingError, PackingStats
+from schemas import Overflow, PackingAlgorithm, PackingError, PackingStats, positive_int
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ def _check_lengths(lengths: np.ndarray | list[int], capacity: int) -> np.ndarray
     Lengths are a 1-D sequence of positive whole numbers (floats such as 3.0 are accepted);
     an empty sequence is valid and packs into no rows.
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise PackingError(f"capacity must be a positive integer, got {capacity!r}")
+    positive_int("capacity", capacity, PackingError)
     try:
         array = np.asarray(lengths)
     except ValueError as err:
@@ -126,24 +125,24 @@ def _decreasing_order(sizes: np.ndarray, capacity: int, seed: int) -> np.ndarray
 
 def _apply_overflow(lengths: np.ndarray, capacity: int, overflow: str, stats: PackingStats) -> tuple[np.ndarray, ...]:
     """Turn examples into segments of at most ``capacity`` tokens under the overflow policy."""
-    if overflow not in OVERFLOW_POLICIES:
-        raise PackingError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+    if overflow not in list(Overflow):
+        raise PackingError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(Overflow)}")
     examples = np.arange(lengths.size, dtype=np.int64)
     long = lengths > capacity
     if not long.any():
         return examples, np.zeros_like(lengths), lengths
-    if overflow == "error":
+    if overflow == Overflow.ERROR:
         i = int(np.flatnonzero(long)[0])
         raise PackingError(
             f"example {i} has {int(lengths[i])} tokens, more than max length {capacity} "
             f"({int(long.sum())} such examples); use overflow split, truncate or drop"
         )
-    if overflow == "drop":
+    if overflow == Overflow.DROP:
         stats.examples_dropped = int(long.sum())
         stats.tokens_dropped = int(lengths[long].sum())
         keep = ~long
         return examples[keep], np.zeros(int(keep.sum()), dtype=np.int64), lengths[keep]
-    if overflow == "truncate":
+    if overflow == Overflow.TRUNCATE:
         stats.examples_truncated = int(long.sum())
         stats.tokens_truncated = int((lengths[long] - capacity).sum())
         return examples, np.zeros_like(lengths), np.minimum(lengths, capacity)
@@ -274,17 +273,17 @@ def sequential(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.ndarray:
 
 
 PACKERS = {
-    "best_fit_decreasing": best_fit_decreasing,
-    "first_fit_decreasing": first_fit_decreasing,
-    "sequential": sequential,
+    PackingAlgorithm.BEST_FIT_DECREASING: best_fit_decreasing,
+    PackingAlgorithm.FIRST_FIT_DECREASING: first_fit_decreasing,
+    PackingAlgorithm.SEQUENTIAL: sequential,
 }
 
 
 def pack(
     lengths: np.ndarray | list[int],
     capacity: int,
-    overflow: str = "split",
-    algorithm: str = "best_fit_decreasing",
+    overflow: str = Overflow.SPLIT,
+    algorithm: str = PackingAlgorithm.BEST_FIT_DECREASING,
     seed: int = 0,
 ) -> PackingPlan:
     """Pack examples of the given token lengths into rows of at most ``capacity`` tokens.
@@ -310,15 +309,15 @@ def pack(
     >>> plan.segment_example.tolist(), plan.segment_offset.tolist(), plan.segment_length.tolist()
     ([1, 0, 1], [0, 0, 5], [5, 3, 2])
     """
-    if algorithm not in PACKING_ALGORITHMS:
-        raise PackingError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(PACKING_ALGORITHMS)}")
+    if algorithm not in list(PackingAlgorithm):
+        raise PackingError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(PackingAlgorithm)}")
     lengths = _check_lengths(lengths, capacity)
     stats = PackingStats(examples=int(lengths.size))
     segment_example, segment_offset, segment_length = _apply_overflow(lengths, capacity, overflow, stats)
 
     bin_of_segment = PACKERS[algorithm](segment_length, capacity, seed)
     num_rows = int(bin_of_segment.max()) + 1 if bin_of_segment.size else 0
-    if algorithm == "sequential":
+    if algorithm == PackingAlgorithm.SEQUENTIAL:
         row_of_segment = bin_of_segment
     else:
         row_of_segment = np.random.default_rng([seed, 1]).permutation(num_rows)[bin_of_segment]

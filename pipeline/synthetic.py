@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.shard_writer import ShardWriter
-from schemas import BuildInputs, DatasetInputs, Manifest, TokenizerInputs
+from schemas import BuildInputs, DatasetInputs, Manifest, Overflow, PackingAlgorithm, TokenizerInputs
 
 GENERATOR_VERSION = 1
 BLOCK_EXAMPLES = 8192
@@ -105,7 +105,7 @@ def random_token_build(
     rows_per_shard: int | None = None,
     vocab_size: int = 1000,
     seed: int = 0,
-    overflow: str = "split",
+    overflow: str = Overflow.SPLIT,
 ) -> tuple[Manifest, np.ndarray, np.ndarray]:
     """Write a build of examples of the given lengths made of random token ids in [1, vocab_size), packed with
     best-fit decreasing: ``(manifest, tokens, loss_mask)``, the examples back to back. The first part of each
@@ -130,7 +130,7 @@ def random_token_build(
         loss_masking="prompt",
         max_len=capacity,
         overflow=overflow,
-        packing="best_fit_decreasing",
+        packing=PackingAlgorithm.BEST_FIT_DECREASING,
         seed=seed,
         package_version="0.1.0",
     )

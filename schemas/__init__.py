@@ -6,15 +6,17 @@ Imports only numpy and pyarrow, so it loads on a GPU box without Beam or dataset
 from schemas.checksum import file_sha256, stream_sha256
 from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError, WriteError
 from schemas.manifest import (
-    BAD_ROW_POLICIES,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    OVERFLOW_POLICIES,
-    PACKING_ALGORITHMS,
     SCHEMA_PATH,
+    BadRowPolicy,
     BuildInputs,
     DatasetInputs,
+    ExampleKind,
+    LossMasking,
     Manifest,
+    Overflow,
+    PackingAlgorithm,
     PackingStats,
     RejectedRows,
     ShardInfo,
@@ -24,21 +26,24 @@ from schemas.manifest import (
 )
 from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
 from schemas.row import ROW_COLUMNS, ROW_SCHEMA, validate_table
+from schemas.validate import positive_int
 
 __all__ = [
-    "BAD_ROW_POLICIES",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
-    "OVERFLOW_POLICIES",
-    "PACKING_ALGORITHMS",
     "ROW_COLUMNS",
     "ROW_SCHEMA",
     "SCHEMA_PATH",
+    "BadRowPolicy",
     "BuildInputs",
     "DatasetInputs",
+    "ExampleKind",
     "FormatVersionError",
+    "LossMasking",
     "Manifest",
     "ManifestError",
+    "Overflow",
+    "PackingAlgorithm",
     "PackingError",
     "PackingStats",
     "RejectedRows",
@@ -52,6 +57,7 @@ __all__ = [
     "cache_dir",
     "compute_fingerprint",
     "file_sha256",
+    "positive_int",
     "stream_sha256",
     "read_manifest",
     "validate_manifest",

@@ -10,6 +10,7 @@ and pyarrow and the schema file and the code cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import hashlib
 import json
@@ -27,9 +28,49 @@ FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
-OVERFLOW_POLICIES = ("split", "truncate", "drop", "error")
-PACKING_ALGORITHMS = ("best_fit_decreasing", "first_fit_decreasing", "sequential")
-BAD_ROW_POLICIES = ("error", "skip")
+
+class Overflow(enum.StrEnum):
+    """What happens to an example longer than a row."""
+
+    SPLIT = "split"
+    TRUNCATE = "truncate"
+    DROP = "drop"
+    ERROR = "error"
+
+
+class PackingAlgorithm(enum.StrEnum):
+    """How segments are assigned to rows."""
+
+    BEST_FIT_DECREASING = "best_fit_decreasing"
+    FIRST_FIT_DECREASING = "first_fit_decreasing"
+    SEQUENTIAL = "sequential"
+
+
+class BadRowPolicy(enum.StrEnum):
+    """What a source row that cannot become an example does to the build."""
+
+    ERROR = "error"
+    SKIP = "skip"
+
+
+class ExampleKind(enum.StrEnum):
+    """The kind of source example: a prompt and its response, chat messages, or plain text."""
+
+    PROMPT_RESPONSE = "prompt_response"
+    CHAT = "chat"
+    TEXT = "text"
+
+
+class LossMasking(enum.StrEnum):
+    """Which tokens of an example the pipeline trains on, recorded as ``inputs.loss_masking``.
+
+    The schema leaves that field a free string: a build written with ``ShardWriter`` names its own masking.
+    """
+
+    ALL_TOKENS = "all_tokens"
+    ASSISTANT_TURNS = "assistant_turns"
+    RESPONSE_AND_EOS = "response_and_eos"
+
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,8 @@ def test_bad_batch_settings(build):
         PackedIterableDataset(build.path, batch_rows=0)
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\)"):
         PackedIterableDataset(build.path, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        PackedIterableDataset(build.path, rank=0, world_size=0)
     with pytest.raises(ValueError, match="both rank and world_size"):
         PackedIterableDataset(build.path, rank=0)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.packing import PACKERS, PackingPlan, best_fit_decreasing, first_fit_decreasing, pack, sequential
-from schemas import OVERFLOW_POLICIES, PACKING_ALGORITHMS, PackingError
+from schemas import Overflow, PackingAlgorithm, PackingError
 
 ALGORITHMS = sorted(PACKERS)
 FAST = settings(max_examples=60, deadline=None)
@@ -211,12 +211,12 @@ def test_error_policy_packs_when_nothing_is_too_long(algorithm: str) -> None:
 
 
 def test_every_policy_is_accepted_and_unknown_ones_are_not() -> None:
-    assert set(OVERFLOW_POLICIES) == {"split", "truncate", "drop", "error"}
+    assert set(Overflow) == {"split", "truncate", "drop", "error"}
     with pytest.raises(PackingError, match="unknown overflow policy 'wrap'"):
         pack([1, 2], 4, overflow="wrap")
     with pytest.raises(PackingError, match="unknown packing algorithm 'worst_fit'"):
         pack([1, 2], 4, algorithm="worst_fit")
-    assert set(PACKING_ALGORITHMS) == set(PACKERS)
+    assert set(PackingAlgorithm) == set(PACKERS)
 
 
 def test_drop_of_every_example_gives_no_rows() -> None:

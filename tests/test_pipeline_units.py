@@ -14,7 +14,7 @@ from pipeline.build import plan_build
 from pipeline.config import PackConfig
 from pipeline.encode import Encoder, special_affixes
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
-from pipeline.formats import CHAT, PROMPT_RESPONSE, TEXT, ExampleFormat
+from pipeline.formats import ExampleFormat
 from pipeline.layout import make_layout
 from pipeline.readers import BatchRows, scan_file
 from pipeline.spill import spill
@@ -22,7 +22,7 @@ from pipeline.routing import GroupBatch, ShardPlan, assemble_shard, pack_group
 from pipeline.sources import resolve_source
 from pipeline.synthetic import SHAPES, generate_block
 from pipeline.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
-from schemas import PackingStats, validate_table
+from schemas import ExampleKind, PackingStats, validate_table
 
 BOS, EOS = 1, 2
 CHATS = [
@@ -42,7 +42,7 @@ def tokenizer():
 
 
 def encoder(tokenizer, kind, columns, train_on_prompt=False, template=MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, overflow="split"):
-    fmt = ExampleFormat(kind, columns, train_on_prompt, template if kind == CHAT else None)
+    fmt = ExampleFormat(kind, columns, train_on_prompt, template if kind == ExampleKind.CHAT else None)
     return Encoder(tokenizer, fmt, 4096, overflow)
 
 
@@ -98,7 +98,7 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     [(None, ("{q}\n\n", "{a}")), ("Q: {prompt}\\nA: {response}", ("Q: {q}\nA: ", "{a}")), ("{prompt}{response}.", ("{q}", "{a}."))],
 )
 def test_prompt_response_layout_and_mask(tokenizer, template, joined):
-    fmt = ExampleFormat(PROMPT_RESPONSE, ("q", "a"), **({"prompt_template": template} if template else {}))
+    fmt = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), **({"prompt_template": template} if template else {}))
     batch = Encoder(tokenizer, fmt, 4096, "split").encode(
         pa.table({"q": ["Hello world", "What is 2+2?"], "a": ["Hi", "Four"]}), BatchRows("t", 0)
     )
@@ -112,15 +112,16 @@ def test_prompt_response_layout_and_mask(tokenizer, template, joined):
 
 def test_train_on_prompt_and_plain_text(tokenizer):
     table = pa.table({"q": ["Hello world"], "a": ["Hi"]})
-    (tokens, mask), = split_examples(encoder(tokenizer, PROMPT_RESPONSE, ("q", "a"), train_on_prompt=True).encode(table, BatchRows("t", 0)))
+    enc = encoder(tokenizer, ExampleKind.PROMPT_RESPONSE, ("q", "a"), train_on_prompt=True)
+    (tokens, mask), = split_examples(enc.encode(table, BatchRows("t", 0)))
     assert mask.tolist() == [0] + [1] * (len(tokens) - 1)
-    (tokens, mask), = split_examples(encoder(tokenizer, TEXT, ("q",)).encode(table, BatchRows("t", 0)))
+    (tokens, mask), = split_examples(encoder(tokenizer, ExampleKind.TEXT, ("q",)).encode(table, BatchRows("t", 0)))
     assert tokens[0] == BOS and tokens[-1] == EOS and mask.tolist() == [0] + [1] * (len(tokens) - 1)
 
 
 def test_batch_equals_one_example_at_a_time(tokenizer):
     table = generate_block(SHAPES["synthetic-orcamath"], 0, 40)
-    enc = encoder(tokenizer, PROMPT_RESPONSE, ("prompt", "response"))
+    enc = encoder(tokenizer, ExampleKind.PROMPT_RESPONSE, ("prompt", "response"))
     whole = split_examples(enc.encode(table, BatchRows("t", 0)))
     for i in range(table.num_rows):
         (tokens, mask), = split_examples(enc.encode(table.slice(i, 1), BatchRows("t", i)))
@@ -128,7 +129,7 @@ def test_batch_equals_one_example_at_a_time(tokenizer):
 
 
 def test_chat_loss_on_assistant_turns_only(tokenizer):
-    batch = encoder(tokenizer, CHAT, ("messages",)).encode(pa.table({"messages": CHATS}), BatchRows("t", 0))
+    batch = encoder(tokenizer, ExampleKind.CHAT, ("messages",)).encode(pa.table({"messages": CHATS}), BatchRows("t", 0))
     backend = tokenizer.backend()
     examples = split_examples(batch)
     tokens, mask = examples[1]
@@ -150,7 +151,8 @@ def test_chat_template_with_generation_tags(tokenizer):
         "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
         "{% else %}<<{{ m['content'] }}>>{% endif %}{% endfor %}"
     )
-    batch = encoder(tokenizer, CHAT, ("messages",), template=template).encode(pa.table({"messages": CHATS[1:]}), BatchRows("t", 0))
+    enc = encoder(tokenizer, ExampleKind.CHAT, ("messages",), template=template)
+    batch = enc.encode(pa.table({"messages": CHATS[1:]}), BatchRows("t", 0))
     (tokens, mask), = split_examples(batch)
     assert tokenizer.backend().decode(tokens[mask == 1].tolist(), skip_special_tokens=False).replace(" ", "") == "4</s>12</s>"
 
@@ -165,17 +167,17 @@ def test_chat_template_with_generation_tags(tokenizer):
 )
 def test_bad_values_name_the_row(tokenizer, values, message):
     with pytest.raises(InputError, match=message):
-        encoder(tokenizer, PROMPT_RESPONSE, ("q", "a")).encode(pa.table(values), BatchRows("t", 5))
+        encoder(tokenizer, ExampleKind.PROMPT_RESPONSE, ("q", "a")).encode(pa.table(values), BatchRows("t", 5))
 
 
 def test_too_long_under_error_names_the_row(tokenizer):
-    enc = Encoder(tokenizer, ExampleFormat(TEXT, ("t",)), 8, "error")
+    enc = Encoder(tokenizer, ExampleFormat(ExampleKind.TEXT, ("t",)), 8, "error")
     with pytest.raises(InputError, match=r"f row 3: \d+ tokens, more than --max-len 8"):
         enc.encode(pa.table({"t": ["short", "a much longer text that does not fit in eight tokens"]}), BatchRows("f", 2))
 
 
 def test_bad_chats_are_clear_errors(tokenizer):
-    enc = encoder(tokenizer, CHAT, ("m",))
+    enc = encoder(tokenizer, ExampleKind.CHAT, ("m",))
     message = "t row 0: 'm': no assistant turn, so nothing to train on; fix or remove it, or pass --on-bad-row skip"
     with pytest.raises(InputError, match=message):
         enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}]]}), BatchRows("t", 0))
@@ -309,6 +311,10 @@ def test_every_input_changes_the_fingerprint(tmp_path, tokenizer):
 def test_config_errors():
     for config, message in [
         (PackConfig(max_len=0), "--max-len must be a positive integer"),
+        (PackConfig(batch_size=True), "--batch-size must be a positive integer, got True"),
+        (PackConfig(num_examples=-3), "--num-examples must be a positive integer, got -3"),
+        (PackConfig(packing="worst_fit"), "--packing must be one of best_fit_decreasing, first_fit_decreasing, sequential"),
+        (PackConfig(on_bad_row="ignore"), "--on-bad-row must be one of error, skip, got 'ignore'"),
         (PackConfig(prompt_column="p"), "go together"),
         (PackConfig(prompt_column="p", response_column="r", text_column="t"), "choose one example format"),
         (PackConfig(overflow="wrap"), "--overflow must be one of"),

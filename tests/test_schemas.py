@@ -16,15 +16,16 @@ import pytest
 from schemas import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    OVERFLOW_POLICIES,
-    PACKING_ALGORITHMS,
     ROW_SCHEMA,
     SCHEMA_PATH,
+    BadRowPolicy,
     BuildInputs,
     DatasetInputs,
     FormatVersionError,
     Manifest,
     ManifestError,
+    Overflow,
+    PackingAlgorithm,
     PackingStats,
     ShardError,
     ShardInfo,
@@ -202,10 +203,11 @@ def test_the_schema_uses_only_keywords_the_code_applies() -> None:
     assert used <= _SCHEMA_KEYWORDS, f"validate_manifest does not apply {used - _SCHEMA_KEYWORDS}"
 
 
-def test_the_schema_enums_are_the_code_constants() -> None:
+def test_the_schema_enums_are_the_code_enums() -> None:
     inputs = SCHEMA["properties"]["inputs"]["properties"]
-    assert inputs["overflow"]["enum"] == list(OVERFLOW_POLICIES)
-    assert inputs["packing"]["enum"] == list(PACKING_ALGORITHMS)
+    assert inputs["overflow"]["enum"] == [policy.value for policy in Overflow]
+    assert inputs["packing"]["enum"] == [algorithm.value for algorithm in PackingAlgorithm]
+    assert inputs["on_bad_row"]["enum"] == [policy.value for policy in BadRowPolicy]
     assert SCHEMA["properties"]["format_version"]["minimum"] == 1
 
 
