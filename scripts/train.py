@@ -333,12 +333,7 @@ def train_hf(config: TrainConfig) -> None:
                               "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()})
 
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
-    try:
-        trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out) else None)
-    finally:
-        # Left to interpreter shutdown, gloo's threads can abort the process after training ended.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out) else None)
 
 
 # What each option of TrainConfig does, for --help.
