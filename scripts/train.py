@@ -287,6 +287,8 @@ def train_plain(config: TrainConfig) -> None:
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
             save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
     if ranks > 1:
+        # No rank tears down its connections while another still uses them: gloo aborts the process then.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

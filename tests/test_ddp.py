@@ -99,6 +99,8 @@ def ddp_worker(rank: int, path: str, init_file: str, out: str, start: int, stop:
         dist.all_gather_object(everyone, {"batches": batches, "examples": seen})
         if rank == 0:
             torch.save(everyone, f"{out}/epoch.pt")
+        # No rank tears down its connections while another still uses them: gloo aborts the process then.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
