@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
+import tiny_model
 
 from loaders import PackedIterableDataset
 from loaders.distributed import global_loss_tokens, world_size
@@ -33,14 +34,7 @@ STOP = 3
 
 
 def tiny_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4 * CAPACITY, attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config)
-    model.config.use_cache = False  # with a cache, sdpa ignores the packing
-    return model
+    return tiny_model.tiny_llama(VOCAB, 4 * CAPACITY)
 
 
 def summed_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:

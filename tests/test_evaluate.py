@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
+import tiny_model
 
 from loaders.attention import attn_implementation_for
 from loaders.evaluate import evaluate_packed
@@ -37,14 +38,7 @@ def shards(tmp_path_factory):
 
 
 def tiny_llama(backend: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2 * CAPACITY, attn_implementation=attn_implementation_for(backend),
-    )
-    model = transformers.LlamaForCausalLM(config)
-    model.config.use_cache = False
-    return model
+    return tiny_model.tiny_llama(VOCAB, 2 * CAPACITY, attn_implementation_for(backend))
 
 
 def unpacked_losses(model, shards) -> np.ndarray:

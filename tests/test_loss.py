@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
+import tiny_model
 
 from loaders import PackedIterableDataset
 from loaders.loss import LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
@@ -37,12 +38,7 @@ def shards(tmp_path_factory):
 
 
 def tiny_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2 * CAPACITY, attn_implementation="sdpa", use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_model.tiny_llama(VOCAB, 2 * CAPACITY)
 
 
 def rank_batches(path, **kwargs) -> list[list[dict]]:

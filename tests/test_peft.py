@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
+from tiny_model import tiny_llama
 
 from loaders import PackedIterableDataset
 from loaders.attention import attn_implementation_for
@@ -27,13 +28,7 @@ def shards(tmp_path_factory):
 
 
 def lora_llama(backend: str = "sdpa", head: bool = False):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2 * CAPACITY, attn_implementation=attn_implementation_for(backend),
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(VOCAB, 2 * CAPACITY, attn_implementation_for(backend))
     if head:
         use_loss_position_head(model)  # before PEFT wraps the model
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
