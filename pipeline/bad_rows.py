@@ -74,6 +74,16 @@ def bound_exceeded(bad: int, rows: int, bound: int | float) -> bool:
     return bad > bound * rows if isinstance(bound, float) else bad > bound
 
 
+def worker_bound(bound: int | float, known_rows: int | None) -> int | None:
+    """The bad rows one worker may meet before the whole build is known to be over ``bound``.
+
+    A count is the count; a fraction needs the rows the build will read (None when unknown).
+    """
+    if isinstance(bound, int):
+        return bound
+    return None if known_rows is None else int(bound * known_rows)
+
+
 def bound_error(bad: int, rows: int | None, bound: int | float, first: BadRow) -> InputError:
     """The error that stops a build with too many bad rows."""
     share = f"{bad:,} of {rows:,} rows read" if rows is not None else f"{bad:,} rows"

@@ -41,52 +41,23 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline import progress, storage
-from pipeline.bad_rows import BadRow, bound_error, bound_exceeded, summarize, write_rejected
+from pipeline.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
+from pipeline.build import BuildPlan
 from pipeline.encode import Encoder
 from pipeline.errors import InputError
-from pipeline.formats import ExampleFormat
-from pipeline.layout import EXAMPLES_PER_GROUP, BatchKey, make_layout
+from pipeline.layout import BatchKey, make_layout
 from pipeline.routing import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.shard_writer import finish_build, publish_shard, shard_name
-from pipeline.spill import spill
 from pipeline.sources import ReadTask
-from pipeline.tokenizer import LoadedTokenizer
+from pipeline.spill import spill
 from schemas import (
     MANIFEST_NAME,
     BuildInputs,
     PackingStats,
     RejectedRows,
-    ShardInfo,
 )
 
 _COUNTERS = "varpack"
-
-
-@dataclass(frozen=True)
-class BuildSpec:
-    """Everything the workers need to make one build; pickled into the pipeline."""
-
-    tasks: tuple[ReadTask, ...]
-    tokenizer: LoadedTokenizer
-    example_format: ExampleFormat
-    inputs: BuildInputs
-    fingerprint: str
-    out_dir: str
-    shard_dir: str  # out_dir, or at a URL this attempt's own directory inside it
-    spill_dir: str
-    rows_per_shard: int
-    batch_size: int
-    limit: int | None
-    known_examples: int | None = None  # for the progress bar
-    examples_per_group: int = EXAMPLES_PER_GROUP
-    max_bad_rows: int | float = 0
-    main_pid: int = dataclasses.field(default_factory=os.getpid)  # the pack command's process
-
-    def early_bad_row_limit(self) -> int | None:
-        """The bad rows one worker may meet before the whole build is known to be over ``max_bad_rows``."""
-        if isinstance(self.max_bad_rows, int):
-            return self.max_bad_rows
-        return None if self.known_examples is None else int(self.max_bad_rows * self.known_examples)
 
 
 _parent_watch = threading.Lock()
@@ -133,15 +104,19 @@ class ReadAndEncode(beam.DoFn):
 
     IN_FLIGHT = 2
 
-    def __init__(self, spec: BuildSpec):
-        self.spec = spec
+    def __init__(self, plan: BuildPlan, spill_dir: str, main_pid: int):
+        self.plan = plan
+        self.spill_dir = spill_dir
+        self.main_pid = main_pid
         self.examples = Metrics.counter(_COUNTERS, "examples_tokenized")
         self.tokens = Metrics.counter(_COUNTERS, "tokens")
 
     def setup(self):
-        exit_with_parent(self.spec.main_pid)
-        inputs = self.spec.inputs
-        self.encoder = Encoder(self.spec.tokenizer, self.spec.example_format, inputs.max_len, inputs.overflow, inputs.on_bad_row)
+        exit_with_parent(self.main_pid)
+        plan, config = self.plan, self.plan.config
+        self.encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row)
+        self.known_examples = plan.source.known_examples
+        self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row = 0, None
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
 
@@ -155,7 +130,7 @@ class ReadAndEncode(beam.DoFn):
     def process(self, element: tuple[int, ReadTask]):
         task_index, task = element
         pending: deque = deque()
-        batches = task.read(self.spec.example_format.column_types, self.spec.batch_size)
+        batches = task.read(self.plan.example_format.column_types, self.plan.config.batch_size)
         for part, (first_row, table) in enumerate(batches):
             pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.batch_rows(first_row))))
             if len(pending) == self.IN_FLIGHT:
@@ -168,8 +143,8 @@ class ReadAndEncode(beam.DoFn):
         self._count_bad_rows(batch.rejected)
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
-        progress.advance("examples tokenized", rows, self.spec.known_examples, "ex")
-        return (task_index, part), spill(batch, self.spec.spill_dir, f"{task_index:06d}-{part:06d}")
+        progress.advance("examples tokenized", rows, self.known_examples, "ex")
+        return (task_index, part), spill(batch, self.spill_dir, f"{task_index:06d}-{part:06d}")
 
     def _count_bad_rows(self, rejected: list[BadRow]) -> None:
         """Stop early once this worker alone has met more bad rows than the whole build may hold."""
@@ -177,9 +152,8 @@ class ReadAndEncode(beam.DoFn):
             return
         self.bad_rows += len(rejected)
         self.first_bad_row = self.first_bad_row or rejected[0]
-        limit = self.spec.early_bad_row_limit()
-        if limit is not None and self.bad_rows > limit:
-            raise bound_error(self.bad_rows, None, self.spec.max_bad_rows, self.first_bad_row)
+        if self.bad_row_limit is not None and self.bad_rows > self.bad_row_limit:
+            raise bound_error(self.bad_rows, None, self.plan.config.max_bad_rows, self.first_bad_row)
 
 
 @dataclass(frozen=True)
@@ -260,34 +234,27 @@ class WriteShard(beam.DoFn):
         yield shard, info
 
 
-@dataclass(frozen=True)
-class ManifestSpec:
-    """What the manifest records besides the shards and statistics."""
+def write_build_manifest(joined: dict, out_dir: str, shard_prefix: str, inputs: BuildInputs, rows_per_shard: int) -> str:
+    """Write the manifest of the finished build, last and atomically; returns its path.
 
-    out_dir: str
-    inputs: BuildInputs
-    rows_per_shard: int
-    shard_prefix: str  # where the shards are, relative to out_dir: "" or an attempt directory's "NAME/"
-
-
-def write_build_manifest(
-    shards: list[tuple[int, ShardInfo]], groups: list[PackedGroup], filtered: Filtered, spec: ManifestSpec
-) -> str:
-    """Write the manifest of the finished build, last and atomically; returns its path."""
-    stats = PackingStats.merged([g.stats for g in sorted(groups, key=lambda g: g.group)])
+    ``joined`` holds every shard written, every packed group and what reading left out;
+    ``shard_prefix`` is where the shards are, relative to ``out_dir``: "" or an attempt directory's "NAME/".
+    """
+    groups = sorted((g for part in joined["groups"] for g in part), key=lambda g: g.group)
+    filtered: Filtered = joined["filtered"][0]
+    stats = PackingStats.merged([g.stats for g in groups])
     stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
-    capacity = spec.inputs.max_len
     if stats.rows == 0:
         raise InputError(
-            f"nothing to write: all {stats.examples} examples were dropped as longer than --max-len {capacity}; "
+            f"nothing to write: all {stats.examples} examples were dropped as longer than --max-len {inputs.max_len}; "
             "pass --overflow split or truncate, or a larger --max-len"
         )
-    shards = sorted(shards, key=lambda item: item[0])
+    shards = sorted((s for part in joined["shards"] for s in part), key=lambda item: item[0])
     if [index for index, _ in shards] != list(range(len(shards))):
         raise RuntimeError(f"shards {[index for index, _ in shards]} were written; expected 0..{len(shards) - 1}")
-    shards = [dataclasses.replace(info, path=spec.shard_prefix + info.path) for _, info in shards]
-    finish_build(spec.out_dir, spec.inputs, spec.rows_per_shard, shards, stats, filtered.rejected)
-    return storage.join(spec.out_dir, MANIFEST_NAME)
+    infos = [dataclasses.replace(info, path=shard_prefix + info.path) for _, info in shards]
+    finish_build(out_dir, inputs, rows_per_shard, infos, stats, filtered.rejected)
+    return storage.join(out_dir, MANIFEST_NAME)
 
 
 def _gather(label: str, pcoll):
@@ -299,30 +266,35 @@ def _gather(label: str, pcoll):
     return pcoll | f"Key{label}" >> beam.Map(lambda element: (None, element)) | f"Gather{label}" >> beam.GroupByKey()
 
 
-def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
-    """Add the steps of one build to pipeline ``p``."""
-    # Steps below capture these small values, not ``spec``, which carries the whole tokenizer.
-    inputs, rows_per_shard = spec.inputs, spec.rows_per_shard
-    limit, examples_per_group = spec.limit, spec.examples_per_group
+def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: str) -> None:
+    """Add the steps of one build to pipeline ``p``.
+
+    Shards go into ``shard_dir``: the build directory, or at a URL this attempt's own
+    directory inside it. Spilled tokens and plan files go into ``spill_dir``.
+    """
+    main_pid = os.getpid()  # the pack command's process
+    # Steps below capture these small values, not ``plan``, which carries the whole tokenizer.
+    config, inputs, out_dir = plan.config, plan.inputs, plan.out_dir
+    rows_per_shard, examples_per_group = config.resolved_rows_per_shard, config.resolved_examples_per_group
     encoded = (
         p
-        | "ReadTasks" >> beam.Create(list(enumerate(spec.tasks)))
-        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(spec))
+        | "ReadTasks" >> beam.Create(list(enumerate(plan.source.tasks)))
+        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, spill_dir, main_pid))
     )
-    max_bad_rows, out_dir = spec.max_bad_rows, spec.out_dir
     filtered = _gather(
         "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.lengths.size, b.rejected, b.untrained))
-    ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, max_bad_rows)))
+    ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, batch.lengths.size))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (
         {"counts": _gather("Counts", counts), "filtered": filtered}
         | "JoinFiltered" >> beam.CoGroupByKey()
         | "Layout" >> beam.FlatMapTuple(
-            lambda _, joined: placements([c for part in joined["counts"] for c in part], limit, examples_per_group)
+            lambda _, joined: placements(
+                [c for part in joined["counts"] for c in part], config.num_examples, examples_per_group
+            )
         )
     )
-    plan_dir = spec.spill_dir
     groups = (
         {"batch": encoded, "placement": placed}
         | "JoinPlacements" >> beam.CoGroupByKey()
@@ -331,7 +303,7 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
         | "PackGroups"
         >> beam.MapTuple(
             lambda group, batches: pack_group(
-                group, list(batches), inputs.max_len, inputs.overflow, inputs.packing, inputs.seed, rows_per_shard, plan_dir
+                group, list(batches), config.max_len, config.overflow, config.packing, config.seed, rows_per_shard, spill_dir
             )
         )
     )
@@ -344,21 +316,15 @@ def build_graph(p: beam.Pipeline, spec: BuildSpec) -> None:
     shards = (
         {"plan": plans, "index": indices}
         | "GroupByShard" >> beam.CoGroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShard(spec.shard_dir, inputs.max_len, spec.main_pid))
+        | "WriteShards" >> beam.ParDo(WriteShard(shard_dir, config.max_len, main_pid))
     )
-    shard_prefix = spec.shard_dir[len(spec.out_dir) :].strip("/")
-    manifest = ManifestSpec(spec.out_dir, inputs, rows_per_shard, shard_prefix and shard_prefix + "/")
+    shard_prefix = shard_dir[len(out_dir) :].strip("/")
+    shard_prefix = shard_prefix and shard_prefix + "/"
     (
         {"shards": _gather("Shards", shards), "groups": _gather("AllGroups", groups), "filtered": filtered}
         | "JoinForManifest" >> beam.CoGroupByKey()
-        | "WriteManifest" >> beam.MapTuple(
-            lambda _, joined: write_build_manifest(
-                [s for part in joined["shards"] for s in part],
-                [g for part in joined["groups"] for g in part],
-                joined["filtered"][0],
-                manifest,
-            )
-        )
+        | "WriteManifest"
+        >> beam.MapTuple(lambda _, joined: write_build_manifest(joined, out_dir, shard_prefix, inputs, rows_per_shard))
     )
 
 
@@ -391,11 +357,11 @@ def worker_stderr_discarded() -> Iterator[None]:
         kept.close()
 
 
-def run(spec: BuildSpec, beam_args: tuple[str, ...] = ()) -> None:
-    """Run the build on the runner ``beam_args`` name; Beam's in-process FnApiRunner by default."""
+def run(plan: BuildPlan, shard_dir: str, spill_dir: str) -> None:
+    """Run the build on the runner the config's Beam options name; Beam's in-process FnApiRunner by default."""
     from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
-    options = PipelineOptions(list(beam_args))
+    options = PipelineOptions(list(plan.config.beam_args))
     runner = options.view_as(StandardOptions).runner
     quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
     if runner is None:
@@ -406,4 +372,4 @@ def run(spec: BuildSpec, beam_args: tuple[str, ...] = ()) -> None:
         if options.view_as(DirectOptions).direct_running_mode == "multi_processing":
             quiet = worker_stderr_discarded()
     with quiet, beam.Pipeline(runner=runner, options=options) as p:
-        build_graph(p, spec)
+        build_graph(p, plan, shard_dir, spill_dir)

@@ -25,8 +25,6 @@ from pipeline.build_lock import build_lock
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.formats import ExampleFormat, resolve_format
-from pipeline.layout import EXAMPLES_PER_GROUP
-from pipeline.shard_writer import default_rows_per_shard
 from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
@@ -43,7 +41,8 @@ ATTEMPT_PREFIX = "attempt-"
 
 @dataclass(frozen=True)
 class BuildPlan:
-    """The resolved inputs of a build and where it goes."""
+    """A run's config with what it resolves to: the dataset's read tasks, the tokenizer, the
+    example format, the manifest's inputs, the fingerprint, and the build directory."""
 
     config: PackConfig
     source: Source
@@ -99,19 +98,8 @@ def plan_build(config: PackConfig) -> BuildPlan:
             f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "
             "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>')"
         )
-    inputs = BuildInputs(
-        dataset=source.inputs,
-        tokenizer=tokenizer.inputs(),
-        template=example_format.template,
-        loss_masking=example_format.loss_masking,
-        max_len=config.max_len,
-        overflow=config.overflow,
-        packing=config.packing,
-        seed=config.seed,
-        package_version=package_version(),
-        on_bad_row=config.on_bad_row,
-        rows_per_shard=config.rows_per_shard,
-        examples_per_group=config.examples_per_group,
+    inputs = config.build_inputs(
+        source.inputs, tokenizer.inputs(), example_format.template, example_format.loss_masking, package_version()
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")
@@ -284,28 +272,12 @@ def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
 
     config = plan.config
     spill_dir = spill.new_spill_dir(plan.out_dir, _temp_location(config.beam_args))
-    spec = beam_pipeline.BuildSpec(
-        tasks=plan.source.tasks,
-        tokenizer=plan.tokenizer,
-        example_format=plan.example_format,
-        inputs=plan.inputs,
-        fingerprint=plan.fingerprint,
-        out_dir=plan.out_dir,
-        shard_dir=shard_dir,
-        spill_dir=spill_dir,
-        rows_per_shard=config.rows_per_shard or default_rows_per_shard(config.max_len),
-        batch_size=config.batch_size,
-        limit=config.num_examples,
-        known_examples=plan.source.known_examples,
-        max_bad_rows=config.max_bad_rows,
-        examples_per_group=config.examples_per_group or EXAMPLES_PER_GROUP,
-    )
     storage.make_dirs(plan.out_dir)
     log(f"packing {config.dataset} into {plan.out_dir}")
     if config.progress:
         progress.enable()
     try:
-        beam_pipeline.run(spec, config.beam_args)
+        beam_pipeline.run(plan, shard_dir, spill_dir)
     except BaseException:
         spill.remove_spill(spill_dir)
         _discard(plan.out_dir, shard_dir)

@@ -1,20 +1,30 @@
-"""The settings of one pack run. The command line (``pipeline/pack.py``) maps onto PackConfig one to one."""
+"""The settings of one pack run, from the command line down to the manifest.
+
+The command line (``pipeline/pack.py``) maps onto PackConfig one to one and takes its defaults
+from it. Every other stage reads the same object: the build plan holds it, the Beam steps read
+their settings from it, and ``build_inputs`` turns it into the inputs the manifest records and
+the fingerprint covers.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-from schemas import BadRowPolicy, Overflow, PackingAlgorithm, positive_int
+from pipeline.layout import EXAMPLES_PER_GROUP
+from pipeline.shard_writer import default_rows_per_shard
+from schemas import (
+    BadRowPolicy,
+    BuildInputs,
+    DatasetInputs,
+    Overflow,
+    PackingAlgorithm,
+    TokenizerInputs,
+    positive_int,
+)
 
-DEFAULT_DATASET = "gsm8k"
-DEFAULT_OUT = "shards"
 # The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/tokenizer.py).
 DEFAULT_TOKENIZER = "mistral-7b-v0.1"
-# Examples per Beam element: one tokenizer call and one shuffle record each.
-DEFAULT_BATCH_SIZE = 4096
-# Under --on-bad-row skip, the share of bad rows that stops a build: its data is mostly garbage.
-DEFAULT_MAX_BAD_ROWS = 0.1
 
 
 @dataclass(frozen=True)
@@ -25,8 +35,8 @@ class PackConfig:
     ``--direct_num_workers``, ``--temp_location``, ...).
     """
 
-    dataset: str = DEFAULT_DATASET
-    out: str = DEFAULT_OUT
+    dataset: str = "gsm8k"
+    out: str = "shards"
     tokenizer: str = DEFAULT_TOKENIZER
     max_len: int = 4096
     # None: the dataset's usual split ("train"; "test" for gsm8k, which embeds only that split).
@@ -55,9 +65,11 @@ class PackConfig:
     eos_token: str | None = None
     train_on_prompt: bool = False
     on_bad_row: str = BadRowPolicy.ERROR
-    # A count of bad rows (an int), or a fraction of the rows read (a float below 1), that stops the build.
-    max_bad_rows: int | float = DEFAULT_MAX_BAD_ROWS
-    batch_size: int = DEFAULT_BATCH_SIZE
+    # Under --on-bad-row skip: a count of bad rows (an int), or a fraction of the rows read (a float
+    # below 1), that stops the build, whose data is then mostly garbage.
+    max_bad_rows: int | float = 0.1
+    # Examples per Beam element: one tokenizer call and one shuffle record each.
+    batch_size: int = 4096
     # Rows per shard file; None: about 8M tokens per shard.
     rows_per_shard: int | None = None
     # Examples packed together as one group (see pipeline/layout.py); None: 50M.
@@ -67,6 +79,40 @@ class PackConfig:
     report: bool = True
     verbose: bool = False
     beam_args: tuple[str, ...] = ()
+
+    @property
+    def resolved_rows_per_shard(self) -> int:
+        """Rows per shard file: ``rows_per_shard``, else about 8M tokens' worth."""
+        return self.rows_per_shard or default_rows_per_shard(self.max_len)
+
+    @property
+    def resolved_examples_per_group(self) -> int:
+        """Examples packed together as one group: ``examples_per_group``, else 50M."""
+        return self.examples_per_group or EXAMPLES_PER_GROUP
+
+    def build_inputs(
+        self, dataset: DatasetInputs, tokenizer: TokenizerInputs, template: str, loss_masking: str, package_version: str
+    ) -> BuildInputs:
+        """What the manifest records of this run and the fingerprint covers.
+
+        The dataset, tokenizer and template come resolved (by content, not by name); the
+        settings that shape the rows come from here. Settings in RUN_SETTINGS are left out:
+        they change how a build runs, never the bytes it writes.
+        """
+        return BuildInputs(
+            dataset=dataset,
+            tokenizer=tokenizer,
+            template=template,
+            loss_masking=loss_masking,
+            max_len=self.max_len,
+            overflow=self.overflow,
+            packing=self.packing,
+            seed=self.seed,
+            package_version=package_version,
+            on_bad_row=self.on_bad_row,
+            rows_per_shard=self.rows_per_shard,
+            examples_per_group=self.examples_per_group,
+        )
 
     def validate(self) -> None:
         """Raise ConfigError for a setting, or a mix of settings, that cannot work."""
@@ -103,3 +149,11 @@ class PackConfig:
             raise ConfigError("--dataset must not be empty")
         if not self.out:
             raise ConfigError("--out must not be empty")
+
+
+# Settings that change how a build runs (where it goes, how it reports, how it is split into
+# Beam elements, when it gives up) but never the bytes of its shards: not in the fingerprint.
+# Every other setting is, directly or through the dataset, tokenizer or template it resolves.
+RUN_SETTINGS = frozenset(
+    {"out", "force", "lock_timeout", "max_bad_rows", "batch_size", "progress", "report", "verbose", "beam_args"}
+)

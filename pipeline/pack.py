@@ -23,14 +23,7 @@ import threading
 import traceback
 from collections.abc import Sequence
 
-from pipeline.config import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_DATASET,
-    DEFAULT_MAX_BAD_ROWS,
-    DEFAULT_OUT,
-    DEFAULT_TOKENIZER,
-    PackConfig,
-)
+from pipeline.config import PackConfig
 from pipeline.errors import ConfigError
 from schemas import BadRowPolicy, Manifest, Overflow, PackingAlgorithm, VarpackError
 
@@ -59,23 +52,24 @@ def make_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add = parser.add_argument
-    add("--dataset", default=DEFAULT_DATASET,
+    default = PackConfig()  # the one place defaults are set
+    add("--dataset", default=default.dataset,
         help="gsm8k (embedded, the default), flan, orcamath, synthetic-flan, synthetic-orcamath, hf:OWNER/NAME, "
              "or local .jsonl/.json/.parquet/.arrow files, a directory or a glob")
-    add("--out", default=DEFAULT_OUT,
+    add("--out", default=default.out,
         help="parent directory (or gs://, s3:// URL) of DATASET-FINGERPRINT/ (default: %(default)s)")
-    add("--tokenizer", default=DEFAULT_TOKENIZER,
+    add("--tokenizer", default=default.tokenizer,
         help="a Hugging Face Hub id, a local directory or tokenizer.json (default: the embedded %(default)s)")
-    add("--max-len", type=int, default=4096, help="row capacity in tokens (default: %(default)s)")
+    add("--max-len", type=int, default=default.max_len, help="row capacity in tokens (default: %(default)s)")
     add("--split", help="dataset split (default: train; gsm8k embeds only test)")
     add("--revision", help="Hub datasets: the commit, branch or tag to read (default: the main branch's "
                             "current commit, recorded in the manifest)")
     add("--num-examples", type=int, help="pack only the first N examples (synthetic datasets: generate N, default 100000)")
-    add("--overflow", choices=[e.value for e in Overflow], default=Overflow.SPLIT.value,
+    add("--overflow", choices=[e.value for e in Overflow], default=default.overflow,
         help="what to do with examples longer than --max-len (default: %(default)s)")
-    add("--packing", choices=[e.value for e in PackingAlgorithm], default=PackingAlgorithm.BEST_FIT_DECREASING.value,
+    add("--packing", choices=[e.value for e in PackingAlgorithm], default=default.packing,
         help="packing algorithm (default: %(default)s)")
-    add("--seed", type=int, default=0, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
+    add("--seed", type=int, default=default.seed, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
     add("--force", action="store_true",
         help="rebuild even when a build with the same fingerprint exists (in place: a loader reading it goes on)")
     add("--lock-timeout", type=float, metavar="SECONDS",
@@ -98,19 +92,19 @@ def make_parser() -> argparse.ArgumentParser:
     add("--eos-token", help="token after each prompt/response or text example (default: the tokenizer's EOS, "
                             "from its config, post-processor or special tokens)")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
-    add("--on-bad-row", choices=[e.value for e in BadRowPolicy], default=BadRowPolicy.ERROR.value,
+    add("--on-bad-row", choices=[e.value for e in BadRowPolicy], default=default.on_bad_row,
         help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "
              "it, or skip it and list it in rejected.jsonl in the build (default: %(default)s)")
-    add("--max-bad-rows", type=bad_row_bound, default=DEFAULT_MAX_BAD_ROWS,
+    add("--max-bad-rows", type=bad_row_bound, default=default.max_bad_rows,
         help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05) "
              "are bad (default: %(default)s)")
-    add("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per pipeline element (default: %(default)s)")
-    add("--rows-per-shard", type=int, default=None, help="rows per shard file (default: about 8M tokens per shard)")
-    add("--examples-per-group", type=int, default=None,
+    add("--batch-size", type=int, default=default.batch_size, help="examples per pipeline element (default: %(default)s)")
+    add("--rows-per-shard", type=int, default=default.rows_per_shard, help="rows per shard file (default: about 8M tokens per shard)")
+    add("--examples-per-group", type=int, default=default.examples_per_group,
         help="examples packed together as one group; more groups pack in parallel on a cluster at a small cost "
              "in fill (default: 50,000,000)")
-    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars (default: on)")
-    add("--report", action=argparse.BooleanOptionalAction, default=True,
+    add("--progress", action=argparse.BooleanOptionalAction, default=default.progress, help="show progress bars (default: on)")
+    add("--report", action=argparse.BooleanOptionalAction, default=default.report,
         help="write report.png beside the manifest: histograms of example length, examples per row and row fill "
              "(needs matplotlib: pip install 'varpack[plot]'; default: on)")
     return parser
@@ -200,7 +194,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PackConfig:
     args, beam_args = make_parser().parse_known_args(argv)
     beam_args = _resolve_runner(beam_args)
     _check_beam_args(beam_args)
-    return PackConfig(**{k: v for k, v in vars(args).items()}, beam_args=tuple(beam_args))
+    return PackConfig(**vars(args), beam_args=tuple(beam_args))
 
 
 def _one_line(err: BaseException) -> str:

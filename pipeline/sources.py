@@ -258,10 +258,6 @@ def _local(spec: str, config: PackConfig) -> Source:
 def resolve_source(config: PackConfig) -> Source:
     """The source ``config.dataset`` names, with its content hash and read tasks; raises InputError."""
     name = config.dataset
-    if name == "gsm8k":
-        return _gsm8k(config)
-    if name in synthetic.SHAPES:
-        return _synthetic(name, config)
     if name in HUB_RECIPES:
         repo, default_format = HUB_RECIPES[name]
         return _hub(repo, config, name, default_format)
@@ -270,6 +266,12 @@ def resolve_source(config: PackConfig) -> Source:
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
             raise ConfigError(f"--dataset {name}: write Hub datasets as hf:OWNER/NAME")
         return _hub(repo, config, _slug(repo.replace("/", "_")), None)
+    if config.revision is not None:
+        raise ConfigError(f"--revision applies to Hub datasets (hf:OWNER/NAME, {', '.join(HUB_RECIPES)}), not to {name}")
+    if name == "gsm8k":
+        return _gsm8k(config)
+    if name in synthetic.SHAPES:
+        return _synthetic(name, config)
     if _looks_like_files(name):
         return _local(name, config)
     raise InputError(

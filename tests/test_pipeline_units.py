@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.build import plan_build
-from pipeline.config import PackConfig
+from pipeline.config import RUN_SETTINGS, PackConfig
 from pipeline.encode import Encoder, special_affixes
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
 from pipeline.formats import ExampleFormat
@@ -280,32 +280,76 @@ def test_synthetic_lengths_follow_the_shape_exactly(tokenizer):
 # --- fingerprints --------------------------------------------------------------------------
 
 
-def test_every_input_changes_the_fingerprint(tmp_path, tokenizer):
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "response": "r", "messages": CHATS[0]}])
+def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, tokenizer):
+    """A setting that changes the shards changes the fingerprint; one that cannot (RUN_SETTINGS) leaves it.
+
+    Every field of PackConfig must be one or the other, so a new setting cannot slip past the
+    fingerprint and make a run silently reuse shards built another way.
+    """
+    data = tmp_path / "data"
+    data.mkdir()
+    record = {"prompt": "p", "response": "r", "answer": "a", "messages": CHATS[0]}
+    write_jsonl(data / "train.jsonl", [record, {**record, "prompt": "q"}])
+    write_jsonl(data / "test.jsonl", [record])
     base = PackConfig(dataset=str(data), out=str(tmp_path / "out"))
     fingerprint = plan_build(base).fingerprint
     assert plan_build(base).fingerprint == fingerprint
-    variants = {
-        "max len": dataclasses.replace(base, max_len=2048),
-        "overflow": dataclasses.replace(base, overflow="truncate"),
-        "packing": dataclasses.replace(base, packing="first_fit_decreasing"),
-        "seed": dataclasses.replace(base, seed=1),
-        "loss masking": dataclasses.replace(base, train_on_prompt=True),
-        "columns": dataclasses.replace(base, text_column="prompt"),
-        "chat": dataclasses.replace(base, messages_column="messages"),
-        "template": dataclasses.replace(base, messages_column="messages", chat_template="{{ messages[0]['content'] }}"),
-    }
+    other_data = tmp_path / "other"
+    other_data.mkdir()
+    write_jsonl(other_data / "train.jsonl", [{**record, "response": "R"}, {**record, "prompt": "q"}])
     tokenizer_json = tmp_path / "tok" / "tokenizer.json"
     tokenizer_json.parent.mkdir()
     changed = json.loads(tokenizer.serialized)
     changed["added_tokens"][0]["content"] = "<unknown>"
     tokenizer_json.write_text(json.dumps(changed))
-    variants["tokenizer content"] = dataclasses.replace(base, tokenizer=str(tokenizer_json))
-    prints = {name: plan_build(config).fingerprint for name, config in variants.items()}
-    assert fingerprint not in prints.values() and len(set(prints.values())) == len(prints)
-    write_jsonl(data, [{"prompt": "p", "response": "R", "messages": CHATS[0]}])
+    in_fingerprint = {
+        "dataset": {"dataset": str(other_data)},
+        "tokenizer": {"tokenizer": str(tokenizer_json)},
+        "max_len": {"max_len": 2048},
+        "split": {"split": "test"},
+        "num_examples": {"num_examples": 1},
+        "overflow": {"overflow": "truncate"},
+        "packing": {"packing": "first_fit_decreasing"},
+        "seed": {"seed": 1},
+        "prompt_column": {"prompt_column": "answer", "response_column": "response"},
+        "response_column": {"prompt_column": "prompt", "response_column": "answer"},
+        "messages_column": {"messages_column": "messages"},
+        "text_column": {"text_column": "prompt"},
+        "chat_template": {"messages_column": "messages", "chat_template": "{{ messages[0]['content'] }}"},
+        "prompt_template": {"prompt_template": "Q: {prompt} A: {response}"},
+        "as_chat": {"as_chat": True},
+        "bos_token": {"bos_token": "none"},
+        "eos_token": {"eos_token": "<unk>"},
+        "train_on_prompt": {"train_on_prompt": True},
+        "on_bad_row": {"on_bad_row": "skip"},
+        "rows_per_shard": {"rows_per_shard": 7},
+        "examples_per_group": {"examples_per_group": 5},
+    }
+    prints = {name: plan_build(dataclasses.replace(base, **change)).fingerprint for name, change in in_fingerprint.items()}
+    assert fingerprint not in prints.values() and len(set(prints.values())) == len(prints), prints
+    run_settings = {
+        "out": {"out": str(tmp_path / "elsewhere")},
+        "force": {"force": True},
+        "lock_timeout": {"lock_timeout": 5.0},
+        "max_bad_rows": {"on_bad_row": "skip", "max_bad_rows": 3},
+        "batch_size": {"batch_size": 1},
+        "progress": {"progress": False},
+        "report": {"report": False},
+        "verbose": {"verbose": True},
+        "beam_args": {"beam_args": ("--direct_num_workers=2",)},
+    }
+    for name, change in run_settings.items():
+        reference = prints["on_bad_row"] if name == "max_bad_rows" else fingerprint
+        assert plan_build(dataclasses.replace(base, **change)).fingerprint == reference, name
+    # --revision pins a Hub dataset's commit: tests/test_hub_layouts.py shows it changes the content hash.
+    covered = set(in_fingerprint) | {"revision"}
+    assert set(run_settings) == RUN_SETTINGS
+    assert covered | RUN_SETTINGS == {field.name for field in dataclasses.fields(PackConfig)}
+    assert not covered & RUN_SETTINGS
+
+    write_jsonl(data / "train.jsonl", [record, {**record, "prompt": "Q"}])
     assert plan_build(base).fingerprint != fingerprint
-    assert plan_build(base).out_dir == str(tmp_path / "out" / f"d-{plan_build(base).fingerprint}")
+    assert plan_build(base).out_dir == str(tmp_path / "out" / f"data-{plan_build(base).fingerprint}")
 
 
 def test_config_errors():
@@ -320,6 +364,7 @@ def test_config_errors():
         (PackConfig(overflow="wrap"), "--overflow must be one of"),
         (PackConfig(rows_per_shard=0), "--rows-per-shard must be a positive integer"),
         (PackConfig(examples_per_group=True), "--examples-per-group must be a positive integer"),
+        (PackConfig(revision="main"), "--revision applies to Hub datasets .*, not to gsm8k"),
     ]:
         with pytest.raises(ConfigError, match=message):
             plan_build(config)
