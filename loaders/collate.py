@@ -82,6 +82,28 @@ def collate_rows(
     with ``fixed.buckets``, up to the next multiple of SEGMENT_BUCKET sequences).
     ``num_real_tokens`` and ``num_loss_tokens`` count the data tokens and the labels that are
     not -100, as Python ints, so a training step needs no device sync to know them.
+
+    The worked row of ``schemas/row.py``: three examples of 3, 2 and 4 tokens, the first
+    one's prompt untrained.
+
+    >>> import tempfile, pyarrow as pa
+    >>> from schemas import ROW_SCHEMA
+    >>> from loaders.shard_reader import open_shard
+    >>> row = {"input_ids": [1, 306, 2, 1, 2, 1, 450, 338, 2], "loss_mask": [0, 0, 1, 1, 1, 1, 1, 1, 1],
+    ...        "cu_seqlens": [0, 3, 5, 9], "max_seqlen": 4, "num_tokens": 9,
+    ...        "example_ids": [7, 12, 40], "example_offsets": [0, 0, 0]}
+    >>> path = tempfile.mkdtemp() + "/shard-00000.arrow"
+    >>> with pa.ipc.new_file(path, ROW_SCHEMA) as writer:
+    ...     writer.write_table(pa.Table.from_pylist([row], ROW_SCHEMA))
+    >>> batch = collate_rows([(open_shard(path, capacity=10), 0)])
+    >>> batch["cu_seq_lens_q"].tolist(), batch["max_length_q"]
+    ([0, 3, 5, 9], 4)
+    >>> batch["position_ids"].tolist()
+    [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    >>> batch["labels"].tolist()
+    [[-100, -100, 2, -100, 2, -100, 450, 338, 2]]
+    >>> batch["num_real_tokens"], batch["num_loss_tokens"]
+    (9, 5)
     """
     token_ranges = []
     cu_parts = []

@@ -30,7 +30,10 @@ from schemas import (
     MANIFEST_NAME,
     ROW_SCHEMA,
     BuildInputs,
+    LossMasking,
     Manifest,
+    Overflow,
+    PackingAlgorithm,
     PackingStats,
     RejectedRows,
     ShardError,
@@ -229,7 +232,7 @@ class ShardWriter:
     >>> inputs = BuildInputs(
     ...     dataset=DatasetInputs(id="my-corpus", split="train", content_hash="sha256-of-my-data"),
     ...     tokenizer=TokenizerInputs(name="my-tokenizer", content_hash="sha256-of-tokenizer.json", vocab_size=32000),
-    ...     template="none", loss_masking="all", max_len=8, overflow="split", packing="best_fit_decreasing",
+    ...     template="none", loss_masking="given", max_len=8, overflow="split", packing="best_fit_decreasing",
     ...     seed=0, package_version="0.1.0")
     >>> with ShardWriter(directory, inputs) as writer:
     ...     # One row: an example of 3 tokens, then one of 2, the prompt token of each not trained on.
@@ -246,6 +249,9 @@ class ShardWriter:
         self.capacity = inputs.max_len
         self.rows_per_shard = rows_per_shard or default_rows_per_shard(self.capacity)
         positive_int("rows_per_shard", self.rows_per_shard)
+        for name, policy in (("loss_masking", LossMasking), ("overflow", Overflow), ("packing", PackingAlgorithm)):
+            if getattr(inputs, name) not in list(policy):
+                raise ValueError(f"inputs.{name} must be one of {', '.join(policy)}, got {getattr(inputs, name)!r}")
         held = storage.list_files(self.out_dir) + storage.list_subdirs(self.out_dir)
         if held:
             raise OutputDirError(

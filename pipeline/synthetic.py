@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.shard_writer import ShardWriter
-from schemas import BuildInputs, DatasetInputs, Manifest, Overflow, PackingAlgorithm, TokenizerInputs
+from schemas import BuildInputs, DatasetInputs, LossMasking, Manifest, Overflow, PackingAlgorithm, TokenizerInputs
 
 GENERATOR_VERSION = 1
 BLOCK_EXAMPLES = 8192
@@ -127,7 +127,7 @@ def random_token_build(
         ),
         tokenizer=TokenizerInputs(name="synthetic", content_hash=f"vocab-{vocab_size}", vocab_size=vocab_size),
         template="none",
-        loss_masking="prompt",
+        loss_masking=LossMasking.GIVEN,
         max_len=capacity,
         overflow=overflow,
         packing=PackingAlgorithm.BEST_FIT_DECREASING,

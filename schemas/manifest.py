@@ -24,7 +24,8 @@ from schemas.errors import FormatVersionError, ManifestError
 FORMAT_NAME = "varpack.shards"
 # 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained.
 # 3: shards_digest. Version 1 and 2 manifests, which lack them, are still read.
-FORMAT_VERSION = 3
+# 4: inputs.loss_masking is one of LossMasking's values (a free string before).
+FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -62,14 +63,13 @@ class ExampleKind(enum.StrEnum):
 
 
 class LossMasking(enum.StrEnum):
-    """Which tokens of an example the pipeline trains on, recorded as ``inputs.loss_masking``.
-
-    The schema leaves that field a free string: a build written with ``ShardWriter`` names its own masking.
-    """
+    """Which tokens of an example are trained on, recorded as ``inputs.loss_masking``."""
 
     ALL_TOKENS = "all_tokens"
     ASSISTANT_TURNS = "assistant_turns"
     RESPONSE_AND_EOS = "response_and_eos"
+    # The writer passed its own loss mask with the tokens (``ShardWriter``).
+    GIVEN = "given"
 
 
 
@@ -305,6 +305,7 @@ class Manifest:
 # The JSON Schema keywords manifest.schema.json may use: those _check_node applies, and annotations.
 _SCHEMA_KEYWORDS = frozenset(
     {"type", "const", "enum", "minimum", "maximum", "pattern", "required", "properties", "additionalProperties", "items"}
+    | {"if", "then"}
     | {"$schema", "$id", "title", "description"}
 )
 
@@ -374,6 +375,17 @@ def _check_node(value: Any, schema: dict[str, Any], where: str, source: str) -> 
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             _check_node(item, schema["items"], f"{where}[{i}]", source)
+    if "then" in schema and _holds(value, schema["if"]):
+        _check_node(value, schema["then"], where, source)
+
+
+def _holds(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether ``value`` satisfies ``schema`` (the condition of an ``if``)."""
+    try:
+        _check_node(value, schema, "", "")
+    except ManifestError:
+        return False
+    return True
 
 
 # Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.

@@ -24,6 +24,7 @@ from schemas import (
     FormatVersionError,
     Manifest,
     ManifestError,
+    LossMasking,
     Overflow,
     PackingAlgorithm,
     PackingStats,
@@ -141,7 +142,7 @@ def build_inputs() -> BuildInputs:
         dataset=DatasetInputs(id="openai/gsm8k", split="test", content_hash="ab" * 32, revision="main", num_examples=3),
         tokenizer=TokenizerInputs(name="mistral-7b", content_hash="cd" * 32, vocab_size=32768, bos_token_id=1, eos_token_id=2),
         template="{question}\n{answer}",
-        loss_masking="answer_only",
+        loss_masking="given",
         max_len=8,
         overflow="split",
         packing="best_fit_decreasing",
@@ -193,7 +194,7 @@ def walk_schema(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield schema
     for sub in schema.get("properties", {}).values():
         yield from walk_schema(sub)
-    for key in ("items", "additionalProperties"):
+    for key in ("items", "additionalProperties", "if", "then"):
         if isinstance(schema.get(key), dict):
             yield from walk_schema(schema[key])
 
@@ -208,6 +209,9 @@ def test_the_schema_enums_are_the_code_enums() -> None:
     assert inputs["overflow"]["enum"] == [policy.value for policy in Overflow]
     assert inputs["packing"]["enum"] == [algorithm.value for algorithm in PackingAlgorithm]
     assert inputs["on_bad_row"]["enum"] == [policy.value for policy in BadRowPolicy]
+    assert SCHEMA["if"] == {"properties": {"format_version": {"minimum": 4}}}
+    then_inputs = SCHEMA["then"]["properties"]["inputs"]["properties"]
+    assert then_inputs["loss_masking"]["enum"] == [masking.value for masking in LossMasking]
     assert SCHEMA["properties"]["format_version"]["minimum"] == 1
 
 
@@ -270,6 +274,8 @@ def schema_breaking_changes(
                 yield from schema_breaking_changes(data[key], schema["additionalProperties"], path + (key,))
     if isinstance(data, list) and data and "items" in schema:
         yield from schema_breaking_changes(data[0], schema["items"], path + (0,))
+    if "then" in schema:  # the condition holds for BASE, a manifest of the current format version
+        yield from schema_breaking_changes(data, schema["then"], path)
 
 
 def changed(data: dict[str, Any], path: tuple[Any, ...], value: Any) -> Any:
@@ -322,6 +328,16 @@ def test_the_code_accepts_what_the_schema_accepts(path: tuple[Any, ...], value: 
     assert schema_accepts(data)
     assert code_accepts(data)
     assert Manifest.from_dict(data).to_dict()["inputs"]["dataset"]["id"] == "openai/gsm8k"
+
+
+def test_before_version_4_loss_masking_is_any_string() -> None:
+    """Builds written with ShardWriter before the masking was enumerated keep loading."""
+    data = changed(BASE, ("inputs", "loss_masking"), "answer_only")
+    data["fingerprint"] = compute_fingerprint(BuildInputs.from_dict(data["inputs"]))
+    assert not schema_accepts(data) and not code_accepts(data)
+    data["format_version"] = 3
+    assert schema_accepts(data) and code_accepts(data)
+    assert Manifest.from_dict(data).inputs.loss_masking == "answer_only"
 
 
 def version_1(data: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import subprocess
 import sys
@@ -136,6 +137,15 @@ def test_a_directory_with_files_is_refused_and_a_build_needs_rows(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("loss_masking", "all"), ("overflow", "wrap"), ("packing", "worst_fit_increasing")]
+)
+def test_an_unknown_policy_is_refused_before_anything_is_written(tmp_path: Path, field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"inputs.{field} must be one of .*, got {value!r}"):
+        ShardWriter(tmp_path / "build", dataclasses.replace(inputs(), **{field: value}))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_writer_needs_no_beam_nor_datasets(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
@@ -147,7 +157,7 @@ def test_the_writer_needs_no_beam_nor_datasets(tmp_path: Path) -> None:
         sys.meta_path.insert(0, Blocker())
         from pipeline.shard_writer import ShardWriter
         from schemas import BuildInputs, DatasetInputs, TokenizerInputs
-        inputs = BuildInputs(DatasetInputs("d", "train", "00"), TokenizerInputs("t", "11", 10), "none", "all", 8,
+        inputs = BuildInputs(DatasetInputs("d", "train", "00"), TokenizerInputs("t", "11", 10), "none", "given", 8,
                              "split", "best_fit_decreasing", 0, "0.1.0")
         with ShardWriter({str(tmp_path / "build")!r}, inputs) as writer:
             writer.write_examples([1, 2, 3, 4, 5], [2, 3])

@@ -72,7 +72,7 @@ def write_build(directory: Path, examples: Examples, capacity: int = CAPACITY, r
     inputs = BuildInputs(
         dataset=DatasetInputs(id="test", split="train", content_hash="00"),
         tokenizer=TokenizerInputs(name="test", content_hash="11", vocab_size=50_000),
-        template="none", loss_masking="random", max_len=capacity, overflow="split",
+        template="none", loss_masking="given", max_len=capacity, overflow="split",
         packing="best_fit_decreasing", seed=7, package_version="0.1.0",
     )
     with ShardWriter(directory, inputs, rows_per_shard) as writer:
