@@ -28,8 +28,8 @@ from typing import Any, Callable, cast
 
 import torch
 
-from loaders.collate import COUNT_KEYS
 from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
+from loaders.training import load_causal_lm, model_inputs
 
 # Largest |packed - alone| logit gap allowed, relative to the largest logit: about what a few
 # layers of rounding give in each dtype, far below what a leak across examples gives.
@@ -37,7 +37,8 @@ RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 
 # Examples that are not perturbed run through the same kernels on the same shapes: their logits
 # should not move at all; this leaves room for kernels that are not bitwise deterministic.
 PERTURBATION_SHARE = 0.1
-NOT_MODEL_INPUTS = ("labels", *COUNT_KEYS, LOSS_WEIGHTS, LOSS_WEIGHT_SUM)
+# The check compares logits, so the model computes no loss.
+LOSS_INPUTS = ("labels", LOSS_WEIGHTS, LOSS_WEIGHT_SUM)
 SETTINGS = {
     "attention_mask": "an attention_mask is in the batch: transformers then ignores cu_seq_lens and position_ids, so "
                       "packed examples attend to each other; feed batches without one (PackedIterableDataset's have none)",
@@ -83,10 +84,6 @@ def vocab_size(model: torch.nn.Module) -> int:
     return cast(Callable[[], torch.nn.Embedding], model.get_input_embeddings)().num_embeddings
 
 
-def _model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
-
-
 def _sequences(batch: dict) -> list[tuple[int, int]]:
     cu = batch["cu_seq_lens_q"].tolist()
     return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
@@ -94,10 +91,9 @@ def _sequences(batch: dict) -> list[tuple[int, int]]:
 
 def _gaps(model: torch.nn.Module, batch: dict, examples: int) -> tuple[float, float, float, int]:
     """(alone gap, perturbation gap, largest logit, examples compared) on ``batch`` as the model takes it."""
-    inputs = _model_inputs(batch)
-    sequences = _sequences(batch)
     device = next(model.parameters()).device
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs = model_inputs({k: v for k, v in batch.items() if k not in LOSS_INPUTS}, device, full_logits=True)
+    sequences = _sequences(batch)
     input_ids = inputs["input_ids"]
     with torch.no_grad():
         packed = model(**inputs).logits[0].float()
@@ -168,17 +164,6 @@ def first_batch_with_examples(dataset, examples: int, limit: int = 64) -> dict:
     if best is None:
         raise ValueError("the dataset yields no batch: check its shards")
     return best
-
-
-def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
-                         "with save_pretrained or a Hub id reachable from here") from None
 
 
 def make_parser() -> argparse.ArgumentParser:

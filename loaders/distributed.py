@@ -12,6 +12,10 @@ training on all ranks' batches at once:
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 
@@ -31,3 +35,20 @@ def global_loss_tokens(count: float, device: torch.device | str = "cpu") -> torc
     if world_size() > 1:
         dist.all_reduce(total)
     return total
+
+
+def finish_distributed_run() -> NoReturn:
+    """End this rank of a multi-process run: wait at a barrier for every rank, flush, and exit 0
+    without tearing the process group down.
+
+    Tearing a gloo process group down from Python hangs or aborts a rank now and then: the
+    main thread holds the GIL while it joins gloo's worker thread, which may still need the GIL
+    to free a finished collective's tensors, and a rank that leaves early closes connections
+    another rank still reads. After the barrier nothing more is exchanged, so skipping the
+    teardown loses nothing. Call it last, once every file is written: from a script's
+    ``__main__`` under torchrun, or at the end of a spawned worker.
+    """
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

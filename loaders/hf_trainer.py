@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from loaders.collate import COUNT_KEYS, NUM_REAL_TOKENS
+from loaders import training
+from loaders.collate import NUM_REAL_TOKENS
 from loaders.dataset import PackedIterableDataset
 from loaders.distributed import global_loss_tokens, world_size
 from loaders.evaluate import evaluate_packed
@@ -131,10 +132,10 @@ class PackedTrainerMixin(_TrainerBase):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def model_inputs(self, model, inputs: dict) -> dict:
-        """The batch as the model takes it: the counts stay only for the loss-position head, which consumes them."""
-        if getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False):
-            return inputs
-        return {k: v for k, v in inputs.items() if k not in COUNT_KEYS}
+        """``loaders.training.model_inputs`` for ``model``: the counts stay only for the loss-position head."""
+        full_logits = not getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False)
+        # The trainer has already put the inputs on args.device (_prepare_inputs): the move is a no-op.
+        return training.model_inputs(inputs, self.args.device, full_logits)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log: every rank is here

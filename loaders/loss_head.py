@@ -5,10 +5,10 @@ causal LM computes ``[tokens, vocab]`` logits for all of them and upcasts them t
 loss. Here the hidden states of the positions whose next-token label is not -100 are gathered
 first, and the LM head and cross-entropy run over them in chunks of rows, each chunk's
 gradients computed at once, so no ``[tokens, vocab]`` tensor is ever held. Loss and gradients
-are those of ``model(**batch).loss``; only the unused logits are not computed.
+are those of ``model(**batch).loss``; only the unused logits are not computed::
 
-    >>> model = use_loss_position_head(AutoModelForCausalLM.from_pretrained(name))
-    >>> model(**batch).loss.backward()        # a plain loop, or Trainer(model=model, ...)
+    model = use_loss_position_head(AutoModelForCausalLM.from_pretrained(name))
+    model(**batch).loss.backward()        # a plain loop, or Trainer(model=model, ...)
 
 For example, with labels ``[-100, 5, 7, -100 | -100, 9]`` (two packed examples) the targets are
 positions 0, 1 and 4 predicting 5, 7 and 9: three rows go through the LM head, not six.
@@ -28,6 +28,8 @@ from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
 
 # Logits per chunk (rows x vocab): 2**27 is 512 MiB in fp32, about 4k rows of a 32k vocabulary.
 CHUNK_LOGITS = 2**27
+# A keyword the head takes besides a batch's: pad the labelled positions to this many rows (CUDA graphs).
+PADDED_LOSS_ROWS = "padded_loss_rows"
 # Config attributes that change logits after the LM head's matmul; such models need their own head.
 LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scaling")
 
@@ -137,22 +139,48 @@ def check_supported(model: torch.nn.Module) -> None:
                              "the loss-position head does not apply it, so train this model with its full logits")
 
 
+def padded_loss_positions(labels: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``loss_positions`` padded to ``rows`` entries (at least the labelled count): indices, labels,
+    and which entries are real. Padding points at position 0 with label 0, to be weighted 0.
+
+    A fixed number of rows keeps the shapes of a CUDA graph (``loaders/step_graph.py``) across
+    batches whose labelled counts differ.
+
+    >>> padded_loss_positions(torch.tensor([[-100, 5, 7, -100, -100, 9]]), 4)
+    (tensor([0, 1, 4, 0]), tensor([5, 7, 9, 0]), tensor([ True,  True,  True, False]))
+    """
+    targets = labels[:, 1:].reshape(-1)
+    found = torch.nonzero_static(targets != IGNORE_INDEX, size=rows, fill_value=-1).squeeze(1)
+    real = found >= 0
+    index = found.clamp(min=0)
+    return index, torch.where(real, targets[index], 0), real
+
+
 def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor,
                        num_items_in_batch: int | torch.Tensor | None = None, num_loss_tokens: int | None = None,
-                       chunk_rows: int | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
+                       chunk_rows: int | None = None, loss_weights: torch.Tensor | None = None,
+                       padded_rows: int | None = None) -> torch.Tensor:
     """The causal-LM loss of ``model``'s LM head on ``hidden_states`` [B, S, H], at labelled positions only.
 
     Equals transformers' ``ForCausalLMLoss``: the summed cross-entropy over labels that are not
     -100, divided by ``num_items_in_batch`` when given, else by their number. With
     ``loss_weights`` (a batch's, ``loaders/loss.py``) each label's term is weighted and the
     default divisor is the sum of the weights, as in ``loaders.loss.weighted_causal_lm_loss``.
+    With ``padded_rows`` the labelled positions are padded to that many rows of weight 0
+    (``padded_loss_positions``), so the shapes do not depend on the batch's labelled count.
     """
     head = cast(torch.nn.Linear, output_embeddings(model))  # check_supported's condition
-    index, targets = loss_positions(labels, num_loss_tokens)
+    real = None
+    if padded_rows is None:
+        index, targets = loss_positions(labels, num_loss_tokens)
+    else:
+        index, targets, real = padded_loss_positions(labels, padded_rows)
     states = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])[index]
     row_weights = None
     if loss_weights is not None:
         row_weights = loss_weights[:, 1:].reshape(-1).to(states.device)[index]
+    if real is not None:
+        row_weights = real.to(torch.float32) if row_weights is None else row_weights * real
     total = linear_cross_entropy(states, head.weight, targets, head.bias, chunk_rows, row_weights)
     if num_items_in_batch is None:
         return total / (targets.numel() if row_weights is None else row_weights.float().sum())
@@ -180,6 +208,7 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any):
         num_loss_tokens = kwargs.pop(NUM_LOSS_TOKENS, None)
+        padded_rows = kwargs.pop(PADDED_LOSS_ROWS, None)
         kwargs.pop(NUM_REAL_TOKENS, None)
         loss_weights = kwargs.pop(LOSS_WEIGHTS, None)
         kwargs.pop(LOSS_WEIGHT_SUM, None)
@@ -190,7 +219,7 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
         kwargs.pop("logits_to_keep", None)
         outputs = cast(torch.nn.Module, model.base_model)(input_ids=input_ids, **kwargs)
         loss = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows,
-                                  loss_weights)
+                                  loss_weights, padded_rows)
         return CausalLMOutputWithPast(loss=loss, hidden_states=getattr(outputs, "hidden_states", None),
                                       attentions=getattr(outputs, "attentions", None))
 

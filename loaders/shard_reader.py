@@ -9,21 +9,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from schemas import ShardError, ShardInfo, file_sha256, validate_table
+from schemas import ShardError, ShardInfo, file_sha256, list_parts, validate_table
 
 
 def _column(table: pa.Table, name: str) -> pa.Array:
     """One column as a single array: the memory-mapped chunk itself when there is one chunk."""
     column = table.column(name)
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-
-
-def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) numpy views of a single-chunk list column."""
-    array = _column(table, name)
-    offsets = array.offsets.to_numpy()
-    values = array.values.to_numpy(zero_copy_only=True)
-    return offsets - offsets[0], values[offsets[0] : offsets[-1]]
 
 
 @dataclass(frozen=True)
@@ -113,11 +105,11 @@ def open_shard(
         raise ShardError(name, f"holds {table.num_rows} rows, the manifest says {expected.rows}")
     validate_table(table, capacity, name)
 
-    token_offsets, input_ids = _list_column(table, "input_ids")
-    _, loss_mask = _list_column(table, "loss_mask")
-    cu_offsets, cu_seqlens = _list_column(table, "cu_seqlens")
-    segment_offsets, example_ids = _list_column(table, "example_ids")
-    _, example_offsets = _list_column(table, "example_offsets")
+    token_offsets, input_ids = list_parts(table.column("input_ids"))
+    _, loss_mask = list_parts(table.column("loss_mask"))
+    cu_offsets, cu_seqlens = list_parts(table.column("cu_seqlens"))
+    segment_offsets, example_ids = list_parts(table.column("example_ids"))
+    _, example_offsets = list_parts(table.column("example_offsets"))
     max_seqlen = _column(table, "max_seqlen").to_numpy(zero_copy_only=True)
     return Shard(
         path=name,

@@ -1,7 +1,9 @@
-"""Model-side helpers for training on packed batches: regional compilation, bucket prewarming,
-the batch keys a model takes, counts on the device without a sync, the warm-up schedule.
+"""Model-side helpers for training on packed batches: loading a causal LM, regional compilation,
+bucket prewarming, the batch keys a model takes, counts on the device without a sync, the warm-up
+schedule, peak GPU memory.
 
-``scripts/train.py`` and ``scripts/bench_train.py`` both use them.
+``scripts/`` (train, bench_train, evaluate), ``loaders.hf_trainer`` and ``loaders.check`` use them.
+Imports only torch at module import; transformers is imported to load a model.
 """
 
 from __future__ import annotations
@@ -9,6 +11,17 @@ from __future__ import annotations
 import torch
 
 from loaders.collate import COUNT_KEYS
+
+
+def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
+                         "with save_pretrained or a Hub id reachable from here") from None
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:

@@ -28,13 +28,10 @@ from pipeline.formats import ExampleFormat, resolve_format
 from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
+from schemas.io import temporary_target
 
-# The files a build writes: shards, the rejected rows, the manifest, the report figure, and their temporary names.
-_BUILD_FILE = re.compile(
-    r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png"
-    r"|\.(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)\.(tmp-[\w-]+|uploading))$"
-)
-_TEMPORARY = re.compile(r"^\..*\.(tmp-[\w-]+|uploading)$")
+# The files a build writes: shards, the rejected rows, the manifest and the report figure.
+_BUILD_FILE = re.compile(r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)$")
 # At a URL each run writes its shards into its own attempt directory inside the build's.
 ATTEMPT_PREFIX = "attempt-"
 
@@ -62,6 +59,11 @@ class BuildResult:
     reused: bool
     elapsed_s: float
     layout: str = ""  # how each example is laid out, for the report
+
+
+def _is_build_file(name: str) -> bool:
+    """Whether a build writes a file of this name, or its temporary while writing it."""
+    return _BUILD_FILE.match(temporary_target(name) or name) is not None
 
 
 def package_version() -> str:
@@ -138,7 +140,7 @@ def _build_files(plan: BuildPlan) -> list[str]:
         raise OutputDirError(f"--out {out} is itself a shard directory (it holds {MANIFEST_NAME}); pass its parent directory")
     names = storage.list_files(out_dir)
     subdirs = [d for d in storage.list_subdirs(out_dir) if not d.startswith(spill.SPILL_PREFIX)]
-    foreign = [n for n in names if not _BUILD_FILE.match(n)] + [f"{d}/" for d in subdirs]
+    foreign = [n for n in names if not _is_build_file(n)] + [f"{d}/" for d in subdirs]
     if foreign:
         raise OutputDirError(
             f"{out_dir} holds files varpack did not write ({', '.join(foreign[:3])}); move them away and run again"
@@ -206,14 +208,14 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
 
 def clear_build(out_dir: str) -> None:
     """Remove the files of a build (the manifest first, so no manifest ever points at missing shards)."""
-    names = [n for n in storage.list_files(out_dir) if _BUILD_FILE.match(n)]
+    names = [n for n in storage.list_files(out_dir) if _is_build_file(n)]
     names.sort(key=lambda n: n != MANIFEST_NAME)
     storage.remove([storage.join(out_dir, n) for n in names])
 
 
 def _remove_temporaries(out_dir: str) -> None:
     """Remove the temporary files and spill directories runs killed in the middle left in a local build directory."""
-    storage.remove([storage.join(out_dir, n) for n in storage.list_files(out_dir) if _TEMPORARY.match(n)])
+    storage.remove([storage.join(out_dir, n) for n in storage.list_files(out_dir) if temporary_target(n) is not None])
     spill.remove_leftover_spills(out_dir)
 
 

@@ -20,6 +20,7 @@ from schemas import (
     Overflow,
     PackingAlgorithm,
     TokenizerInputs,
+    one_of,
     positive_int,
 )
 
@@ -122,13 +123,9 @@ class PackConfig:
             value = getattr(self, name)
             if value is not None:
                 positive_int(f"--{name.replace('_', '-')}", value, ConfigError)
-        for option, value, choices in (
-            ("--overflow", self.overflow, Overflow),
-            ("--packing", self.packing, PackingAlgorithm),
-            ("--on-bad-row", self.on_bad_row, BadRowPolicy),
-        ):
-            if value not in list(choices):
-                raise ConfigError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+        one_of("--overflow", self.overflow, Overflow, ConfigError)
+        one_of("--packing", self.packing, PackingAlgorithm, ConfigError)
+        one_of("--on-bad-row", self.on_bad_row, BadRowPolicy, ConfigError)
         bound = self.max_bad_rows
         if isinstance(bound, bool) or not (
             (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 < bound < 1)

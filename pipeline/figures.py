@@ -7,8 +7,6 @@ no display needed); matplotlib is optional (``pip install 'varpack[plot]'``).
 
 from __future__ import annotations
 
-import os
-import tempfile
 
 import numpy as np
 
@@ -117,14 +115,6 @@ def write_report(profile: Profile, manifest: Manifest, directory: str) -> str:
     figure = draw_report(profile, manifest)
     storage.make_dirs(directory)
     path = storage.join(directory, REPORT_NAME)
-    local_dir = tempfile.mkdtemp() if storage.is_url(directory) else directory
-    tmp = os.path.join(local_dir, f".{REPORT_NAME}.tmp-{os.getpid()}")
-    try:
+    with storage.output(path) as tmp:
         figure.savefig(tmp, format="png")
-        storage.publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if local_dir != directory:
-            os.rmdir(local_dir)
     return path

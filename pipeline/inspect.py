@@ -28,7 +28,7 @@ from pipeline import storage
 from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
 from pipeline.report import aligned, describe_overflow, describe_rejected, examples_per_row, plural
-from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, VarpackError, validate_table
+from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, VarpackError, list_parts, validate_table
 
 EXIT_ERROR = 1
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"
@@ -142,24 +142,17 @@ class Profile:
     row_segments: np.ndarray  # int64 [rows]
 
 
-def _list_parts(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list column, offsets from 0."""
-    array = column.combine_chunks()
-    offsets = array.offsets.to_numpy()
-    return offsets - offsets[0], array.values.to_numpy()[offsets[0] : offsets[-1]]
-
-
 def read_profile(build_dir: str, manifest: Manifest) -> Profile:
     """Lengths and row sizes of every row of the build, read shard by shard (boundaries only, not tokens)."""
     segment_lengths, example_ids, row_tokens, row_segments = [], [], [], []
     for info in manifest.shards:
         table = read_shard_table(build_dir, info, manifest.capacity)
-        cu_offsets, cu = _list_parts(table.column("cu_seqlens"))
+        cu_offsets, cu = list_parts(table.column("cu_seqlens"))
         steps = np.diff(cu)
         within_row = np.ones(steps.size, dtype=bool)
         within_row[cu_offsets[1:-1] - 1] = False
         segment_lengths.append(steps[within_row].astype(np.int64))
-        example_ids.append(_list_parts(table.column("example_ids"))[1])
+        example_ids.append(list_parts(table.column("example_ids"))[1])
         row_tokens.append(table.column("num_tokens").to_numpy().astype(np.int64))
         row_segments.append(np.diff(cu_offsets).astype(np.int64) - 1)
     segments = np.concatenate(segment_lengths)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import Overflow, PackingAlgorithm, PackingError, PackingStats, positive_int
+from schemas import Overflow, PackingAlgorithm, PackingError, PackingStats, one_of, positive_int
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,7 @@ def _decreasing_order(sizes: np.ndarray, capacity: int, seed: int) -> np.ndarray
 
 def _apply_overflow(lengths: np.ndarray, capacity: int, overflow: str, stats: PackingStats) -> tuple[np.ndarray, ...]:
     """Turn examples into segments of at most ``capacity`` tokens under the overflow policy."""
-    if overflow not in list(Overflow):
-        raise PackingError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(Overflow)}")
+    one_of("overflow", overflow, Overflow, PackingError)
     examples = np.arange(lengths.size, dtype=np.int64)
     long = lengths > capacity
     if not long.any():
@@ -309,8 +308,7 @@ def pack(
     >>> plan.segment_example.tolist(), plan.segment_offset.tolist(), plan.segment_length.tolist()
     ([1, 0, 1], [0, 0, 5], [5, 3, 2])
     """
-    if algorithm not in list(PackingAlgorithm):
-        raise PackingError(f"unknown packing algorithm {algorithm!r}; choose one of {', '.join(PackingAlgorithm)}")
+    one_of("algorithm", algorithm, PackingAlgorithm, PackingError)
     lengths = _check_lengths(lengths, capacity)
     stats = PackingStats(examples=int(lengths.size))
     segment_example, segment_offset, segment_length = _apply_overflow(lengths, capacity, overflow, stats)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +25,6 @@ from pipeline.ranges import gather_index
 from pipeline.shard_writer import build_rows
 from pipeline.spill import read_spilled
 from schemas import PackingStats
-from schemas.io import write_error
 
 
 @dataclass(frozen=True)
@@ -74,16 +73,7 @@ class ShardPlan:
             token_start=self.token_start,
             sources=self.sources,
         )
-        if storage.is_url(path):
-            with storage.output(path) as tmp:
-                tmp.write_bytes(buffer.getbuffer())
-            return
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(buffer.getbuffer())
-        except OSError as err:
-            raise write_error(path, err) from err
+        storage.write_scratch(path, lambda local: Path(local).write_bytes(buffer.getbuffer()))
 
     @classmethod
     def load(cls, path: str) -> ShardPlan:

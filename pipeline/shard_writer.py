@@ -40,8 +40,9 @@ from schemas import (
     ShardInfo,
     compute_fingerprint,
     file_sha256,
+    one_of,
     positive_int,
-    validate_manifest,
+    write_manifest,
     atomic_output,
     validate_table,
 )
@@ -185,12 +186,9 @@ def finish_build(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         rejected=rejected if rejected is not None else RejectedRows(),
     )
-    path = storage.join(out_dir, MANIFEST_NAME)
-    validate_manifest(manifest.to_dict(), path)
-    if storage.is_url(path) and storage.exists(path):
+    if storage.is_url(out_dir) and storage.exists(storage.join(out_dir, MANIFEST_NAME)):
         return manifest  # another attempt at this URL published the build first, and the first manifest wins
-    with storage.output(path) as tmp:
-        tmp.write_text(manifest.to_json(), encoding="utf-8")
+    write_manifest(manifest, out_dir, storage.output)
     return manifest
 
 
@@ -249,9 +247,9 @@ class ShardWriter:
         self.capacity = inputs.max_len
         self.rows_per_shard = rows_per_shard or default_rows_per_shard(self.capacity)
         positive_int("rows_per_shard", self.rows_per_shard)
-        for name, policy in (("loss_masking", LossMasking), ("overflow", Overflow), ("packing", PackingAlgorithm)):
-            if getattr(inputs, name) not in list(policy):
-                raise ValueError(f"inputs.{name} must be one of {', '.join(policy)}, got {getattr(inputs, name)!r}")
+        one_of("inputs.loss_masking", inputs.loss_masking, LossMasking)
+        one_of("inputs.overflow", inputs.overflow, Overflow)
+        one_of("inputs.packing", inputs.packing, PackingAlgorithm)
         held = storage.list_files(self.out_dir) + storage.list_subdirs(self.out_dir)
         if held:
             raise OutputDirError(

@@ -26,7 +26,6 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.encode import EncodedBatch
-from schemas.io import write_error
 
 SPILL_PREFIX = ".spill-"
 CLUSTER_SPILL_PREFIX = "varpack-spill-"
@@ -57,15 +56,7 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
     """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``."""
     table = pa.table({"tokens": batch.tokens, "loss_mask": batch.loss_mask})
     path = storage.join(spill_dir, f"{name}.arrow")
-    if storage.is_url(spill_dir):
-        with storage.output(path) as tmp:
-            _write(table, str(tmp))
-    else:
-        try:
-            os.makedirs(spill_dir, exist_ok=True)
-            _write(table, path)
-        except OSError as err:
-            raise write_error(path, err) from err
+    storage.write_scratch(path, lambda local: _write(table, local))
     release_freed_memory()
     return SpilledBatch(path, batch.lengths.astype(np.int32), batch.rejected, batch.untrained)
 

@@ -12,11 +12,11 @@ import glob as globlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from schemas.io import atomic_output, fsync_path
+from schemas.io import UPLOAD_MARK, atomic_output, write_error
 
 
 HUB_SCHEME = "hf://"
@@ -149,16 +149,27 @@ def output(dest: str) -> Iterator[Path]:
         publish(str(tmp), dest)
 
 
-def publish(local_path: str, dest: str) -> None:
-    """Move a finished local file to ``dest``: a rename and a directory fsync locally, an upload then a rename remotely."""
-    if not is_url(dest):
-        os.replace(local_path, dest)
-        fsync_path(os.path.dirname(os.path.abspath(dest)))
+def write_scratch(path: str, write: Callable[[str], None]) -> None:
+    """Write a scratch file (spilled tokens, a shard's plan) that one run alone reads: ``write(local_path)``
+    writes the content. Locally in place, with no rename or fsync: a crash loses the run anyway.
+    At a URL written locally, then uploaded. An OSError becomes a WriteError naming ``path``."""
+    if is_url(path):
+        with output(path) as tmp:
+            write(str(tmp))
         return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(path)
+    except OSError as err:
+        raise write_error(path, err) from err
+
+
+def publish(local_path: str, dest: str) -> None:
+    """Move a finished local file to the URL ``dest``: upload it under a temporary name, then rename it."""
     from apache_beam.io.filesystem import CompressionTypes
 
     parent, name = dest.rsplit("/", 1)
-    staging = f"{parent}/.{name}.uploading"
+    staging = f"{parent}/.{name}{UPLOAD_MARK}"
     with open(local_path, "rb") as src, _filesystems().create(staging, compression_type=CompressionTypes.UNCOMPRESSED) as dst:
         shutil.copyfileobj(src, dst, 8 << 20)
     _filesystems().rename([staging], [dest])

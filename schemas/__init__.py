@@ -25,8 +25,8 @@ from schemas.manifest import (
     validate_manifest,
 )
 from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
-from schemas.row import ROW_COLUMNS, ROW_SCHEMA, validate_table
-from schemas.validate import positive_int
+from schemas.row import ROW_COLUMNS, ROW_SCHEMA, list_parts, validate_table
+from schemas.validate import one_of, positive_int
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,10 +57,12 @@ __all__ = [
     "cache_dir",
     "compute_fingerprint",
     "file_sha256",
+    "one_of",
     "positive_int",
     "stream_sha256",
     "read_manifest",
     "validate_manifest",
+    "list_parts",
     "validate_table",
     "write_manifest",
 ]

@@ -1,9 +1,10 @@
 """Exceptions shared by the write side and the read side.
 
 Every message names the file, row or column at fault and says what to do. Each class carries
-its ``kind``, a short word the command line reports; ``VarpackError.behind`` finds the error
+its ``kind`` (config, input, output, manifest, shard, packing, write): what failed, for code
+that handles errors by kind rather than by class. ``VarpackError.behind`` finds the error
 behind another one, also when a Beam worker process sent it back only as the text of its
-traceback.
+traceback (its last line names the class; the module path is ignored).
 """
 
 from __future__ import annotations

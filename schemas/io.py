@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +23,9 @@ from schemas.manifest import MANIFEST_NAME, Manifest, validate_manifest
 
 CACHE_ENV = "VARPACK_CACHE_DIR"
 TEMPORARY_MARK = ".tmp-"
+# At a URL a file is uploaded as ``.NAME.uploading``, then renamed.
+UPLOAD_MARK = ".uploading"
+_TEMPORARY_NAME = re.compile(rf"\.(.+?)(?:{re.escape(TEMPORARY_MARK)}[\w-]+|{re.escape(UPLOAD_MARK)})")
 
 
 def cache_dir() -> Path:
@@ -33,6 +37,18 @@ def temporary_name(path: str | os.PathLike[str]) -> Path:
     """A fresh temporary name beside ``path``, unique across processes and hosts."""
     path = Path(path)
     return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def temporary_target(name: str) -> str | None:
+    """The name of the file a temporary file named ``name`` was to become, or None if ``name`` is no temporary.
+
+    >>> temporary_target(temporary_name("shard-00001.arrow").name), temporary_target(".manifest.json.uploading")
+    ('shard-00001.arrow', 'manifest.json')
+    >>> temporary_target("shard-00001.arrow") is None
+    True
+    """
+    match = _TEMPORARY_NAME.fullmatch(name)
+    return match.group(1) if match else None
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -88,11 +104,22 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
 
 
-def write_manifest(manifest: Manifest, directory: str | os.PathLike[str]) -> Path:
-    """Validate the manifest and write it into ``directory`` atomically; its presence marks a complete build."""
-    path = Path(directory) / MANIFEST_NAME
-    validate_manifest(manifest.to_dict(), str(path))
-    atomic_write(path, manifest.to_json())
+def write_manifest(
+    manifest: Manifest,
+    directory: str | os.PathLike[str],
+    output: Callable[[str], contextlib.AbstractContextManager[Path]] | None = None,
+) -> str:
+    """Validate the manifest and write it into ``directory`` atomically; its presence marks a complete build.
+
+    ``output`` gives a local path whose content becomes the file (default: ``atomic_output``);
+    the write side passes its own, which also writes the filesystems Apache Beam knows.
+    Returns the manifest's path.
+    """
+    directory = os.fspath(directory)
+    path = f"{directory.rstrip('/')}/{MANIFEST_NAME}" if "://" in directory else os.path.join(directory, MANIFEST_NAME)
+    validate_manifest(manifest.to_dict(), path)
+    with (output or atomic_output)(path) as tmp:
+        tmp.write_text(manifest.to_json(), encoding="utf-8")
     return path
 
 

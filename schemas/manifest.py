@@ -109,7 +109,7 @@ class BuildInputs:
     seed: int
     package_version: str
     # What a bad source row does; None in a format 1 manifest, which predates the policy.
-    on_bad_row: str | None = "error"
+    on_bad_row: str | None = BadRowPolicy.ERROR
     # The shard size and the packing group size, when set; None (left out, so builds made
     # with the defaults keep their fingerprints): the defaults.
     rows_per_shard: int | None = None

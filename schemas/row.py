@@ -50,8 +50,9 @@ ROW_SCHEMA = pa.schema(
 ROW_COLUMNS = tuple(ROW_SCHEMA.names)
 
 
-def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets (rebased to 0) and flat values of a list column, without copying when possible."""
+def list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets (rebased to 0) and flat values of a list column, as numpy views of its Arrow
+    buffers when the column is one chunk (a shard's always is); other columns are combined first."""
     if isinstance(column, pa.ChunkedArray):
         array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     else:
@@ -90,11 +91,11 @@ def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
         if table.column(name).null_count:
             raise ShardError(shard, f"column {name!r} has nulls")
 
-    token_offsets, _ = _list_parts(table.column("input_ids"))
-    mask_offsets, mask = _list_parts(table.column("loss_mask"))
-    cu_offsets, cu = _list_parts(table.column("cu_seqlens"))
-    id_offsets, _ = _list_parts(table.column("example_ids"))
-    pos_offsets, _ = _list_parts(table.column("example_offsets"))
+    token_offsets, _ = list_parts(table.column("input_ids"))
+    mask_offsets, mask = list_parts(table.column("loss_mask"))
+    cu_offsets, cu = list_parts(table.column("cu_seqlens"))
+    id_offsets, _ = list_parts(table.column("example_ids"))
+    pos_offsets, _ = list_parts(table.column("example_offsets"))
     num_tokens = table.column("num_tokens").to_numpy()
     max_seqlen = table.column("max_seqlen").to_numpy()
     lengths = np.diff(token_offsets)

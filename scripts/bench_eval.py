@@ -1,7 +1,8 @@
 """Packed evaluation against padded evaluation of the same examples, per-example losses compared.
 
-Builds FLAN-shaped shards (as bench_loader.py) and a small random Llama, then measures in one
-process, on the same examples:
+Builds shards of FLAN-shaped examples (``pipeline.synthetic``'s ``synthetic-flan`` lengths, at
+most ``--capacity``; random token ids) and a small random Llama, then measures in one process, on
+the same examples:
 
 - ``packed_tokens_per_s``: ``loaders.evaluate.evaluate_packed``, ``--batch-rows`` packed rows per
   forward, on the best attention backend here (``varpack_segments`` on CPU).
@@ -18,6 +19,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -28,13 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_loader import flan_lengths  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.evaluate import evaluate_packed  # noqa: E402
-from pipeline.synthetic import random_token_build  # noqa: E402
+from pipeline.synthetic import SHAPES, random_token_build  # noqa: E402
 
 
 def small_llama(vocab: int, capacity: int, attn: str):
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-rows", type=int, default=2)
     parser.add_argument("--padded-batch", type=int, default=8)
     args = parser.parse_args(argv)
-    lengths = flan_lengths(args.examples, args.capacity, seed=0)
+    flan = dataclasses.replace(SHAPES["synthetic-flan"], max_len=args.capacity)
+    lengths = flan.lengths(np.random.default_rng(0), args.examples)
     with tempfile.TemporaryDirectory() as tmp:
         _, example_tokens, loss_mask = random_token_build(tmp, lengths, args.capacity, vocab_size=1000, seed=0)
         tokens = int(lengths.sum())

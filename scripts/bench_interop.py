@@ -17,6 +17,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders.interop import shard_paths, to_hf_dataset  # noqa: E402
-from pipeline.synthetic import random_token_build  # noqa: E402
+from pipeline.synthetic import SHAPES, random_token_build  # noqa: E402
 
 
 def directory_bytes(path: Path) -> int:
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         build, cache = Path(tmp) / "build", Path(tmp) / "hf-cache"
-        raw = np.random.default_rng(args.seed).lognormal(5.3, 0.9, args.examples)
-        lengths = np.clip(np.rint(raw), 16, args.capacity).astype(np.int64)
+        flan = dataclasses.replace(SHAPES["synthetic-flan"], max_len=args.capacity)
+        lengths = flan.lengths(np.random.default_rng(args.seed), args.examples)
         manifest, _, _ = random_token_build(build, lengths, args.capacity, vocab_size=32000, seed=args.seed)
         shard_bytes = sum(s.bytes for s in manifest.shards)
 

@@ -1,8 +1,8 @@
 """Loader throughput: PackedIterableDataset against transformers' DataCollatorWithFlattening.
 
-Builds a shard directory of FLAN-shaped examples (lognormal mu=5.3 sigma=0.9, clipped to
-[16, 4096]; random token ids; a prompt-masked first part) with the real packer and writer,
-then measures in one process, over shards in the page cache:
+Builds a shard directory of FLAN-shaped examples (``pipeline.synthetic``'s ``synthetic-flan``
+lengths, at most ``--capacity``; random token ids; a prompt-masked first part) with the real
+packer and writer, then measures in one process, over shards in the page cache:
 
 - ``tokens_per_s``: PackedIterableDataset (shuffled, ``--batch-rows`` rows per batch),
   iterated in-process, every batch collated into tensors; shard opening included.
@@ -20,6 +20,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -31,13 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from pipeline.synthetic import random_token_build  # noqa: E402
-
-
-def flan_lengths(num_examples: int, capacity: int, seed: int) -> np.ndarray:
-    """FLAN-shaped example lengths: lognormal(5.3, 0.9), rounded, clipped to [16, capacity]."""
-    raw = np.random.default_rng(seed).lognormal(5.3, 0.9, num_examples)
-    return np.clip(np.rint(raw), 16, capacity).astype(np.int64)
+from pipeline.synthetic import SHAPES, random_token_build  # noqa: E402
 
 
 def loader_run(directory: Path, batch_rows: int, epochs: int, fixed: bool) -> tuple[float, int]:
@@ -103,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.out or tmp)
         start = time.perf_counter()
-        lengths = flan_lengths(args.examples, args.capacity, args.seed)
+        flan = dataclasses.replace(SHAPES["synthetic-flan"], max_len=args.capacity)
+        lengths = flan.lengths(np.random.default_rng(args.seed), args.examples)
         manifest, tokens, loss_mask = random_token_build(
             directory, lengths, args.capacity, args.rows_per_shard, vocab_size=32000, seed=args.seed
         )

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.packing import pack  # noqa: E402
 from pipeline.synthetic import SHAPES  # noqa: E402
+from schemas import PackingAlgorithm  # noqa: E402
 
 # The issue's length shapes: FLAN lognormal(5.3, 0.9) in [16, 4096], OrcaMath normal(450, 150) in [32, 4096].
 LENGTH_DISTRIBUTIONS = {"flan": SHAPES["synthetic-flan"], "orcamath": SHAPES["synthetic-orcamath"]}
@@ -92,7 +93,7 @@ def best_time(run: Callable[[], T], repeats: int) -> tuple[float, T]:
     return best, result
 
 
-def measure_pack(lengths: np.ndarray, max_len: int, algorithm: str, repeats: int, seed: int) -> Measurement:
+def measure_pack(lengths: np.ndarray, max_len: int, algorithm: PackingAlgorithm, repeats: int, seed: int) -> Measurement:
     """Time ``pack`` with one algorithm under the default ``split`` overflow policy."""
     seconds, plan = best_time(lambda: pack(lengths, max_len, algorithm=algorithm, seed=seed), repeats)
     stats = plan.stats
@@ -138,9 +139,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
     cpu = pin_to_one_core()
     lengths = LENGTH_DISTRIBUTIONS[config.dist].lengths(np.random.default_rng(config.seed), config.examples)
     min_rows = -(-int(lengths.sum()) // config.max_len)
-    ours = measure_pack(lengths, config.max_len, "best_fit_decreasing", config.repeats, config.seed)
-    sequential = measure_pack(lengths, config.max_len, "sequential", config.repeats, config.seed)
-    first_fit = measure_pack(lengths, config.max_len, "first_fit_decreasing", config.slow_repeats, config.seed)
+    ours = measure_pack(lengths, config.max_len, PackingAlgorithm.BEST_FIT_DECREASING, config.repeats, config.seed)
+    sequential = measure_pack(lengths, config.max_len, PackingAlgorithm.SEQUENTIAL, config.repeats, config.seed)
+    first_fit = measure_pack(lengths, config.max_len, PackingAlgorithm.FIRST_FIT_DECREASING, config.slow_repeats, config.seed)
     pack_dataset = trl_pack_dataset() if config.trl else None
     trl = measure_trl(pack_dataset, lengths, config.max_len, config.slow_repeats) if pack_dataset else None
 

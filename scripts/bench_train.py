@@ -16,7 +16,9 @@ examples, at two step sizes (``--rows-per-step`` rows, about 8k real tokens, and
   on fixed shapes padded to the worst case (``ours_fixed*``) or to buckets (``ours_buckets*``:
   ``bucket_shapes=True``, prewarmed so no bucket compiles again); ``_head``: the loss-position
   LM head (``loaders.loss_head``); ``_graphs``: per-layer CUDA graphs (``mode="reduce-overhead"``)
-  on the single worst-case shape. The fastest is varpack's best mode.
+  on the single worst-case shape; ``_stepgraph``: the whole step (forward, backward, clipping,
+  optimizer) as one CUDA graph per bucketed shape (``loaders.step_graph``), every shape of the
+  run captured during the warm-up. The fastest is varpack's best mode.
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
@@ -58,13 +60,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
-from loaders.collate import COUNT_KEYS, NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
+from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
+from loaders.step_graph import GraphedStep  # noqa: E402
 from schemas import read_manifest  # noqa: E402
-from loaders.training import compile_layers, count_on_device, linear_warmup, prewarm_buckets  # noqa: E402
+from loaders.training import (  # noqa: E402
+    compile_layers,
+    count_on_device,
+    linear_warmup,
+    model_inputs,
+    peak_memory_gib,
+    prewarm_buckets,
+)
 
 Batch = dict[str, torch.Tensor | int]
 DEVICE = torch.device("cuda")
+MAX_GRAD_NORM = 1.0
 # NVIDIA H200 SXM, dense bf16 tensor-core peak (datasheet).
 PEAK_BF16_FLOPS = 989.4e12
 FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / sum(n_i): N_matmul = the weights "
@@ -74,9 +85,9 @@ FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / 
                 "skipped logits are not credited")
 FA2 = "flash_attention_2"
 DEFAULT_MODES = ("padded,flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_eager,ours_fixed,"
-                 "ours_buckets_head,ours_exact_head,ours_fixed_head_graphs")
+                 "ours_buckets_head,ours_exact_head,ours_fixed_head_graphs,ours_buckets_head_stepgraph")
 DEFAULT_BUDGET_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_fixed,ours_buckets_head,"
-                        "ours_exact_head,ours_fixed_head_graphs")
+                        "ours_exact_head,ours_fixed_head_graphs,ours_buckets_head_stepgraph")
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class Mode:
     shapes: str = "exact"  # packed batches: exact | fixed (worst case) | buckets
     loss_head: bool = False
     cuda_graphs: bool = False
+    step_graph: bool = False  # the whole step as one CUDA graph per shape (loaders.step_graph)
 
     @property
     def attn_implementation(self) -> str:
@@ -107,6 +119,7 @@ MODES = {
     "ours_buckets_head": Mode("packed", compiled=True, shapes="buckets", loss_head=True),
     "ours_exact_head": Mode("packed", compiled=True, shapes="exact", loss_head=True),
     "ours_fixed_head_graphs": Mode("packed", compiled=True, shapes="fixed", loss_head=True, cuda_graphs=True),
+    "ours_buckets_head_stepgraph": Mode("packed", compiled=True, shapes="buckets", loss_head=True, step_graph=True),
 }
 # Kernel groups of a profiled step, matched on the lower-cased kernel name, first match wins.
 KERNEL_GROUPS = (
@@ -181,9 +194,11 @@ def flops_per_token(model, config: BenchConfig, mean_square_length: float) -> fl
 # ---- the steps of each mode ---------------------------------------------------------------
 
 
-def to_device(batch: dict) -> Batch:
-    """Tensors pinned and copied without waiting for the GPU, as a DataLoader with pin_memory=True does."""
-    return {k: v.pin_memory().to(DEVICE, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+def to_device(batch: dict, full_logits: bool = True) -> Batch:
+    """``model_inputs`` on the GPU, tensors pinned and copied without waiting for it, as a DataLoader with
+    pin_memory=True does."""
+    pinned = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return model_inputs(pinned, DEVICE, full_logits)
 
 
 @dataclass
@@ -201,15 +216,13 @@ def packed_dataset(source: str, config: BenchConfig, batch_rows: int, shapes: st
 
 
 def packed_steps(source: str, config: BenchConfig, batch_rows: int, mode: Mode) -> Iterator[Step]:
-    """Our modes: PackedIterableDataset batches of ``batch_rows`` rows, epoch after epoch. The
-    loss-position head consumes the counts; the model's own forward must not see them."""
+    """Our modes: PackedIterableDataset batches of ``batch_rows`` rows, epoch after epoch, as the model takes them."""
     dataset = packed_dataset(source, config, batch_rows, mode.shapes)
     epoch = 0
     while True:
         dataset.set_epoch(epoch)
         for batch in dataset:
-            inputs = batch if mode.loss_head else {k: v for k, v in batch.items() if k not in COUNT_KEYS}
-            yield Step([to_device(inputs)], batch[NUM_REAL_TOKENS], batch[NUM_LOSS_TOKENS])
+            yield Step([to_device(batch, full_logits=not mode.loss_head)], batch[NUM_REAL_TOKENS], batch[NUM_LOSS_TOKENS])
         epoch += 1
 
 
@@ -276,9 +289,15 @@ def baseline_steps(data: str, windows: list[list[dict]], config: BenchConfig) ->
 # ---- training ----------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, scheduler, step: Step, mode: Mode) -> torch.Tensor:
+def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: GraphedStep | None = None) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, then one optimizer step; the loss
-    (per trained token, averaged over the whole step) stays on the GPU."""
+    (per trained token, averaged over the whole step) stays on the GPU. With ``graphed``, the
+    step (one micro-batch) is a CUDA graph replay."""
+    if graphed is not None:
+        (batch,) = step.micro_batches
+        loss = graphed(batch, step.loss_tokens)
+        scheduler.step()
+        return loss
     if mode.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
     num_items = count_on_device(step.loss_tokens, DEVICE)
@@ -287,15 +306,20 @@ def train_step(model, optimizer, scheduler, step: Step, mode: Mode) -> torch.Ten
         loss = model(**batch, num_items_in_batch=num_items).loss
         loss.backward()
         total += loss.detach()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return total
 
 
-def make_optimizer(model, config: BenchConfig):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
+def make_optimizer(model, config: BenchConfig, mode: Mode):
+    """Fused AdamW; captured steps need it capturable, with the learning rate a tensor the schedule fills."""
+    if mode.step_graph:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
+                                      fused=True, capturable=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
     return optimizer, linear_warmup(optimizer, config.warmup_lr_steps)
 
 
@@ -323,12 +347,12 @@ def kernel_group(name: str) -> str:
     return next((group for group, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
 
 
-def profile_step(model, optimizer, scheduler, step: Step, mode: Mode) -> dict:
+def profile_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: GraphedStep | None = None) -> dict:
     """GPU milliseconds of one step by kernel group, and the GPU's idle time within the step's wall time."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        train_step(model, optimizer, scheduler, step, mode)
+        train_step(model, optimizer, scheduler, step, mode, graphed)
         torch.cuda.synchronize()
     wall_ms = 1000 * (time.perf_counter() - start)
     groups: dict[str, float] = defaultdict(float)
@@ -345,28 +369,35 @@ def graphs_compiled() -> int:
 
 
 def measure(name: str, steps: Iterator[Step], warmup: int, timed: int, config: BenchConfig, vocab_size: int,
-            mean_square_length: float) -> dict:
-    """Train ``warmup`` then ``timed`` steps; real tokens/s over the timed ones, peak memory of all."""
+            mean_square_length: float, shape_steps: Iterator[Step] | None = None) -> dict:
+    """Train ``warmup`` then ``timed`` steps; real tokens/s over the timed ones, peak memory of all.
+    ``shape_steps``: the same steps again, for a step-graph mode to capture their shapes during the warm-up."""
     mode = MODES[name]
     free_gpu()
     model = prepare_model(mode, config, vocab_size)
-    optimizer, scheduler = make_optimizer(model, config)
+    optimizer, scheduler = make_optimizer(model, config, mode)
+    graphed = GraphedStep(model, optimizer, MAX_GRAD_NORM) if mode.step_graph else None
     start = time.perf_counter()
     if mode.shapes == "buckets":
         first = next(steps)
         prewarm_buckets(model, first.micro_batches[0])
         steps = itertools.chain([first], steps)
-    for step in itertools.islice(steps, warmup):
-        train_step(model, optimizer, scheduler, step, mode)
+    for i, step in enumerate(itertools.islice(steps, warmup)):
+        train_step(model, optimizer, scheduler, step, mode, graphed)
+        if graphed is not None and i == 0:
+            # Every shape of the run captured ahead, as a run would capture an epoch's shapes at its start:
+            # from a second pass over the same (seeded) batches, so the timed window still loads its own.
+            graphed.prepare(s.micro_batches[0] for s in itertools.islice(shape_steps or (), warmup + timed))
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
     compiled_before = graphs_compiled()
+    captured_before = len(graphed.graphs) if graphed is not None else 0
     real = trained = 0
     losses = []
     start = time.perf_counter()
     timed_steps = list(itertools.islice(steps, timed + config.profile))
     for step in timed_steps[:timed]:
-        losses.append(train_step(model, optimizer, scheduler, step, mode))
+        losses.append(train_step(model, optimizer, scheduler, step, mode, graphed))
         real += step.real_tokens
         trained += step.loss_tokens
     torch.cuda.synchronize()
@@ -378,20 +409,22 @@ def measure(name: str, steps: Iterator[Step], warmup: int, timed: int, config: B
         **asdict(mode),
         "attn_implementation": mode.attn_implementation,
         "tokens_per_s": tokens_per_s,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_mem_gib": peak_memory_gib(),
         "real_tokens_per_step": real / timed,
         "loss_tokens_per_step": trained / timed,
         "step_ms": 1000 * elapsed / timed,
         "warmup_s": warmup_s,
         "graphs_compiled_timed": graphs_compiled() - compiled_before,
+        "step_graphs": len(graphed.graphs) if graphed is not None else None,
+        "step_graphs_captured_timed": len(graphed.graphs) - captured_before if graphed is not None else None,
         "flops_per_token": per_token,
         "mfu": per_token * tokens_per_s / PEAK_BF16_FLOPS,
         "mean_loss_timed": float(torch.stack(losses).mean()),
     }
     if config.profile:
-        result["profile"] = profile_step(model, optimizer, scheduler, timed_steps[-1], mode)
+        result["profile"] = profile_step(model, optimizer, scheduler, timed_steps[-1], mode, graphed)
     print(json.dumps(result), flush=True)
-    del model, optimizer, scheduler
+    del model, optimizer, scheduler, graphed
     free_gpu()
     return result
 
@@ -418,7 +451,8 @@ def bench_cell(source: str, config: BenchConfig, rows: int, warmup: int, timed: 
     for name in modes:
         mode = MODES[name]
         steps = packed_steps(source, config, rows, mode) if mode.data == "packed" else baseline_steps(mode.data, windows, config)
-        results[name] = measure_guarded(name, steps, warmup, timed, config, vocab_size, mean_square_length)
+        shape_steps = packed_steps(source, config, rows, mode) if mode.step_graph else None
+        results[name] = measure_guarded(name, steps, warmup, timed, config, vocab_size, mean_square_length, shape_steps)
     ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
     fastest = lambda names: max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None  # noqa: E731
     reference_compiled = fastest([k for k in ok if MODES[k].data == "flatten" and MODES[k].compiled])
@@ -479,7 +513,8 @@ def convergence(source: str, config: BenchConfig) -> dict:
     for label, mode in (("ours", ours), ("padded", MODES["padded"])):
         free_gpu()
         model = prepare_model(mode, config, vocab_size)
-        optimizer, scheduler = make_optimizer(model, config)
+        optimizer, scheduler = make_optimizer(model, config, mode)
+        graphed = GraphedStep(model, optimizer, MAX_GRAD_NORM) if mode.step_graph else None
         # Mode 1 trains on the examples of ours' batches; its model never sees the counts.
         steps = packed_steps(source, config, config.rows_per_step, ours)
         if mode.shapes == "buckets":
@@ -491,7 +526,7 @@ def convergence(source: str, config: BenchConfig) -> dict:
         for step in itertools.islice(steps, config.convergence_steps):
             if label == "padded":
                 step = unpack_to_padded(step, config.padded_token_cap)
-            losses.append(train_step(model, optimizer, scheduler, step, mode))
+            losses.append(train_step(model, optimizer, scheduler, step, mode, graphed))
             tokens.append(step.real_tokens)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -499,9 +534,9 @@ def convergence(source: str, config: BenchConfig) -> dict:
         rows += [{"mode": label, "step": i + 1, "loss": v, "real_tokens": n} for i, (v, n) in enumerate(zip(values, tokens))]
         summary[label] = {**asdict(mode), "attn_implementation": mode.attn_implementation, "seconds": elapsed,
                           "mean_loss_last20": float(np.mean(values[-20:])),
-                          "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                          "peak_mem_gib": peak_memory_gib()}
         print(json.dumps({"convergence": label, **summary[label]}), flush=True)
-        del model, optimizer, scheduler
+        del model, optimizer, scheduler, graphed
     if config.convergence_csv:
         Path(config.convergence_csv).parent.mkdir(parents=True, exist_ok=True)
         with open(config.convergence_csv, "w", newline="") as f:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_REAL_TOKENS  # noqa: E402
-from loaders.distributed import global_loss_tokens, world_size  # noqa: E402
+from loaders.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.hf_trainer import loader_state_name  # noqa: E402
 from loaders.loss import batch_normalizer  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
@@ -46,6 +46,7 @@ from loaders.training import (  # noqa: E402
     compile_layers,
     count_on_device,
     linear_warmup,
+    load_causal_lm,
     model_inputs,
     peak_memory_gib,
     prewarm_buckets,
@@ -83,7 +84,7 @@ class TrainConfig:
     seed: int = 0
 
 
-# ---- model, data, optimizer: shared by both loops and by bench_train.py ---------------------
+# ---- model, data, logs, checkpoints: shared by both loops -----------------------------------
 
 
 def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
@@ -106,8 +107,7 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 
     if checkpoint is not None or config.model:
-        source = str(checkpoint or config.model)
-        model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn_implementation, dtype=torch.float32)
+        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32)
     elif config.random_init:
         name, overrides = parse_random_init(config.random_init)
         if name in CONFIG_MAPPING:
@@ -130,12 +130,6 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
     return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile,
                                  bucket_shapes=config.compile, loss_reduction=config.loss_reduction, **budget)
-
-
-
-
-
-
 
 
 class Logger:
@@ -286,10 +280,6 @@ def train_plain(config: TrainConfig) -> None:
             losses = []
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
             save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
-    if ranks > 1:
-        # No rank tears down its connections while another still uses them: gloo aborts the process then.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 # ---- the Hugging Face Trainer ---------------------------------------------------------------
@@ -403,3 +393,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    if world_size() > 1:
+        finish_distributed_run()  # under torchrun: every rank done, no process-group teardown

@@ -22,7 +22,7 @@ from shard_factory import build_shard_dir
 import tiny_model
 
 from loaders import PackedIterableDataset
-from loaders.distributed import global_loss_tokens, world_size
+from loaders.distributed import finish_distributed_run, global_loss_tokens, world_size
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,44 +59,40 @@ def ddp_worker(rank: int, path: str, init_file: str, out: str, start: int, stop:
     Checkpoints go to ``out`` after step STOP and at ``stop``.
     """
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        model = tiny_llama()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        data = dataset(path)
-        if start:
-            state = torch.load(f"{out}/rank{rank}-step{start}.pt", weights_only=False)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            data.load_state_dict(state["data"])
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        losses = []
-        for step, batch in zip(range(start, stop), data):
-            count = global_loss_tokens(batch["num_loss_tokens"])
-            loss = summed_loss(ddp, batch) / (count / world_size())
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            reported = loss.detach() / world_size()
-            dist.all_reduce(reported)
-            losses.append(reported.item())
-            if step + 1 == STOP and stop > STOP:
-                save(out, rank, STOP, model, optimizer, data, list(losses))
-        save(out, rank, stop, model, optimizer, data, losses)
-        # A whole epoch from a fresh loader: how many batches this rank gets and which examples.
-        batches, seen = 0, []
-        for batch in dataset(path):
-            batches += 1
-            cu, ids = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0]
-            seen += [tuple(ids[a:b].tolist()) for a, b in zip(cu[:-1], cu[1:])]
-        everyone = [None] * WORLD
-        dist.all_gather_object(everyone, {"batches": batches, "examples": seen})
-        if rank == 0:
-            torch.save(everyone, f"{out}/epoch.pt")
-        # No rank tears down its connections while another still uses them: gloo aborts the process then.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(1)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = dataset(path)
+    if start:
+        state = torch.load(f"{out}/rank{rank}-step{start}.pt", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        data.load_state_dict(state["data"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    losses = []
+    for step, batch in zip(range(start, stop), data):
+        count = global_loss_tokens(batch["num_loss_tokens"])
+        loss = summed_loss(ddp, batch) / (count / world_size())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        reported = loss.detach() / world_size()
+        dist.all_reduce(reported)
+        losses.append(reported.item())
+        if step + 1 == STOP and stop > STOP:
+            save(out, rank, STOP, model, optimizer, data, list(losses))
+    save(out, rank, stop, model, optimizer, data, losses)
+    # A whole epoch from a fresh loader: how many batches this rank gets and which examples.
+    batches, seen = 0, []
+    for batch in dataset(path):
+        batches += 1
+        cu, ids = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0]
+        seen += [tuple(ids[a:b].tolist()) for a, b in zip(cu[:-1], cu[1:])]
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, {"batches": batches, "examples": seen})
+    if rank == 0:
+        torch.save(everyone, f"{out}/epoch.pt")
+    finish_distributed_run()
 
 
 def run_ranks(path: str, out, start: int, stop: int, name: str) -> None:

@@ -17,7 +17,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.collate import COUNT_KEYS
-from loaders.loss_head import linear_cross_entropy, loss_positions, use_loss_position_head
+from loaders.loss_head import PADDED_LOSS_ROWS, linear_cross_entropy, loss_positions, use_loss_position_head
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,6 +130,20 @@ def test_packed_batch_with_counts(packed_batch):
     plain = {k: v for k, v in packed_batch.items() if k not in COUNT_KEYS}
     # The head takes the loader's batch as it is: it consumes the counts itself.
     assert_same(loss_and_grads(head, packed_batch), loss_and_grads(full, plain))
+
+
+@pytest.mark.parametrize("extra_rows", [0, 1, 200])
+def test_padded_loss_rows_change_nothing(packed_batch, extra_rows):
+    """Labelled positions padded to a fixed count (for CUDA graphs) give the same loss and gradients,
+    with and without the step's count of trained tokens."""
+    full = tiny_model("llama")
+    head = use_loss_position_head(copy.deepcopy(full))
+    plain = {k: v for k, v in packed_batch.items() if k not in COUNT_KEYS}
+    rows = packed_batch["num_loss_tokens"] + extra_rows
+    padded = {**plain, PADDED_LOSS_ROWS: rows}
+    assert_same(loss_and_grads(head, padded), loss_and_grads(full, plain))
+    count = torch.tensor(float(packed_batch["num_loss_tokens"] + 17))
+    assert_same(loss_and_grads(head, padded, num_items_in_batch=count), loss_and_grads(full, plain, num_items_in_batch=count))
 
 
 def test_the_check_has_teeth(packed_batch):

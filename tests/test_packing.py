@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.packing import PACKERS, PackingPlan, best_fit_decreasing, first_fit_decreasing, pack, sequential
+from pipeline.synthetic import SHAPES
 from schemas import Overflow, PackingAlgorithm, PackingError
 
 ALGORITHMS = sorted(PACKERS)
@@ -30,9 +31,8 @@ def lengths_and_capacity(draw: st.DrawFn, max_examples: int = 60) -> tuple[list[
 
 
 def flan_lengths(n: int, seed: int = 0) -> np.ndarray:
-    """FLAN-shaped lengths: lognormal(5.3, 0.9) rounded and clipped to [16, 4096]."""
-    rng = np.random.default_rng(seed)
-    return np.clip(np.rint(rng.lognormal(5.3, 0.9, n)), 16, 4096).astype(np.int64)
+    """``n`` lengths of the pipeline's FLAN shape (lognormal(5.3, 0.9) in [16, 4096]) from ``seed``."""
+    return SHAPES["synthetic-flan"].lengths(np.random.default_rng(seed), n)
 
 
 def segments_by_example(plan: PackingPlan) -> dict[int, list[tuple[int, int]]]:
@@ -212,9 +212,9 @@ def test_error_policy_packs_when_nothing_is_too_long(algorithm: str) -> None:
 
 def test_every_policy_is_accepted_and_unknown_ones_are_not() -> None:
     assert set(Overflow) == {"split", "truncate", "drop", "error"}
-    with pytest.raises(PackingError, match="unknown overflow policy 'wrap'"):
+    with pytest.raises(PackingError, match="overflow must be one of split, truncate, drop, error, got 'wrap'"):
         pack([1, 2], 4, overflow="wrap")
-    with pytest.raises(PackingError, match="unknown packing algorithm 'worst_fit'"):
+    with pytest.raises(PackingError, match="algorithm must be one of best_fit_decreasing, .*, got 'worst_fit'"):
         pack([1, 2], 4, algorithm="worst_fit")
     assert set(PackingAlgorithm) == set(PACKERS)
 

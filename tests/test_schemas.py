@@ -415,7 +415,7 @@ def test_errors_name_the_field() -> None:
 def test_json_round_trip(tmp_path: Path) -> None:
     manifest = make_manifest()
     assert Manifest.from_json(manifest.to_json()) == manifest
-    written = write_manifest(manifest, tmp_path)
+    written = Path(write_manifest(manifest, tmp_path))
     assert written == tmp_path / MANIFEST_NAME
     assert read_manifest(tmp_path) == read_manifest(written) == manifest
     assert [p.name for p in tmp_path.iterdir()] == [MANIFEST_NAME]

@@ -1,0 +1,148 @@
+"""A whole training step (forward, backward, gradient clipping, optimizer step) replayed as one
+CUDA graph per batch shape.
+
+With few tokens per step (a 0.5B model at 8k tokens) the GPU runs kernels faster than Python
+launches them, and per-layer compile still leaves it idle a fifth of every step. A CUDA graph
+launches the whole step at once. It needs shapes that repeat: batches padded with
+``pad_to_fixed_shape=fixed_shape(..., buckets=True)`` have a fixed token count, and their
+sequence count and ``max_length`` fall into a few buckets; the labelled positions, which the
+loss-position head gathers, are padded to a multiple of LOSS_ROWS_BUCKET rows of weight 0.
+A graph is captured the first time its shapes are seen, after one uncaptured forward and
+backward that compiles what the shapes need. All graphs share one memory pool: nothing a step
+leaves in it is read after the step::
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-4, device="cuda"),
+                                  fused=True, capturable=True)
+    step = GraphedStep(use_loss_position_head(model), optimizer, max_grad_norm=1.0)
+    for batch in loader:                       # PackedIterableDataset batches, bucketed
+        loss = step(batch)                     # the step's loss, on the GPU
+        scheduler.step()                       # changes the lr tensor the graphs read
+
+The first step runs uncaptured: it creates the optimizer's state. ``step.prepare(batches)``
+then captures the graphs of all the shapes among ``batches`` (an epoch's worth, say) at once.
+Each step is one micro-batch; the loss is divided by ``num_items_in_batch`` (default: the
+batch's loss tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS
+from loaders.loss_head import PADDED_LOSS_ROWS
+
+# Labelled positions are padded to a multiple of this many rows, so batches share graphs.
+LOSS_ROWS_BUCKET = 256
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # the graph reads its batch from these
+    num_items: torch.Tensor  # and its loss divisor from this
+    loss: torch.Tensor  # where it writes the loss
+
+
+class GraphedStep:
+    """``step(batch)``: one optimizer step on ``batch``, as a CUDA graph replay; returns the loss.
+
+    ``model`` must use the loss-position head (``loaders.loss_head.use_loss_position_head``)
+    and run without host syncs; ``optimizer`` must be capturable (``capturable=True``) with
+    tensor learning rates on the GPU, so a scheduler's changes reach the captured steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None):
+        if not getattr(model, "varpack_loss_head", False):
+            raise ValueError("GraphedStep needs the loss-position head: use_loss_position_head(model) first")
+        for group in optimizer.param_groups:
+            if not group.get("capturable"):
+                raise ValueError("GraphedStep needs a capturable optimizer: pass capturable=True")
+            lr = group["lr"]
+            if not (isinstance(lr, torch.Tensor) and lr.is_cuda):
+                raise ValueError("GraphedStep needs the learning rate as a tensor on the GPU (lr=torch.tensor(lr, "
+                                 "device='cuda')): a captured step would keep a float learning rate for ever")
+        self.model = model
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.graphs: dict[tuple, _Captured] = {}
+        self.replays = 0
+        self._pool: Any = None
+
+    def __call__(self, batch: dict, num_items_in_batch: float | None = None) -> torch.Tensor:
+        num_items = float(batch[NUM_LOSS_TOKENS] if num_items_in_batch is None else num_items_in_batch)
+        tensors, settings, rows, key = self._shapes(batch)
+        if not self.optimizer.state:
+            return self._eager(tensors, settings, num_items)
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(tensors, settings, rows)
+        for name, value in tensors.items():
+            captured.inputs[name].copy_(value, non_blocking=True)
+        captured.num_items.fill_(num_items)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.loss.clone()
+
+    def prepare(self, batches: Iterable[dict]) -> int:
+        """Capture now the graph of every shape among ``batches`` not captured yet, so that training
+        never stops to capture; returns how many were captured. The weights are untouched; call
+        it after the first step, which creates the optimizer's state."""
+        if not self.optimizer.state:
+            raise RuntimeError("GraphedStep.prepare: take the first step first; it creates the optimizer's state")
+        captured = 0
+        for batch in batches:
+            tensors, settings, rows, key = self._shapes(batch)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(tensors, settings, rows)
+                captured += 1
+        return captured
+
+    @staticmethod
+    def _shapes(batch: dict) -> tuple[dict, dict, int, tuple]:
+        """The batch's tensors, its other model settings, its padded labelled rows, and the key of its graph."""
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        settings = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor) and k not in (NUM_LOSS_TOKENS, NUM_REAL_TOKENS)}
+        rows = -(-batch[NUM_LOSS_TOKENS] // LOSS_ROWS_BUCKET) * LOSS_ROWS_BUCKET
+        key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(tensors.items())), tuple(sorted(settings.items())), rows)
+        return tensors, settings, rows, key
+
+    def _update(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+
+    def _eager(self, tensors: dict, settings: dict, num_items: float) -> torch.Tensor:
+        """A step without a graph: the first one, which creates the optimizer's state."""
+        divisor = torch.tensor(num_items, device=self.params[0].device)
+        loss = self.model(**tensors, **settings, num_items_in_batch=divisor).loss
+        self._update(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _capture(self, tensors: dict, settings: dict, rows: int) -> _Captured:
+        """Capture the step for these shapes, after one uncaptured forward and backward (weights untouched)."""
+        inputs = {name: value.detach().clone() for name, value in tensors.items()}
+        num_items = torch.ones((), device=self.params[0].device)
+
+        def loss() -> torch.Tensor:
+            return self.model(**inputs, **settings, num_items_in_batch=num_items, **{PADDED_LOSS_ROWS: rows}).loss
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader's pin-memory thread may allocate meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            value = loss()
+            self._update(value)
+        self._pool = graph.pool()
+        return _Captured(graph, inputs, num_items, value.detach())

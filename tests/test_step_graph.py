@@ -1,0 +1,117 @@
+"""GraphedStep: a training step replayed as a CUDA graph trains as the same step run eagerly.
+
+The GPU tests run on the GPU machine and are skipped without CUDA; the refusals run anywhere."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from shard_factory import build_shard_dir
+
+from loaders.loss_head import use_loss_position_head
+from loaders.step_graph import GraphedStep
+from tiny_model import tiny_llama
+
+VOCAB = 512
+CAPACITY = 512
+STEPS = 14
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+def test_refuses_what_a_captured_step_would_get_wrong():
+    model = tiny_llama(VOCAB, CAPACITY)
+    with pytest.raises(ValueError, match="needs the loss-position head"):
+        GraphedStep(model, torch.optim.AdamW(model.parameters()))
+    head = use_loss_position_head(model)
+    with pytest.raises(ValueError, match="capturable=True"):
+        GraphedStep(head, torch.optim.AdamW(head.parameters(), lr=1e-3))
+    with pytest.raises(ValueError, match="learning rate as a tensor on the GPU"):
+        GraphedStep(head, torch.optim.AdamW(head.parameters(), lr=1e-3, capturable=True))
+
+
+def bucketed_batches(tmp_path, count: int) -> list[dict]:
+    """``count`` loader batches of two 512-token rows of FLAN-shaped examples, bucketed fixed shapes, on the GPU."""
+    from loaders import PackedIterableDataset
+
+    lengths = np.clip(np.random.default_rng(4).lognormal(4.5, 0.9, 400), 16, 600).astype(np.int64)
+    shards = build_shard_dir(tmp_path, lengths, capacity=CAPACITY, vocab_size=VOCAB, seed=4)
+    dataset = PackedIterableDataset(shards.path, batch_rows=2, seed=1, pad_to_fixed_shape=True, bucket_shapes=True)
+    batches = []
+    epoch = 0
+    while len(batches) < count:
+        dataset.set_epoch(epoch)
+        batches += [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in dataset]
+        epoch += 1
+    return batches[:count]
+
+
+def trainer(model: torch.nn.Module):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-3, device="cuda"), fused=True, capturable=True)
+    # A warm-up: the captured steps must see the learning rate change.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 6))
+    return optimizer, scheduler
+
+
+def gpu_llama() -> torch.nn.Module:
+    """A seeded random Llama of 2 layers, hidden size 256, in bf16 on the GPU, with the best varlen attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loaders.attention import attn_implementation_for, best_backend
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CAPACITY, use_cache=False,
+                         attn_implementation=attn_implementation_for(best_backend()))
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared):
+    from loaders.training import compile_layers, prewarm_buckets
+
+    batches = bucketed_batches(tmp_path, STEPS)
+    base = gpu_llama()
+    eager, graphed = use_loss_position_head(copy.deepcopy(base)), use_loss_position_head(copy.deepcopy(base))
+    if compiled:
+        for model in (eager, graphed):
+            compile_layers(model)
+            prewarm_buckets(model, batches[0])
+
+    optimizer, scheduler = trainer(eager)
+    want = []
+    for batch in batches:
+        count = torch.tensor(float(batch["num_loss_tokens"]), device="cuda")
+        loss = eager(**batch, num_items_in_batch=count).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        want.append(loss.item())
+
+    optimizer, scheduler = trainer(graphed)
+    step = GraphedStep(graphed, optimizer, max_grad_norm=1.0)
+    got = []
+    for i, batch in enumerate(batches):
+        got.append(step(batch).item())
+        scheduler.step()
+        if prepared and i == 0:
+            captured = step.prepare(batches)
+            assert captured == len(step.graphs) >= 1
+
+    assert step.replays == STEPS - 1 and len(step.graphs) < step.replays, "shapes should repeat across batches"
+    if prepared:
+        assert len(step.graphs) == captured, "every shape was captured ahead"
+    np.testing.assert_allclose(got, want, rtol=2e-2)
+    for (name, p), q, start in zip(eager.named_parameters(), graphed.parameters(), base.parameters()):
+        moved = ((p.float() - start.float()).norm() / start.float().norm()).item()
+        err = ((p.float() - q.float()).norm() / p.float().norm()).item()
+        assert err < max(2e-2, moved / 10), f"{name}: weights differ by {err:.3g}, moved by {moved:.3g}"
+    moved = max(((q.float() - s.float()).norm() / s.float().norm()).item() for q, s in zip(graphed.parameters(), base.parameters()))
+    assert moved > 1e-2, "the graphed steps should have changed the weights"
