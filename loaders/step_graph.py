@@ -26,6 +26,7 @@ batch's loss tokens).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,11 @@ from typing import Any
 import torch
 
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS
+from loaders.loss import LOSS_WEIGHT_SUM
 from loaders.loss_head import PADDED_LOSS_ROWS
+
+# Batch entries that are no model setting: counts the head consumes, which differ from batch to batch.
+_COUNTS = (NUM_LOSS_TOKENS, NUM_REAL_TOKENS, LOSS_WEIGHT_SUM)
 
 # Labelled positions are padded to a multiple of this many rows, so batches share graphs.
 LOSS_ROWS_BUCKET = 256
@@ -53,9 +58,12 @@ class GraphedStep:
     ``model`` must use the loss-position head (``loaders.loss_head.use_loss_position_head``)
     and run without host syncs; ``optimizer`` must be capturable (``capturable=True``) with
     tensor learning rates on the GPU, so a scheduler's changes reach the captured steps.
+    ``autocast_dtype``: run the forward under ``torch.autocast`` to that dtype (fp32 weights
+    trained in bf16), without autocast's weight cache, which a graph cannot keep.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
+                 autocast_dtype: torch.dtype | None = None):
         if not getattr(model, "varpack_loss_head", False):
             raise ValueError("GraphedStep needs the loss-position head: use_loss_position_head(model) first")
         for group in optimizer.param_groups:
@@ -68,6 +76,7 @@ class GraphedStep:
         self.model = model
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
+        self.autocast_dtype = autocast_dtype
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
@@ -106,10 +115,15 @@ class GraphedStep:
     def _shapes(batch: dict) -> tuple[dict, dict, int, tuple]:
         """The batch's tensors, its other model settings, its padded labelled rows, and the key of its graph."""
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        settings = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor) and k not in (NUM_LOSS_TOKENS, NUM_REAL_TOKENS)}
+        settings = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor) and k not in _COUNTS}
         rows = -(-batch[NUM_LOSS_TOKENS] // LOSS_ROWS_BUCKET) * LOSS_ROWS_BUCKET
         key = (tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(tensors.items())), tuple(sorted(settings.items())), rows)
         return tensors, settings, rows, key
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
 
     def _update(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -120,7 +134,8 @@ class GraphedStep:
     def _eager(self, tensors: dict, settings: dict, num_items: float) -> torch.Tensor:
         """A step without a graph: the first one, which creates the optimizer's state."""
         divisor = torch.tensor(num_items, device=self.params[0].device)
-        loss = self.model(**tensors, **settings, num_items_in_batch=divisor).loss
+        with self._autocast():
+            loss = self.model(**tensors, **settings, num_items_in_batch=divisor).loss
         self._update(loss)
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -131,7 +146,8 @@ class GraphedStep:
         num_items = torch.ones((), device=self.params[0].device)
 
         def loss() -> torch.Tensor:
-            return self.model(**inputs, **settings, num_items_in_batch=num_items, **{PADDED_LOSS_ROWS: rows}).loss
+            with self._autocast():
+                return self.model(**inputs, **settings, num_items_in_batch=num_items, **{PADDED_LOSS_ROWS: rows}).loss
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

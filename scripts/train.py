@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -42,6 +43,7 @@ from loaders.distributed import finish_distributed_run, global_loss_tokens, worl
 from loaders.hf_trainer import loader_state_name  # noqa: E402
 from loaders.loss import batch_normalizer  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
+from loaders.step_graph import GraphedStep  # noqa: E402
 from loaders.training import (  # noqa: E402
     compile_layers,
     count_on_device,
@@ -76,6 +78,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     precision: str = "bf16"  # bf16 | fp32
     compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
+    step_graph: bool = False  # with --compile: each step one CUDA graph replay (loaders.step_graph); one GPU
     full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
     loss_reduction: str = "token"  # token | sequence (loaders/loss.py)
     log_every: int = 10
@@ -217,7 +220,11 @@ def train_plain(config: TrainConfig) -> None:
         use_loss_position_head(model)
     if config.compile:
         compile_layers(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    if config.step_graph:  # a captured step reads the learning rate from a tensor the scheduler fills
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=device),
+                                      weight_decay=config.weight_decay, fused=True, capturable=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
     if checkpoint is not None:
@@ -241,8 +248,27 @@ def train_plain(config: TrainConfig) -> None:
     if ranks > 1:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     logger = Logger(out)
+    losses: list[torch.Tensor] = []
+
+    def log_and_save(step: int) -> None:
+        """Log every --log-every steps (the global batch's loss, every rank's tokens); checkpoint every --save-every."""
+        if step % config.log_every == 0 or step == config.max_steps:
+            mean_loss = torch.stack(losses).mean()
+            if ranks > 1:
+                totals = torch.stack([mean_loss, count_on_device(logger.tokens, device)])
+                torch.distributed.all_reduce(totals)
+                mean_loss, logger.tokens = totals[0] / ranks, int(totals[1].item())
+            if rank == 0:
+                lr = scheduler.get_last_lr()[0]
+                logger.log(step, loss=mean_loss.item(), lr=float(lr))
+            losses.clear()
+        if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
+            save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
+
+    graphed = None
+    if config.step_graph:
+        graphed = GraphedStep(model, optimizer, config.max_grad_norm, torch.bfloat16 if config.precision == "bf16" else None)
     batches = iter(dataset)
-    losses = []
     while step < config.max_steps:
         window = []
         for _ in range(config.grad_accum):
@@ -252,6 +278,14 @@ def train_plain(config: TrainConfig) -> None:
                 batch = next(batches)
             window.append(batch)
         local_items = sum(batch_normalizer(b) for b in window)
+        if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
+            (batch,) = window
+            losses.append(graphed(model_inputs(batch, device, False), local_items))
+            logger.add_tokens(batch[NUM_REAL_TOKENS])
+            scheduler.step()
+            step += 1
+            log_and_save(step)
+            continue
         # DDP averages gradients over ranks: dividing by the global count / ranks makes them the global mean.
         num_items = global_loss_tokens(local_items, device) / ranks if ranks > 1 else count_on_device(local_items, device)
         step_loss = torch.zeros((), device=device)
@@ -269,17 +303,7 @@ def train_plain(config: TrainConfig) -> None:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         losses.append(step_loss)
-        if step % config.log_every == 0 or step == config.max_steps:
-            mean_loss = torch.stack(losses).mean()
-            if ranks > 1:  # the global batch's loss, and every rank's tokens
-                totals = torch.stack([mean_loss, count_on_device(logger.tokens, device)])
-                torch.distributed.all_reduce(totals)
-                mean_loss, logger.tokens = totals[0] / ranks, int(totals[1].item())
-            if rank == 0:
-                logger.log(step, loss=mean_loss.item(), lr=scheduler.get_last_lr()[0])
-            losses = []
-        if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
-            save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
+        log_and_save(step)
 
 
 # ---- the Hugging Face Trainer ---------------------------------------------------------------
@@ -348,6 +372,8 @@ OPTION_HELP = {
     "max_grad_norm": "gradient clipping norm",
     "precision": "bf16 (autocast, fp32 weights) or fp32",
     "compile": "fixed-shape batches and per-layer torch.compile",
+    "step_graph": "with --compile: each optimizer step (forward, backward, clipping, AdamW) replayed as one CUDA graph "
+                  "per batch shape; one GPU, --grad-accum 1, the plain loop",
     "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
     "loss_reduction": "token: every trained token weighs the same; sequence: every example weighs the same "
                       "(the plain loop needs the loss-position head for it)",
@@ -376,6 +402,14 @@ def make_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> TrainConfig:
     parser = make_parser()
     config = TrainConfig(**vars(parser.parse_args(argv)))
+    if config.step_graph:
+        needs = [why for why, broken in (
+            ("--compile", not config.compile), ("the loss-position head (drop --full-logits)", config.full_logits),
+            ("--grad-accum 1", config.grad_accum != 1), ("--trainer plain", config.trainer != "plain"),
+            ("a CUDA GPU", not torch.cuda.is_available()),
+            ("one process (not torchrun)", int(os.environ.get("WORLD_SIZE", "1")) > 1)) if broken]
+        if needs:
+            parser.error(f"--step-graph needs {', '.join(needs)}")
     if config.full_logits and config.loss_reduction != "token" and config.trainer == "plain":
         parser.error(f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
                      "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")

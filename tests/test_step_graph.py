@@ -4,6 +4,7 @@ The GPU tests run on the GPU machine and are skipped without CUDA; the refusals 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -70,24 +71,30 @@ def gpu_llama() -> torch.nn.Module:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("prepared", [False, True])
-def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared):
+@pytest.mark.parametrize(("compiled", "prepared", "autocast"),
+                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
+def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, autocast):
+    """Also with fp32 weights under bf16 autocast, as scripts/train.py trains."""
     from loaders.training import compile_layers, prewarm_buckets
 
     batches = bucketed_batches(tmp_path, STEPS)
     base = gpu_llama()
+    if autocast:
+        base = base.float()
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     eager, graphed = use_loss_position_head(copy.deepcopy(base)), use_loss_position_head(copy.deepcopy(base))
     if compiled:
         for model in (eager, graphed):
             compile_layers(model)
-            prewarm_buckets(model, batches[0])
+            with precision:
+                prewarm_buckets(model, batches[0])
 
     optimizer, scheduler = trainer(eager)
     want = []
     for batch in batches:
         count = torch.tensor(float(batch["num_loss_tokens"]), device="cuda")
-        loss = eager(**batch, num_items_in_batch=count).loss
+        with precision:
+            loss = eager(**batch, num_items_in_batch=count).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
         optimizer.step()
@@ -96,7 +103,7 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared):
         want.append(loss.item())
 
     optimizer, scheduler = trainer(graphed)
-    step = GraphedStep(graphed, optimizer, max_grad_norm=1.0)
+    step = GraphedStep(graphed, optimizer, max_grad_norm=1.0, autocast_dtype=torch.bfloat16 if autocast else None)
     got = []
     for i, batch in enumerate(batches):
         got.append(step(batch).item())

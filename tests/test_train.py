@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
 
@@ -69,6 +70,14 @@ def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, ca
     with pytest.raises(SystemExit):
         main([*common, "--loss-reduction", "sequence", "--full-logits", "--out", str(tmp_path / "refused")])
     assert "drop --full-logits" in capsys.readouterr().err
+
+
+def test_step_graph_names_what_it_needs(capsys):
+    with pytest.raises(SystemExit):
+        load_script().parse_args(["--step-graph", "--full-logits", "--grad-accum", "2"])
+    needs = capsys.readouterr().err.strip().splitlines()[-1]
+    assert needs.endswith("error: --step-graph needs --compile, the loss-position head (drop --full-logits), "
+                          "--grad-accum 1" + ("" if torch.cuda.is_available() else ", a CUDA GPU")), needs
 
 
 def test_help_describes_every_option_and_its_default(capsys):
