@@ -8,7 +8,10 @@ build another rank just read). For each size, with an empty verification record:
 - ``first_open_s``: ``PackedIterableDataset(build, verify_checksum=True)`` hashing every shard,
   what every rank paid on every open before verification was recorded;
 - ``later_open_s``: the same call again, finding the record (the other ranks, the next run);
-- ``unverified_open_s``: ``verify_checksum=False``, the floor.
+- ``unverified_open_s``: ``verify_checksum=False``, the floor;
+- ``pack_first_reuse_s`` / ``pack_later_reuse_s``: ``pack``'s check of a finished build before
+  reusing it (every shard's size and sha256), with an empty record and then with its own record:
+  what every node of a job running ``pack`` before training pays.
 
 The last line printed is one JSON object.
 
@@ -31,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from loaders import PackedIterableDataset  # noqa: E402
-from pipeline.build import build  # noqa: E402
+from pipeline.build import build, reuse_problem  # noqa: E402
 from pipeline.config import PackConfig  # noqa: E402
 from pipeline.shard_writer import shard_name  # noqa: E402
 from schemas import read_manifest, write_manifest  # noqa: E402
@@ -61,6 +64,16 @@ def timed_open(directory: Path, verify_checksum: bool) -> float:
     return time.perf_counter() - started
 
 
+def timed_reuse_check(directory: Path) -> float:
+    manifest = read_manifest(directory)
+    started = time.perf_counter()
+    problem = reuse_problem(manifest, str(directory))
+    elapsed = time.perf_counter() - started
+    if problem is not None:
+        raise SystemExit(f"{directory}: {problem}")
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 10])
@@ -76,12 +89,17 @@ def main() -> None:
         for size in args.sizes_gb:
             directory = tmp / f"build-{size:g}gb"
             count = simulated_build(source, directory, int(size * GB))
+            os.environ["VARPACK_CACHE_DIR"] = str(tmp / f"cache-loader-{size:g}")  # an empty record for each side
             first = timed_open(directory, verify_checksum=True)
             later = timed_open(directory, verify_checksum=True)
             unverified = timed_open(directory, verify_checksum=False)
+            os.environ["VARPACK_CACHE_DIR"] = str(tmp / f"cache-pack-{size:g}")
+            pack_first = timed_reuse_check(directory)
+            pack_later = timed_reuse_check(directory)
             row = {"size_gb": size, "shards": count, "first_open_s": round(first, 3), "later_open_s": round(later, 3),
                    "unverified_open_s": round(unverified, 3), "later_over_first": round(later / first, 4),
-                   "first_s_per_gb": round(first / size, 3)}
+                   "first_s_per_gb": round(first / size, 3), "pack_first_reuse_s": round(pack_first, 3),
+                   "pack_later_reuse_s": round(pack_later, 3), "pack_later_over_first": round(pack_later / pack_first, 4)}
             print(json.dumps(row), flush=True)
             results["sizes"].append(row)
     print(json.dumps(results))

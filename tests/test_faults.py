@@ -252,6 +252,38 @@ def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
     assert build(config(data, tmp_path / "out", rows_per_shard=40)).reused
 
 
+def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(data, tmp_path, monkeypatch):
+    """Every node of a job runs pack before training: only the first check of a build on a host hashes it;
+    a shard rewritten since (even with the same bytes) is hashed again, and a corrupt one still caught."""
+    import pipeline.build
+    from loaders.verify import verify_build
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    hashed: list[int] = []
+    real_sha256 = pipeline.build.stream_sha256
+    monkeypatch.setattr(pipeline.build, "stream_sha256", lambda f: hashed.append(1) or real_sha256(f))
+
+    def reuse() -> int:
+        hashed.clear()
+        assert build(config(data, tmp_path / "out", rows_per_shard=40)).reused
+        return len(hashed)
+
+    first = build(config(data, tmp_path / "out", rows_per_shard=40))
+    shards = [Path(first.out_dir) / info.path for info in first.manifest.shards]
+    assert len(shards) > 2
+    assert reuse() == len(shards)
+    assert reuse() == 0
+    assert verify_build(first.manifest, shards) == 0  # the loader finds pack's record
+    shards[1].write_bytes(shards[1].read_bytes())
+    assert reuse() == 1
+    corrupt = bytearray(shards[2].read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    shards[2].write_bytes(bytes(corrupt))
+    messages: list[str] = []
+    assert not build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append).reused
+    assert f"rebuilding {first.out_dir}: {shards[2].name} fails its checksum (the file is corrupt)" in messages
+
+
 def test_swapped_manifest_entries_are_refused(data, tmp_path):
     result = build(config(data, tmp_path / "out", rows_per_shard=40))
     path = Path(result.out_dir) / MANIFEST_NAME

@@ -11,7 +11,8 @@ import pytest
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
-from loaders.verify import record_path, verify_build
+from loaders.verify import verify_build
+from schemas.verified import record_path
 from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
 
 CAPACITY = 32
