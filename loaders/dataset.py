@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loaders.collate import FixedShape, collate_rows, fixed_shape
-from loaders.loss import add_loss_weights, make_loss_weighting
+from loaders.loss import LossReduction, add_loss_weights, make_loss_weighting
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import Position, from_state_dict, to_state_dict
@@ -182,7 +182,7 @@ class PackedIterableDataset(IterableDataset):
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
             [open_shard(path, self.capacity, expected=info) for path, info in zip(self._paths, manifest.shards)]
-            if loss_reduction == "sequence" else (),
+            if loss_reduction == LossReduction.SEQUENCE else (),
         )
         row_tokens, row_segments = self._read_row_index()
         self._row_tokens = row_tokens

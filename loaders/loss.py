@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -34,8 +35,17 @@ import torch.nn.functional as F
 
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS
 from loaders.shard_reader import Shard
+from schemas import one_of
 
-LOSS_REDUCTIONS = ("token", "sequence")
+
+
+class LossReduction(StrEnum):
+    """How a batch's loss is averaged: over target tokens, or over examples (each example's mean)."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
 # Batch keys: the weight of each label (float32 [1, T], 0 where labels == -100) and their sum.
 LOSS_WEIGHTS = "loss_weights"
 LOSS_WEIGHT_SUM = "loss_weight_sum"
@@ -45,18 +55,17 @@ LOSS_WEIGHT_SUM = "loss_weight_sum"
 class LossWeighting:
     """How a batch's target tokens are weighed: ``reduction`` and optional per-example weights."""
 
-    reduction: str = "token"
+    reduction: str = LossReduction.TOKEN
     example_weights: np.ndarray | None = None  # float64 [num_examples], indexed by example id
     example_targets: np.ndarray | None = None  # "sequence": int64 targets of each example id, all chunks
 
     def __post_init__(self) -> None:
-        if self.reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {self.reduction!r}")
+        one_of("loss_reduction", self.reduction, LossReduction)
 
     @property
     def is_plain_token_mean(self) -> bool:
         """True when every target weighs 1: the batch needs no weights."""
-        return self.reduction == "token" and self.example_weights is None
+        return self.reduction == LossReduction.TOKEN and self.example_weights is None
 
 
 def example_target_counts(shards: Sequence[Shard]) -> np.ndarray:
@@ -80,7 +89,7 @@ def make_loss_weighting(reduction: str, example_weights, num_examples: int | Non
 
     Under ``"sequence"`` the examples' target counts are read from ``shards`` (every shard of the build).
     """
-    targets = example_target_counts(shards) if reduction == "sequence" else None
+    targets = example_target_counts(shards) if reduction == LossReduction.SEQUENCE else None
     if example_weights is None:
         return LossWeighting(reduction, None, targets)
     weights = np.asarray(example_weights, dtype=np.float64)
@@ -116,7 +125,7 @@ def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWe
         weights[: segment_examples.size] = 1.0
     else:
         weights[: segment_examples.size] = weighting.example_weights[segment_examples]
-    if weighting.reduction == "sequence":
+    if weighting.reduction == LossReduction.SEQUENCE:
         if weighting.example_targets is None:
             targets = np.bincount(sequence, weights=is_target, minlength=lengths.size)
         else:

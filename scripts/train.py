@@ -41,7 +41,7 @@ from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_REAL_TOKENS  # noqa: E402
 from loaders.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.hf_trainer import loader_state_name  # noqa: E402
-from loaders.loss import batch_normalizer  # noqa: E402
+from loaders.loss import LossReduction, batch_normalizer  # noqa: E402
 from loaders.loss_head import use_loss_position_head  # noqa: E402
 from loaders.step_graph import GraphedStep  # noqa: E402
 from loaders.training import (  # noqa: E402
@@ -382,7 +382,7 @@ OPTION_HELP = {
     "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
     "seed": "seed of the model init and the loader's shuffle",
 }
-CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": ("token", "sequence")}
+CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction)}
 
 
 def make_parser() -> argparse.ArgumentParser:
