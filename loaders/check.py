@@ -166,8 +166,8 @@ def first_batch_with_examples(dataset, examples: int, limit: int = 64) -> dict:
     return best
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m loaders.check", description=__doc__.split("\n\n")[0])
+def make_parser(prog: str = "python -m loaders.check") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hub id or local directory of the causal LM to check")
     parser.add_argument("--shards", required=True, help="shard directory or manifest (local or fsspec URL)")
     parser.add_argument("--attn", default="auto", help="attention backend: auto (the best here), flash_attn, "
@@ -184,9 +184,9 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m loaders.check") -> int:
     """The command line; returns the exit status: 0 isolated, 1 not, 2 bad input."""
-    args = make_parser().parse_args(argv)
+    args = make_parser(prog).parse_args(argv)
     from loaders.attention import attn_implementation_for
     from loaders.dataset import PackedIterableDataset
     from schemas import VarpackError

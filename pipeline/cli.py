@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"varpack: error: varpack {command} is not in this installation (no module {module_name}); "
                   "install a varpack that has it", file=sys.stderr)
         return EXIT_ERROR
-    return module.main(rest)
+    return module.main(rest, prog=f"varpack {command}")
 
 
 if __name__ == "__main__":

@@ -238,9 +238,9 @@ def load_decoder(manifest: Manifest, tokenizer: str | None) -> tuple[Decoder, st
     return (lambda ids: backend.decode(ids.tolist(), skip_special_tokens=False)), note
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(prog: str = "python -m pipeline.inspect") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.inspect",
+        prog=prog,
         description="Show what a build holds: a summary (inputs, fill, examples, overflow, bad rows), decoded rows, "
         "and histograms.",
     )
@@ -256,8 +256,8 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m pipeline.inspect") -> int:
+    args = make_parser(prog).parse_args(argv)
     try:
         if args.rows < 0:
             raise InputError(f"--rows must be 0 or more, got {args.rows}")

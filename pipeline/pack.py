@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError
-from schemas import BadRowPolicy, Manifest, Overflow, PackingAlgorithm, VarpackError
+from schemas import BadRowPolicy, Manifest, Overflow, PackingAlgorithm, VarpackError, WriteError
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -43,9 +43,12 @@ def bad_row_bound(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"expected a count or a fraction such as 0.05, got {text!r}") from None
 
 
-def make_parser() -> argparse.ArgumentParser:
+PROG = "python -m pipeline.pack"
+
+
+def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.pack",
+        prog=prog,
         description="Pack a dataset into content-addressed shards of packed rows for FlashAttention-2 varlen training. "
         "Unknown --options are Apache Beam pipeline options (--runner, --direct_num_workers, --direct_running_mode, "
         "--temp_location, ...), passed through unchanged; the default runner is Beam's in-process FnApiRunner.",
@@ -189,9 +192,9 @@ def _check_beam_args(beam_args: list[str]) -> None:
         )
 
 
-def parse_args(argv: Sequence[str] | None = None) -> PackConfig:
+def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> PackConfig:
     """The PackConfig the command line describes; unknown --options become Beam options."""
-    args, beam_args = make_parser().parse_known_args(argv)
+    args, beam_args = make_parser(prog).parse_known_args(argv)
     beam_args = _resolve_runner(beam_args)
     _check_beam_args(beam_args)
     return PackConfig(**vars(args), beam_args=tuple(beam_args))
@@ -228,7 +231,7 @@ def _is_interrupt(err: BaseException) -> bool:
     return _interrupted.is_set() or isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in str(err)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet = _QuietBeam()
     for handler in logging.getLogger().handlers:
@@ -238,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, _on_interrupt)
     config = None
     try:
-        config = parse_args(argv)
+        config = parse_args(argv, prog)
         quiet.verbose = config.verbose
         from pipeline.build import build
         from pipeline.report import format_report
@@ -251,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
             result.layout, manifest.rejected,
         ))
-        if config.report and not result.reused:
+        if config.report and not (result.reused and report_written(result.out_dir)):
             write_report_figure(result.out_dir, manifest)
     except BaseException as err:
         if config is not None and config.verbose:
@@ -269,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def report_written(out_dir: str) -> bool:
+    """Whether the build already holds report.png (a reused build made with --no-report, or without matplotlib, does not)."""
+    from pipeline import storage
+    from pipeline.figures import REPORT_NAME
+
+    return storage.exists(storage.join(out_dir, REPORT_NAME))
+
+
 def write_report_figure(out_dir: str, manifest: Manifest) -> None:
     """Write report.png beside the manifest; without matplotlib, say so once and how to get it."""
     from pipeline.figures import missing_matplotlib, write_report
@@ -280,7 +291,7 @@ def write_report_figure(out_dir: str, manifest: Manifest) -> None:
         return
     try:
         path = write_report(read_profile(out_dir, manifest), manifest, out_dir)
-    except OSError as err:
+    except (OSError, WriteError) as err:  # a read-only build directory, a full disk
         print(f"varpack: report figure not written ({err}); the build itself is complete", file=sys.stderr)
         return
     print(f"  {'histograms':<12}  {path}")

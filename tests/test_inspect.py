@@ -68,6 +68,9 @@ def test_pack_writes_the_report_beside_the_manifest_and_the_build_stays_the_same
     assert "reusing" in capsys.readouterr().out
     batches = list(PackedIterableDataset(packed, batch_rows=1, verify_checksum=True))
     assert sum(int(b["cu_seq_lens_q"][-1]) for b in batches) == read_manifest(packed).num_tokens
+    # A build made with --no-report gets its figure when a later run reuses it.
+    assert pack_main([*PACK_ARGS, "--out", str(plain)]) == 0
+    assert "reusing" in capsys.readouterr().out and png_size(plain_dir / REPORT_NAME)[0] > 1200
 
 
 def test_pack_without_matplotlib_says_once_that_the_figure_was_skipped(tmp_path: Path) -> None:
@@ -219,6 +222,10 @@ def test_varpack_dispatches_to_the_commands(packed: Path, capsys) -> None:
     assert cli.main(["--help"]) == 0 and "pack" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2
     assert capsys.readouterr().err.strip() == "varpack: error: unknown command 'frobnicate'; choose one of pack, inspect, check"
+    for command in ("pack", "inspect"):  # the help names the command as typed
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert capsys.readouterr().out.startswith(f"usage: varpack {command} ")
 
 
 def test_varpack_check_needs_no_beam(tmp_path: Path) -> None:
@@ -242,4 +249,4 @@ def test_varpack_check_needs_no_beam(tmp_path: Path) -> None:
         )
     else:
         assert result.returncode == 0, result.stderr
-        assert "usage" in result.stdout
+        assert result.stdout.startswith("usage: varpack check ")
