@@ -1,7 +1,8 @@
 """Packed evaluation: per-example loss and perplexity from the shards of a held-out split.
 
 Evaluation data packs like training data, so it runs as fast: every row of every shard is read
-once, in order (no shuffle, no rank split, nothing dropped), ``batch_rows`` rows per forward.
+once, in order (no shuffle, nothing dropped), ``batch_rows`` rows per forward; with
+``distributed=True`` the ranks share the batches and every rank gets the whole result.
 Each target token's cross-entropy (fp32) is summed per packed sequence, and the sequences are
 summed per source example (``example_ids``), so the result is reported by example id, in source
 order. An example's loss is the mean over its target tokens, its perplexity ``exp`` of that; an
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS, collate_rows
@@ -75,13 +77,21 @@ class EvalResult:
         }
 
 
-def packed_batches(source: str | os.PathLike[str], batch_rows: int) -> Iterator[tuple[dict, np.ndarray]]:
-    """Every row of the build in order, ``batch_rows`` a batch: (batch, example id of each sequence)."""
+def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 0,
+                   world_size: int = 1) -> Iterator[tuple[dict, np.ndarray]]:
+    """Every row of the build in order, ``batch_rows`` a batch: (batch, example id of each sequence).
+
+    With ``world_size`` ranks, this rank's share: batch ``i`` of the build goes to rank ``i % world_size``.
+    """
     location = locate(source)
     manifest = location.read_manifest()
+    index = 0
     for path, info in zip(location.local_shards(manifest, None, verify_checksum=True), manifest.shards):
         shard: Shard = open_shard(path, manifest.capacity, expected=info)
         for first in range(0, shard.num_rows, batch_rows):
+            index += 1
+            if (index - 1) % world_size != rank:
+                continue
             rows = range(first, min(first + batch_rows, shard.num_rows))
             examples = shard.example_ids[shard.segment_offsets[rows.start] : shard.segment_offsets[rows.stop]]
             yield collate_rows([(shard, i) for i in rows]), examples
@@ -102,8 +112,14 @@ def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torc
     return loss.cpu(), count.cpu()
 
 
-def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batch_rows: int = 1) -> EvalResult:
-    """Per-example loss of ``model`` (an HF causal LM, on its device, any backend that keeps examples apart)."""
+def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batch_rows: int = 1,
+                    distributed: bool = False) -> EvalResult:
+    """Per-example loss of ``model`` (an HF causal LM, on its device, any backend that keeps examples apart).
+
+    ``distributed``: under an initialised ``torch.distributed``, every rank evaluates its share of
+    the batches, and every rank returns the whole split's result (one gather of per-example sums).
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed and dist.is_initialized() else (0, 1)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -111,7 +127,7 @@ def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batc
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            for batch, examples in packed_batches(source, batch_rows):
+            for batch, examples in packed_batches(source, batch_rows, rank, world):
                 inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
                           if k not in ("labels", NUM_REAL_TOKENS, NUM_LOSS_TOKENS)}
                 logits = model(**inputs).logits
@@ -121,8 +137,14 @@ def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batc
                 count_chunks.append(count.numpy())
     finally:
         model.train(was_training)
-    examples = np.concatenate(example_chunks)
+    parts = [(np.concatenate(example_chunks or [np.zeros(0, np.int64)]), np.concatenate(loss_chunks or [np.zeros(0)]),
+              np.concatenate(count_chunks or [np.zeros(0)]))]
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, parts[0])
+        parts = gathered
+    examples, losses, counts = (np.concatenate(column) for column in zip(*parts))
     ids, where = np.unique(examples, return_inverse=True)
-    loss_sum = np.bincount(where, weights=np.concatenate(loss_chunks), minlength=ids.size)
-    counts = np.bincount(where, weights=np.concatenate(count_chunks), minlength=ids.size).astype(np.int64)
-    return EvalResult(ids.astype(np.int64), loss_sum, counts, time.perf_counter() - start)
+    loss_sum = np.bincount(where, weights=losses, minlength=ids.size)
+    targets = np.bincount(where, weights=counts, minlength=ids.size).astype(np.int64)
+    return EvalResult(ids.astype(np.int64), loss_sum, targets, time.perf_counter() - start)

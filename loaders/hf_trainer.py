@@ -24,8 +24,8 @@ What the trainers add to the ones they subclass:
   continues at the exact batch; the trainer's own data skipping is off.
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
-  runs ``loaders.evaluate.evaluate_packed`` over all of its rows: ``eval_loss`` is the mean token
-  loss, with ``eval_perplexity`` and ``eval_mean_example_loss``.
+  runs ``loaders.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
+  ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``.
 
 transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
 so ``loaders`` still imports without them.
@@ -153,7 +153,8 @@ class PackedTrainerMixin(_TrainerBase):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         assert self.model is not None  # Trainer.__init__ sets it (from model_init when model is None)
         with self.compute_loss_context_manager():
-            summary = evaluate_packed(self.model, dataset.source, batch_rows=dataset.batch_rows or 1).summary
+            summary = evaluate_packed(self.model, dataset.source, batch_rows=dataset.batch_rows or 1,
+                                      distributed=True).summary
         metrics = {f"{metric_key_prefix}_loss": summary["mean_token_loss"],
                    f"{metric_key_prefix}_perplexity": summary["token_perplexity"],
                    f"{metric_key_prefix}_mean_example_loss": summary["mean_example_loss"],

@@ -69,6 +69,35 @@ def test_packed_evaluation_equals_unpacked_examples(shards, backend):
     assert summary["token_perplexity"] == pytest.approx(math.exp(summary["mean_token_loss"]))
 
 
+def evaluate_rank(rank: int, path: str, init_file: str, out: str) -> None:
+    """One of two gloo ranks: ``evaluate_packed(distributed=True)``, every rank's result saved."""
+    import torch.distributed as dist
+
+    from loaders.distributed import finish_distributed_run
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    result = evaluate_packed(tiny_llama("sdpa_segments"), path, batch_rows=1, distributed=True)
+    torch.save(result, f"{out}/rank{rank}.pt")
+    finish_distributed_run()
+
+
+def test_ranks_share_the_evaluation_and_each_gets_the_whole_result(tmp_path):
+    """Two ranks evaluate alternate batches; examples split across rows (so across ranks) are summed back."""
+    import torch.multiprocessing as mp
+
+    lengths = np.random.default_rng(4).integers(3, 150, 30)
+    split = build_shard_dir(tmp_path / "split", lengths, capacity=CAPACITY, vocab_size=VOCAB)
+    assert split.manifest.stats.examples_split > 0
+    alone = evaluate_packed(tiny_llama("sdpa_segments"), split.path, batch_rows=1)
+    mp.spawn(evaluate_rank, args=(str(split.path), str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        shared = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert shared.example_ids.tolist() == alone.example_ids.tolist() == list(range(30))
+        assert shared.target_tokens.tolist() == alone.target_tokens.tolist()
+        np.testing.assert_allclose(shared.loss_sum, alone.loss_sum, rtol=1e-6)
+
+
 def test_evaluate_script_writes_every_example(shards, tmp_path, capsys):
     # Loaded by path: a package named `evaluate` (Hugging Face's) may be installed.
     spec = importlib.util.spec_from_file_location("evaluate_script", SCRIPT)
