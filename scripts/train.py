@@ -224,7 +224,8 @@ def train_plain(config: TrainConfig) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=device),
                                       weight_decay=config.weight_decay, fused=True, capturable=True)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                      fused=device.type == "cuda")
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
     if checkpoint is not None:
