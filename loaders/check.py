@@ -29,7 +29,7 @@ from typing import Any, Callable, cast
 import torch
 
 from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
-from loaders.training import load_causal_lm, model_inputs
+from loaders.train.models import load_causal_lm, model_inputs
 
 # Largest |packed - alone| logit gap allowed, relative to the largest logit: about what a few
 # layers of rounding give in each dtype, far below what a leak across examples gives.
@@ -69,7 +69,7 @@ class IsolationReport:
         if self.culprit == "backend":
             reason = (f"attention implementation {self.attn_implementation!r} ignores cu_seq_lens, so packed examples "
                       "attend to each other; use varpack_fa2, varpack_varlen or varpack_segments "
-                      "(loaders.attention.attn_implementation_for('auto')) or flash_attention_2")
+                      "(loaders.train.attention.attn_implementation_for('auto')) or flash_attention_2")
         elif self.culprit == "numerics":
             reason = ("no example sees another, but the logits differ from the examples run alone by more than the "
                       "tolerance: check position_ids handling and the dtype")
@@ -187,8 +187,8 @@ def make_parser(prog: str = "python -m loaders.check") -> argparse.ArgumentParse
 def main(argv: list[str] | None = None, prog: str = "python -m loaders.check") -> int:
     """The command line; returns the exit status: 0 isolated, 1 not, 2 bad input."""
     args = make_parser(prog).parse_args(argv)
-    from loaders.attention import attn_implementation_for
     from loaders.dataset import PackedIterableDataset
+    from loaders.train.attention import attn_implementation_for
     from schemas import VarpackError
 
     try:

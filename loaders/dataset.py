@@ -88,7 +88,7 @@ class PackedIterableDataset(IterableDataset):
             rounded up to a power of two, and ``cu_seq_lens`` holds a multiple of 64
             sequences. FA2 then launches no blocks for the worst case's empty sequences; the
             few shapes compile once each when ``cu_seq_lens`` and ``max_length`` are dynamic
-            (``loaders.training.compile_layers``).
+            (``loaders.train.models.compile_layers``).
         loss_reduction, example_weights: how the loss weighs target tokens (``loaders/loss.py``):
             ``"token"`` (every target the same) or ``"sequence"`` (every example the same), each
             optionally scaled by ``example_weights`` (one weight per example id, e.g. from a
@@ -99,7 +99,7 @@ class PackedIterableDataset(IterableDataset):
     Every batch also carries ``num_real_tokens`` and ``num_loss_tokens`` (Python ints): the
     data tokens (the pad excluded) and the labels that are not -100. Under ``torch.compile``
     take them out before ``model(**batch)`` (an int argument would be compiled in as a
-    constant), or let ``loaders.loss_head.use_loss_position_head`` consume them.
+    constant), or let ``loaders.train.loss_head.use_loss_position_head`` consume them.
 
     Epochs and ranks: the epoch's batches are one list cut from the shuffled rows; global
     batch ``i`` goes to rank ``i % world_size``, and a rank's batch ``j`` to DataLoader

@@ -38,7 +38,6 @@ from loaders.shard_reader import Shard
 from schemas import one_of
 
 
-
 class LossReduction(StrEnum):
     """How a batch's loss is averaged: over target tokens, or over examples (each example's mean)."""
 
@@ -155,7 +154,7 @@ def weighted_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_wei
 
     ``labels`` are unshifted, as transformers takes them; ``loss_weights`` (the batch's, same
     shape) weigh each label, 1 where not given. ``num_items_in_batch``: the global batch's sum of
-    weights (``loaders.distributed.global_loss_tokens`` over ``batch_normalizer``); by default
+    weights (``loaders.train.distributed.global_loss_tokens`` over ``batch_normalizer``); by default
     this batch's own. Without weights it equals transformers' ``ForCausalLMLoss``.
     """
     targets = labels[:, 1:].reshape(-1).to(logits.device)

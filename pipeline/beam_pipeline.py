@@ -19,8 +19,8 @@ Whole-collection values (the layout, the statistics) are gathered under one key 
 with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
 
 Tokens never travel through a shuffle, and neither does the packing plan: WriteShard reads its
-shard's plan file and gathers the tokens from the spill files (``pipeline/routing.py``,
-``pipeline/spill.py``). What the runner holds is the examples' lengths, 4 bytes each.
+shard's plan file and gathers the tokens from the spill files (``pipeline/packing/shard_plans.py``,
+``pipeline/packing/spill.py``). What the runner holds is the examples' lengths, 4 bytes each.
 """
 
 from __future__ import annotations
@@ -40,16 +40,17 @@ from dataclasses import dataclass
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from pipeline import progress, storage
-from pipeline.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
 from pipeline.build import BuildPlan
-from pipeline.encode import Encoder
+from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
+from pipeline.encode.examples import Encoder
 from pipeline.errors import InputError
-from pipeline.layout import BatchKey, make_layout
-from pipeline.routing import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
-from pipeline.shard_writer import finish_build, publish_shard, shard_name
-from pipeline.sources import ReadTask
-from pipeline.spill import spill
+from pipeline.packing.groups import BatchKey, make_layout
+from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
+from pipeline.packing.spill import spill
+from pipeline.read.sources import ReadTask
+from pipeline.report import progress
+from pipeline.write import storage
+from pipeline.write.shard_writer import finish_build, publish_shard, shard_name
 from schemas import (
     MANIFEST_NAME,
     BuildInputs,

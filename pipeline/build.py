@@ -19,14 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import spill, storage
-from pipeline.bad_rows import REJECTED_NAME
-from pipeline.build_lock import build_lock
 from pipeline.config import PackConfig
+from pipeline.encode.bad_rows import REJECTED_NAME
+from pipeline.encode.formats import ExampleFormat, resolve_format
+from pipeline.encode.tokenizer import LoadedTokenizer, load_tokenizer
 from pipeline.errors import ConfigError, InputError, OutputDirError
-from pipeline.formats import ExampleFormat, resolve_format
-from pipeline.sources import Source, resolve_source
-from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
+from pipeline.packing import spill
+from pipeline.read.sources import Source, resolve_source
+from pipeline.write import storage
+from pipeline.write.lock import build_lock
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
 from schemas.io import temporary_target
 from schemas.verified import VerifiedShards
@@ -281,7 +282,8 @@ def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> Bu
 
 def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
     """Run the Beam pipeline of ``plan``, writing shards into ``shard_dir``; on failure remove what it wrote."""
-    from pipeline import beam_pipeline, progress
+    from pipeline import beam_pipeline
+    from pipeline.report import progress
 
     config = plan.config
     spill_dir = spill.new_spill_dir(plan.out_dir, _temp_location(config.beam_args))

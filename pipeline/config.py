@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-from pipeline.layout import EXAMPLES_PER_GROUP
-from pipeline.shard_writer import default_rows_per_shard
+from pipeline.packing.groups import EXAMPLES_PER_GROUP
+from pipeline.write.shard_writer import default_rows_per_shard
 from schemas import (
     BadRowPolicy,
     BuildInputs,
@@ -24,7 +24,7 @@ from schemas import (
     positive_int,
 )
 
-# The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/tokenizer.py).
+# The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/encode/tokenizer.py).
 DEFAULT_TOKENIZER = "mistral-7b-v0.1"
 
 
@@ -73,7 +73,7 @@ class PackConfig:
     batch_size: int = 4096
     # Rows per shard file; None: about 8M tokens per shard.
     rows_per_shard: int | None = None
-    # Examples packed together as one group (see pipeline/layout.py); None: 50M.
+    # Examples packed together as one group (see pipeline/packing/groups.py); None: 50M.
     examples_per_group: int | None = None
     progress: bool = True
     # Write report.png (the build's histograms) beside the manifest; needs matplotlib.

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline import storage
 from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
-from pipeline.report import aligned, describe_overflow, describe_rejected, examples_per_row, plural
+from pipeline.report.summary import aligned, describe_overflow, describe_rejected, examples_per_row, plural
+from pipeline.write import storage
 from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, VarpackError, list_parts, validate_table
 
 EXIT_ERROR = 1
@@ -220,7 +220,7 @@ def format_rows(build_dir: str, manifest: Manifest, num_rows: int, decode: Decod
 def load_decoder(manifest: Manifest, tokenizer: str | None) -> tuple[Decoder, str | None]:
     """A decoder of token ids, from ``tokenizer`` or the one the manifest names, and a note when its
     content differs from the build's."""
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.encode.tokenizer import load_tokenizer
 
     recorded = manifest.inputs.tokenizer
     name = tokenizer or recorded.name
@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pipeline.insp
             for line in format_rows(build_dir, manifest, args.rows, decode, color):
                 print(line)
         if args.plot:
-            from pipeline.figures import missing_matplotlib, write_report
+            from pipeline.report.figures import missing_matplotlib, write_report
 
             if missing_matplotlib():
                 raise InputError(f"--plot needs matplotlib: {missing_matplotlib()}")

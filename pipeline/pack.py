@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         config = parse_args(argv, prog)
         quiet.verbose = config.verbose
         from pipeline.build import build
-        from pipeline.report import format_report
+        from pipeline.report.summary import format_report
 
         result = build(config)
         manifest = result.manifest
@@ -274,16 +274,16 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 def report_written(out_dir: str) -> bool:
     """Whether the build already holds report.png (a reused build made with --no-report, or without matplotlib, does not)."""
-    from pipeline import storage
-    from pipeline.figures import REPORT_NAME
+    from pipeline.report.figures import REPORT_NAME
+    from pipeline.write import storage
 
     return storage.exists(storage.join(out_dir, REPORT_NAME))
 
 
 def write_report_figure(out_dir: str, manifest: Manifest) -> None:
     """Write report.png beside the manifest; without matplotlib, say so once and how to get it."""
-    from pipeline.figures import missing_matplotlib, write_report
     from pipeline.inspect import read_profile
+    from pipeline.report.figures import missing_matplotlib, write_report
 
     missing = missing_matplotlib()
     if missing:

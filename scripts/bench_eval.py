@@ -1,10 +1,10 @@
 """Packed evaluation against padded evaluation of the same examples, per-example losses compared.
 
-Builds shards of FLAN-shaped examples (``pipeline.synthetic``'s ``synthetic-flan`` lengths, at
+Builds shards of FLAN-shaped examples (``pipeline.read.synthetic``'s ``synthetic-flan`` lengths, at
 most ``--capacity``; random token ids) and a small random Llama, then measures in one process, on
 the same examples:
 
-- ``packed_tokens_per_s``: ``loaders.evaluate.evaluate_packed``, ``--batch-rows`` packed rows per
+- ``packed_tokens_per_s``: ``loaders.train.evaluate.evaluate_packed``, ``--batch-rows`` packed rows per
   forward, on the best attention backend here (``varpack_segments`` on CPU).
 - ``padded_tokens_per_s``: the examples in source order, ``--padded-batch`` a batch, right-padded
   with an ``attention_mask`` (what a padding collator gives a Trainer's evaluation), transformers'
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loaders.attention import attn_implementation_for  # noqa: E402
-from loaders.evaluate import evaluate_packed  # noqa: E402
-from pipeline.synthetic import SHAPES, random_token_build  # noqa: E402
+from loaders.train.attention import attn_implementation_for  # noqa: E402
+from loaders.train.evaluate import evaluate_packed  # noqa: E402
+from pipeline.read.synthetic import SHAPES, random_token_build  # noqa: E402
 
 
 def small_llama(vocab: int, capacity: int, attn: str):

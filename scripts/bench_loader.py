@@ -1,6 +1,6 @@
 """Loader throughput: PackedIterableDataset against transformers' DataCollatorWithFlattening.
 
-Builds a shard directory of FLAN-shaped examples (``pipeline.synthetic``'s ``synthetic-flan``
+Builds a shard directory of FLAN-shaped examples (``pipeline.read.synthetic``'s ``synthetic-flan``
 lengths, at most ``--capacity``; random token ids; a prompt-masked first part) with the real
 packer and writer, then measures in one process, over shards in the page cache:
 
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from pipeline.synthetic import SHAPES, random_token_build  # noqa: E402
+from pipeline.read.synthetic import SHAPES, random_token_build  # noqa: E402
 
 
 def loader_run(directory: Path, batch_rows: int, epochs: int, fixed: bool) -> tuple[float, int]:

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.synthetic import BLOCK_EXAMPLES, SHAPES, generate_block
-from pipeline.tokenizer import load_tokenizer
+from pipeline.encode.tokenizer import load_tokenizer
+from pipeline.read.synthetic import BLOCK_EXAMPLES, SHAPES, generate_block
 from schemas import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]

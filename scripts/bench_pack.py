@@ -1,7 +1,7 @@
 """Packing speed and quality: best-fit decreasing against the packers a user would otherwise use.
 
 Packs example lengths drawn from a FLAN- or OrcaMath-shaped distribution into rows of
-``--max-len`` tokens, in one run and on one pinned core: ``pipeline.packing.pack`` with
+``--max-len`` tokens, in one run and on one pinned core: ``pipeline.packing.algorithms.pack`` with
 best-fit decreasing (ours), the naive sequential fill and first-fit decreasing, and, when the
 ``trl`` package is importable, TRL's ``pack_dataset(strategy="bfd")`` through its default
 ``datasets.map`` batches. Timing is the best of ``--repeats`` runs (``--slow-repeats`` for
@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.packing import pack  # noqa: E402
-from pipeline.synthetic import SHAPES  # noqa: E402
+from pipeline.packing.algorithms import pack  # noqa: E402
+from pipeline.read.synthetic import SHAPES  # noqa: E402
 from schemas import PackingAlgorithm  # noqa: E402
 
 # The issue's length shapes: FLAN lognormal(5.3, 0.9) in [16, 4096], OrcaMath normal(450, 150) in [32, 4096].

@@ -3,7 +3,7 @@
     python scripts/bench_pack_groups.py [--dist flan] [--examples 5000000] [--max-len 4096]
 
 The pipeline packs a dataset of N examples in K = ceil(N / EXAMPLES_PER_GROUP) groups of
-consecutive examples (pipeline/layout.py). This packs the same lengths as one group and as
+consecutive examples (pipeline/packing/groups.py). This packs the same lengths as one group and as
 K groups for several K, and prints the fill of each; the last line is one JSON object.
 """
 
@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from pipeline.packing import pack
-from pipeline.synthetic import SHAPES
+from pipeline.packing.algorithms import pack
+from pipeline.read.synthetic import SHAPES
 
 
 def grouped_fill(lengths: np.ndarray, groups: int, capacity: int) -> tuple[float, int]:

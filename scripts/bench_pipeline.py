@@ -32,9 +32,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.encode import special_affixes
-from pipeline.synthetic import BLOCK_EXAMPLES, SHAPES, generate_block
-from pipeline.tokenizer import load_tokenizer
+from pipeline.encode.examples import special_affixes
+from pipeline.encode.tokenizer import load_tokenizer
+from pipeline.read.synthetic import BLOCK_EXAMPLES, SHAPES, generate_block
 from schemas import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,9 +15,9 @@ examples, at two step sizes (``--rows-per-step`` rows, about 8k real tokens, and
   per-layer ``torch.compile`` on exact shapes (``ours_exact_*``, dynamic after the first change),
   on fixed shapes padded to the worst case (``ours_fixed*``) or to buckets (``ours_buckets*``:
   ``bucket_shapes=True``, prewarmed so no bucket compiles again); ``_head``: the loss-position
-  LM head (``loaders.loss_head``); ``_graphs``: per-layer CUDA graphs (``mode="reduce-overhead"``)
+  LM head (``loaders.train.loss_head``); ``_graphs``: per-layer CUDA graphs (``mode="reduce-overhead"``)
   on the single worst-case shape; ``_stepgraph``: the whole step (forward, backward, clipping,
-  optimizer) as one CUDA graph per bucketed shape (``loaders.step_graph``), every shape of the
+  optimizer) as one CUDA graph per bucketed shape (``loaders.train.step_graph``), every shape of the
   run captured during the warm-up. The fastest is varpack's best mode.
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
@@ -59,12 +59,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
-from loaders.loss_head import use_loss_position_head  # noqa: E402
-from loaders.step_graph import GraphedStep  # noqa: E402
-from schemas import read_manifest  # noqa: E402
-from loaders.training import (  # noqa: E402
+from loaders.train.attention import attn_implementation_for  # noqa: E402
+from loaders.train.loss_head import use_loss_position_head  # noqa: E402
+from loaders.train.models import (  # noqa: E402
     compile_layers,
     count_on_device,
     linear_warmup,
@@ -72,6 +70,8 @@ from loaders.training import (  # noqa: E402
     peak_memory_gib,
     prewarm_buckets,
 )
+from loaders.train.step_graph import GraphedStep  # noqa: E402
+from schemas import read_manifest  # noqa: E402
 
 Batch = dict[str, torch.Tensor | int]
 DEVICE = torch.device("cuda")
@@ -100,7 +100,7 @@ class Mode:
     shapes: str = "exact"  # packed batches: exact | fixed (worst case) | buckets
     loss_head: bool = False
     cuda_graphs: bool = False
-    step_graph: bool = False  # the whole step as one CUDA graph per shape (loaders.step_graph)
+    step_graph: bool = False  # the whole step as one CUDA graph per shape (loaders.train.step_graph)
 
     @property
     def attn_implementation(self) -> str:

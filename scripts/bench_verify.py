@@ -36,7 +36,7 @@ sys.path[:0] = [str(ROOT)]
 from loaders import PackedIterableDataset  # noqa: E402
 from pipeline.build import build, reuse_problem  # noqa: E402
 from pipeline.config import PackConfig  # noqa: E402
-from pipeline.shard_writer import shard_name  # noqa: E402
+from pipeline.write.shard_writer import shard_name  # noqa: E402
 from schemas import read_manifest, write_manifest  # noqa: E402
 
 GB = 1 << 30

@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loaders.attention import attn_implementation_for  # noqa: E402
-from loaders.evaluate import evaluate_packed  # noqa: E402
 from loaders.remote import locate  # noqa: E402
-from loaders.training import load_causal_lm  # noqa: E402
+from loaders.train.attention import attn_implementation_for  # noqa: E402
+from loaders.train.evaluate import evaluate_packed  # noqa: E402
+from loaders.train.models import load_causal_lm  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
 

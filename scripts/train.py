@@ -12,7 +12,7 @@
 Batches come from ``PackedIterableDataset`` as FA2 varlen kwargs (``cu_seq_lens_q`` ...; no
 attention mask) with their real-token and loss-token counts as Python ints, so a step never waits
 on the GPU to count them. The loss is averaged per trained token over each optimizer step, in both
-loops, and computed by ``loaders.loss_head`` at labelled positions only (``--full-logits``: the
+loops, and computed by ``loaders.train.loss_head`` at labelled positions only (``--full-logits``: the
 model's own LM head over every token).
 Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak GPU memory.
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
@@ -37,14 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from loaders.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_REAL_TOKENS  # noqa: E402
-from loaders.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
-from loaders.hf_trainer import loader_state_name  # noqa: E402
 from loaders.loss import LossReduction, batch_normalizer  # noqa: E402
-from loaders.loss_head import use_loss_position_head  # noqa: E402
-from loaders.step_graph import GraphedStep  # noqa: E402
-from loaders.training import (  # noqa: E402
+from loaders.train.attention import attn_implementation_for  # noqa: E402
+from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
+from loaders.train.hf_trainer import loader_state_name  # noqa: E402
+from loaders.train.loss_head import use_loss_position_head  # noqa: E402
+from loaders.train.models import (  # noqa: E402
     compile_layers,
     count_on_device,
     linear_warmup,
@@ -53,6 +52,7 @@ from loaders.training import (  # noqa: E402
     peak_memory_gib,
     prewarm_buckets,
 )
+from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -78,7 +78,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     precision: str = "bf16"  # bf16 | fp32
     compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
-    step_graph: bool = False  # with --compile: each step one CUDA graph replay (loaders.step_graph); one GPU
+    step_graph: bool = False  # with --compile: each step one CUDA graph replay (loaders.train.step_graph); one GPU
     full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
     loss_reduction: str = "token"  # token | sequence (loaders/loss.py)
     log_every: int = 10
@@ -107,7 +107,7 @@ def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
 
 def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, checkpoint: Path | None = None):
     """The model to train: a checkpoint's weights, a Hub id / directory's weights, or a random init."""
-    from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if checkpoint is not None or config.model:
         model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32)
@@ -311,10 +311,10 @@ def train_plain(config: TrainConfig) -> None:
 
 
 def train_hf(config: TrainConfig) -> None:
-    """The same run through ``loaders.hf_trainer.PackedTrainer`` (transformers' Trainer, accelerate)."""
+    """The same run through ``loaders.train.hf_trainer.PackedTrainer`` (transformers' Trainer, accelerate)."""
     from transformers import TrainerCallback, TrainingArguments
 
-    from loaders.hf_trainer import PackedTrainer
+    from loaders.train.hf_trainer import PackedTrainer
 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)

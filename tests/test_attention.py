@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from loaders import attention
-from loaders.attention import VARLEN_IMPLEMENTATION, attn_implementation_for, best_attn_implementation, register_varlen_attention
+from loaders.train import attention
+from loaders.train.attention import VARLEN_IMPLEMENTATION, attn_implementation_for, best_attn_implementation, register_varlen_attention
 
 
 def test_import_does_not_pull_in_transformers():
-    code = "import sys, loaders.attention; assert 'transformers' not in sys.modules, 'imported transformers'"
+    code = "import sys, loaders.train.attention; assert 'transformers' not in sys.modules, 'imported transformers'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

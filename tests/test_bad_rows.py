@@ -13,13 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.bad_rows import REJECTED_NAME
 from pipeline.build import build, plan_build
-from pipeline.chat import conversation
 from pipeline.config import PackConfig
-from pipeline.encode import Encoder
+from pipeline.encode.bad_rows import REJECTED_NAME
+from pipeline.encode.chat import conversation
+from pipeline.encode.examples import Encoder
 from pipeline.pack import main
-from pipeline.readers import BatchRows
+from pipeline.read.readers import BatchRows
 from schemas import MANIFEST_NAME, read_manifest
 from tests.test_pipeline_e2e import read_examples
 

@@ -14,15 +14,15 @@ import os
 
 import numpy as np
 import pytest
+import tiny_model
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
-import tiny_model
 
 from loaders import PackedIterableDataset
-from loaders.distributed import finish_distributed_run, global_loss_tokens, world_size
+from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size
 
 transformers = pytest.importorskip("transformers")
 

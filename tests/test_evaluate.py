@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_model
 import torch
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
-import tiny_model
 
-from loaders.attention import attn_implementation_for
-from loaders.evaluate import evaluate_packed
+from loaders.train.attention import attn_implementation_for
+from loaders.train.evaluate import evaluate_packed
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +73,7 @@ def evaluate_rank(rank: int, path: str, init_file: str, out: str) -> None:
     """One of two gloo ranks: ``evaluate_packed(distributed=True)``, every rank's result saved."""
     import torch.distributed as dist
 
-    from loaders.distributed import finish_distributed_run
+    from loaders.train.distributed import finish_distributed_run
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)

@@ -19,9 +19,9 @@ import pytest
 from loaders import PackedIterableDataset
 from pipeline import pack
 from pipeline.build import build, plan_build
-from pipeline.build_lock import build_lock, lock_path
 from pipeline.config import PackConfig
 from pipeline.errors import OutputDirError
+from pipeline.write.lock import build_lock, lock_path
 from schemas import MANIFEST_NAME, ManifestError, ShardError, WriteError, read_manifest
 from tests.test_pipeline_e2e import REPO
 from tests.url_filesystem import PREFIX

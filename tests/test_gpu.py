@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from loaders.attention import VARLEN_IMPLEMENTATION, attn_implementation_for, available_backends, varlen_attention
+from loaders.train.attention import VARLEN_IMPLEMENTATION, attn_implementation_for, available_backends, varlen_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -187,7 +187,7 @@ def test_loss_position_head_matches_full_logits_on_gpu(packed_batch):
     import copy
 
     from loaders.collate import COUNT_KEYS
-    from loaders.loss_head import use_loss_position_head
+    from loaders.train.loss_head import use_loss_position_head
 
     full = tiny_llama(attn_implementation_for("flash_attn"))
     head = use_loss_position_head(copy.deepcopy(full))

@@ -15,9 +15,9 @@ import json
 
 import numpy as np
 import pytest
+import tiny_model
 import torch
 from shard_factory import build_shard_dir
-import tiny_model
 
 from loaders import PackedIterableDataset
 from loaders.loss import LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
@@ -88,14 +88,14 @@ def tokenizer():
 def make_trainer(kind: str, shards, out, data_kwargs=None, eval_dataset=None, **args):
     data_kwargs = data_kwargs or {}
     if kind == "hf":
-        from loaders.hf_trainer import PackedTrainer
+        from loaders.train.hf_trainer import PackedTrainer
 
         train_args = transformers.TrainingArguments(**training_args(out, **args))
         return PackedTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs),
                              eval_dataset=eval_dataset)
     from trl import SFTConfig
 
-    from loaders.hf_trainer import PackedSFTTrainer
+    from loaders.train.hf_trainer import PackedSFTTrainer
 
     train_args = SFTConfig(**training_args(out, **args))
     return PackedSFTTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs),
@@ -162,7 +162,7 @@ def test_sequence_loss_reduction_reaches_the_trainer(shards, tmp_path, kind):
 
 
 def test_evaluation_on_packed_shards_during_training(shards, tmp_path):
-    from loaders.evaluate import evaluate_packed
+    from loaders.train.evaluate import evaluate_packed
 
     trainer = make_trainer("hf", shards, tmp_path, eval_dataset=dataset(shards, shuffle=False), eval_strategy="steps",
                            eval_steps=2)
@@ -176,7 +176,7 @@ def test_evaluation_on_packed_shards_during_training(shards, tmp_path):
 
 
 def test_the_dataset_must_know_the_ranks(shards, tmp_path):
-    from loaders.hf_trainer import PackedTrainer
+    from loaders.train.hf_trainer import PackedTrainer
 
     args = transformers.TrainingArguments(**training_args(tmp_path))
     data = PackedIterableDataset(shards, batch_rows=2, rank=0, world_size=2)

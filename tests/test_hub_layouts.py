@@ -19,11 +19,11 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import _registry as fsspec_implementations
 
-from pipeline import repo_files
 from pipeline.build import build
 from pipeline.config import PackConfig
 from pipeline.errors import HubUnreachableError, InputError
-from pipeline.sources import resolve_source
+from pipeline.read import repo_files
+from pipeline.read.sources import resolve_source
 from tests.test_pipeline_e2e import assert_holds_encoded_examples
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

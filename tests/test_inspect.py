@@ -20,11 +20,11 @@ import pytest
 from loaders import PackedIterableDataset
 from loaders.shard_reader import open_shard
 from pipeline import cli
-from pipeline.figures import REPORT_NAME
+from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.inspect import format_rows, main
 from pipeline.pack import main as pack_main
-from pipeline.synthetic import random_token_build
-from pipeline.tokenizer import load_tokenizer
+from pipeline.read.synthetic import random_token_build
+from pipeline.report.figures import REPORT_NAME
 from schemas import MANIFEST_NAME, read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

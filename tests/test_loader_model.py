@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
-from loaders.attention import attn_implementation_for
+from loaders.train.attention import attn_implementation_for
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tiny_model
 import torch
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
-import tiny_model
 
 from loaders import PackedIterableDataset
 from loaders.loss import LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
-from loaders.loss_head import use_loss_position_head
+from loaders.train.loss_head import use_loss_position_head
 
 transformers = pytest.importorskip("transformers")
 

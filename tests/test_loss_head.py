@@ -17,7 +17,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.collate import COUNT_KEYS
-from loaders.loss_head import PADDED_LOSS_ROWS, linear_cross_entropy, loss_positions, use_loss_position_head
+from loaders.train.loss_head import PADDED_LOSS_ROWS, linear_cross_entropy, loss_positions, use_loss_position_head
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import progress
 from pipeline.build import build
 from pipeline.config import PackConfig
 from pipeline.errors import InputError
-from pipeline.report import format_report
+from pipeline.report import progress
+from pipeline.report.summary import format_report
 from schemas import PackingStats
 from tests.test_pipeline_e2e import read_examples, run_cli
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.packing import PACKERS, PackingPlan, best_fit_decreasing, first_fit_decreasing, pack, sequential
-from pipeline.synthetic import SHAPES
+from pipeline.packing.algorithms import PACKERS, PackingPlan, best_fit_decreasing, first_fit_decreasing, pack, sequential
+from pipeline.read.synthetic import SHAPES
 from schemas import Overflow, PackingAlgorithm, PackingError
 
 ALGORITHMS = sorted(PACKERS)

@@ -11,8 +11,8 @@ from shard_factory import build_shard_dir
 from tiny_model import tiny_llama
 
 from loaders import PackedIterableDataset
-from loaders.attention import attn_implementation_for
-from loaders.loss_head import use_loss_position_head
+from loaders.train.attention import attn_implementation_for
+from loaders.train.loss_head import use_loss_position_head
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -74,7 +74,7 @@ def test_lora_packed_loss_and_gradients_equal_unpacked(shards, backend, head):
 
 
 def test_packed_trainer_trains_and_resumes_lora(shards, tmp_path):
-    from loaders.hf_trainer import PackedTrainer
+    from loaders.train.hf_trainer import PackedTrainer
 
     def trainer(out, max_steps):
         args = transformers.TrainingArguments(output_dir=str(out), max_steps=max_steps, gradient_accumulation_steps=2,

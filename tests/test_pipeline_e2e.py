@@ -21,11 +21,11 @@ from loaders.shard_reader import open_shard
 from pipeline import beam_pipeline
 from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
-from pipeline.encode import Encoder
+from pipeline.encode.examples import Encoder
 from pipeline.pack import main
-from pipeline.readers import BatchRows
-from pipeline.sources import resolve_source
-from pipeline.synthetic import SHAPES, generate_block
+from pipeline.read.readers import BatchRows
+from pipeline.read.sources import resolve_source
+from pipeline.read.synthetic import SHAPES, generate_block
 from schemas import MANIFEST_NAME, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,16 +12,16 @@ import pytest
 
 from pipeline.build import plan_build
 from pipeline.config import RUN_SETTINGS, PackConfig
-from pipeline.encode import Encoder, special_affixes
+from pipeline.encode.examples import Encoder, special_affixes
+from pipeline.encode.formats import ExampleFormat
+from pipeline.encode.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
-from pipeline.formats import ExampleFormat
-from pipeline.layout import make_layout
-from pipeline.readers import BatchRows, scan_file
-from pipeline.spill import spill
-from pipeline.routing import GroupBatch, ShardPlan, assemble_shard, pack_group
-from pipeline.sources import resolve_source
-from pipeline.synthetic import SHAPES, generate_block
-from pipeline.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
+from pipeline.packing.groups import make_layout
+from pipeline.packing.shard_plans import GroupBatch, ShardPlan, assemble_shard, pack_group
+from pipeline.packing.spill import spill
+from pipeline.read.readers import BatchRows, scan_file
+from pipeline.read.sources import resolve_source
+from pipeline.read.synthetic import SHAPES, generate_block
 from schemas import ExampleKind, PackingStats, validate_table
 
 BOS, EOS = 1, 2
@@ -226,7 +226,7 @@ def test_file_formats_read_the_same_rows(tmp_path):
 
 
 def test_json_lines_rows_are_counted_across_tasks(tmp_path, monkeypatch):
-    import pipeline.readers as readers
+    import pipeline.read.readers as readers
 
     monkeypatch.setattr(readers, "JSONL_TASK_BYTES", 64)
     lines = [json.dumps({"text": f"line {i}"}) for i in range(30)]
@@ -414,7 +414,7 @@ def test_routing_places_every_token_once(overflow, tmp_path):
         batches[key] = (lengths, tokens, (tokens % 2).astype(np.uint8))
     layout = make_layout([(k, v[0].size) for k, v in batches.items()], limit=None, examples_per_group=50)
     index = layout.index()
-    from pipeline.encode import EncodedBatch
+    from pipeline.encode.examples import EncodedBatch
 
     grouped = {}
     for key, (lengths, tokens, mask) in batches.items():

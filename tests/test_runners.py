@@ -19,7 +19,7 @@ from pipeline.build import build
 from pipeline.config import PackConfig
 from pipeline.errors import InputError
 from pipeline.pack import parse_args
-from pipeline.spill import SPILL_PREFIX
+from pipeline.packing.spill import SPILL_PREFIX
 from schemas import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]

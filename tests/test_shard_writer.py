@@ -15,7 +15,7 @@ import pytest
 from loaders import PackedIterableDataset
 from loaders.shard_reader import open_shard
 from pipeline.errors import OutputDirError
-from pipeline.shard_writer import ShardWriter
+from pipeline.write.shard_writer import ShardWriter
 from schemas import (
     BuildInputs,
     DatasetInputs,
@@ -155,7 +155,7 @@ def test_the_writer_needs_no_beam_nor_datasets(tmp_path: Path) -> None:
                 if name.split(".")[0] in ("apache_beam", "datasets", "transformers", "tokenizers"):
                     raise ImportError(name + " is not installed")
         sys.meta_path.insert(0, Blocker())
-        from pipeline.shard_writer import ShardWriter
+        from pipeline.write.shard_writer import ShardWriter
         from schemas import BuildInputs, DatasetInputs, TokenizerInputs
         inputs = BuildInputs(DatasetInputs("d", "train", "00"), TokenizerInputs("t", "11", 10), "none", "given", 8,
                              "split", "best_fit_decreasing", 0, "0.1.0")

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from loaders.shard_reader import open_shard
 from pipeline.build import build
 from pipeline.config import PackConfig
+from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError
 from pipeline.pack import main
-from pipeline.tokenizer import load_tokenizer
 from schemas import read_manifest
 
 RECORDS = [

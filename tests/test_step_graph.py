@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from shard_factory import build_shard_dir
-
-from loaders.loss_head import use_loss_position_head
-from loaders.step_graph import GraphedStep
 from tiny_model import tiny_llama
+
+from loaders.train.loss_head import use_loss_position_head
+from loaders.train.step_graph import GraphedStep
 
 VOCAB = 512
 CAPACITY = 512
@@ -60,7 +60,7 @@ def gpu_llama() -> torch.nn.Module:
     """A seeded random Llama of 2 layers, hidden size 256, in bf16 on the GPU, with the best varlen attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from loaders.attention import attn_implementation_for, best_backend
+    from loaders.train.attention import attn_implementation_for, best_backend
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CAPACITY, use_cache=False,
@@ -75,7 +75,7 @@ def gpu_llama() -> torch.nn.Module:
                          [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
 def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, autocast):
     """Also with fp32 weights under bf16 autocast, as scripts/train.py trains."""
-    from loaders.training import compile_layers, prewarm_buckets
+    from loaders.train.models import compile_layers, prewarm_buckets
 
     batches = bucketed_batches(tmp_path, STEPS)
     base = gpu_llama()

@@ -15,9 +15,9 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from pipeline.build import build
 from pipeline.config import PackConfig
+from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import InputError
 from pipeline.pack import main
-from pipeline.tokenizer import load_tokenizer
 from tests.test_pipeline_e2e import read_examples
 
 TEXTS = [

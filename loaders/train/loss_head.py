@@ -143,7 +143,7 @@ def padded_loss_positions(labels: torch.Tensor, rows: int) -> tuple[torch.Tensor
     """``loss_positions`` padded to ``rows`` entries (at least the labelled count): indices, labels,
     and which entries are real. Padding points at position 0 with label 0, to be weighted 0.
 
-    A fixed number of rows keeps the shapes of a CUDA graph (``loaders/step_graph.py``) across
+    A fixed number of rows keeps the shapes of a CUDA graph (``loaders/train/step_graph.py``) across
     batches whose labelled counts differ.
 
     >>> padded_loss_positions(torch.tensor([[-100, 5, 7, -100, -100, 9]]), 4)

@@ -35,7 +35,7 @@ import torch
 
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS
 from loaders.loss import LOSS_WEIGHT_SUM
-from loaders.loss_head import PADDED_LOSS_ROWS
+from loaders.train.loss_head import PADDED_LOSS_ROWS
 
 # Batch entries that are no model setting: counts the head consumes, which differ from batch to batch.
 _COUNTS = (NUM_LOSS_TOKENS, NUM_REAL_TOKENS, LOSS_WEIGHT_SUM)
@@ -55,7 +55,7 @@ class _Captured:
 class GraphedStep:
     """``step(batch)``: one optimizer step on ``batch``, as a CUDA graph replay; returns the loss.
 
-    ``model`` must use the loss-position head (``loaders.loss_head.use_loss_position_head``)
+    ``model`` must use the loss-position head (``loaders.train.loss_head.use_loss_position_head``)
     and run without host syncs; ``optimizer`` must be capturable (``capturable=True``) with
     tensor learning rates on the GPU, so a scheduler's changes reach the captured steps.
     ``autocast_dtype``: run the forward under ``torch.autocast`` to that dtype (fp32 weights

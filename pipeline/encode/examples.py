@@ -26,13 +26,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.bad_rows import BadRow, Reason, RowProblem
-from pipeline.chat import conversation
+from pipeline.encode.bad_rows import BadRow, Reason, RowProblem
+from pipeline.encode.chat import conversation
+from pipeline.encode.formats import ExampleFormat, split_prompt_template
+from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
-from pipeline.formats import ExampleFormat, split_prompt_template
-from pipeline.readers import BatchRows, select_columns
-from pipeline.ranges import gather_index
-from pipeline.tokenizer import LoadedTokenizer
+from pipeline.packing.ranges import gather_index
+from pipeline.read.readers import BatchRows, select_columns
 from schemas import BadRowPolicy, ExampleKind, Overflow
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

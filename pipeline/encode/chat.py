@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.bad_rows import Reason, RowProblem
+from pipeline.encode.bad_rows import Reason, RowProblem
 
 # Speaker names in ShareGPT-style dumps, and the standard roles, mapped to chat-template roles.
 ROLES = {

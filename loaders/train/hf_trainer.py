@@ -1,6 +1,6 @@
 """The Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` on packed shards, without workarounds.
 
-    from loaders.hf_trainer import PackedTrainer          # or PackedSFTTrainer (pip install -e '.[train]')
+    from loaders.train.hf_trainer import PackedTrainer          # or PackedSFTTrainer (pip install -e '.[train]')
 
     args = TrainingArguments(output_dir="runs/a", max_steps=1000, gradient_accumulation_steps=4, ...)
     dataset = PackedIterableDataset("shards/DIR", batch_rows=8)   # after args: it reads the ranks
@@ -24,7 +24,7 @@ What the trainers add to the ones they subclass:
   continues at the exact batch; the trainer's own data skipping is off.
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
-  runs ``loaders.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
+  runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``.
 
 transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from loaders import training
 from loaders.collate import NUM_REAL_TOKENS
 from loaders.dataset import PackedIterableDataset
-from loaders.distributed import global_loss_tokens, world_size
-from loaders.evaluate import evaluate_packed
 from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
+from loaders.train import models as training
+from loaders.train.distributed import global_loss_tokens, world_size
+from loaders.train.evaluate import evaluate_packed
 
 LOADER_STATE = "loader_state.pt"
 
@@ -132,7 +132,7 @@ class PackedTrainerMixin(_TrainerBase):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def model_inputs(self, model, inputs: dict) -> dict:
-        """``loaders.training.model_inputs`` for ``model``: the counts stay only for the loss-position head."""
+        """``loaders.train.models.model_inputs`` for ``model``: the counts stay only for the loss-position head."""
         full_logits = not getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False)
         # The trainer has already put the inputs on args.device (_prepare_inputs): the move is a no-op.
         return training.model_inputs(inputs, self.args.device, full_logits)
@@ -199,7 +199,7 @@ def _packed_trainer() -> type:
     from transformers import Trainer
 
     class PackedTrainer(PackedTrainerMixin, Trainer):
-        """``transformers.Trainer`` on a PackedIterableDataset: see ``loaders/hf_trainer.py``.
+        """``transformers.Trainer`` on a PackedIterableDataset: see ``loaders/train/hf_trainer.py``.
 
         The loss is the model's (``use_loss_position_head`` works as it is); batches with
         ``loss_weights`` are reduced by ``loaders.loss`` on the model's logits, or by the head.
@@ -231,7 +231,7 @@ def _packed_sft_trainer() -> type:
 
     # TRL's base class leaves loss_is_scaled_for_ga unannotated (= None), which mypy reads as type None.
     class PackedSFTTrainer(PackedTrainerMixin, SFTTrainer):  # type: ignore[misc]
-        """TRL's ``SFTTrainer`` on a PackedIterableDataset: see ``loaders/hf_trainer.py``.
+        """TRL's ``SFTTrainer`` on a PackedIterableDataset: see ``loaders/train/hf_trainer.py``.
 
         The shards are the prepared dataset, so TRL's preparation and collator are skipped
         (``dataset_kwargs={"skip_prepare_dataset": True}``); ``processing_class`` is the

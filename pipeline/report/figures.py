@@ -7,12 +7,11 @@ no display needed); matplotlib is optional (``pip install 'varpack[plot]'``).
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from pipeline import storage
 from pipeline.inspect import Profile
-from pipeline.report import plural
+from pipeline.report.summary import plural
+from pipeline.write import storage
 from schemas import Manifest
 
 REPORT_NAME = "report.png"

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
-from pipeline.readers import MESSAGES_TYPE, TEXT_TYPE, read_schema
+from pipeline.read.readers import MESSAGES_TYPE, TEXT_TYPE, read_schema
 from schemas import ExampleKind, LossMasking
 
 # How a prompt and its response are joined into one example, unless --prompt-template says otherwise.

@@ -2,7 +2,7 @@
 bucket prewarming, the batch keys a model takes, counts on the device without a sync, the warm-up
 schedule, peak GPU memory.
 
-``scripts/`` (train, bench_train, evaluate), ``loaders.hf_trainer`` and ``loaders.check`` use them.
+``scripts/`` (train, bench_train, evaluate), ``loaders.train.hf_trainer`` and ``loaders.check`` use them.
 Imports only torch at module import; transformers is imported to load a model.
 """
 

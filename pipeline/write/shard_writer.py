@@ -22,10 +22,10 @@ from types import TracebackType
 import numpy as np
 import pyarrow as pa
 
-from pipeline import storage
 from pipeline.errors import OutputDirError
-from pipeline.packing import PackingPlan, pack
-from pipeline.ranges import gather_index
+from pipeline.packing.algorithms import PackingPlan, pack
+from pipeline.packing.ranges import gather_index
+from pipeline.write import storage
 from schemas import (
     MANIFEST_NAME,
     ROW_SCHEMA,
@@ -38,13 +38,13 @@ from schemas import (
     RejectedRows,
     ShardError,
     ShardInfo,
+    atomic_output,
     compute_fingerprint,
     file_sha256,
     one_of,
     positive_int,
-    write_manifest,
-    atomic_output,
     validate_table,
+    write_manifest,
 )
 
 # About 8M tokens (about 40 MB) per shard: large enough for sequential reads, small enough to spread.

@@ -18,7 +18,6 @@ from typing import IO
 
 from schemas.io import UPLOAD_MARK, atomic_output, write_error
 
-
 HUB_SCHEME = "hf://"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.bad_rows import REJECTED_NAME
+from pipeline.encode.bad_rows import REJECTED_NAME
 from schemas import PackingStats, RejectedRows
 
 

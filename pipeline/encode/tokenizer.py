@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline import hub
 from pipeline.config import DEFAULT_TOKENIZER
 from pipeline.errors import ConfigError, InputError
+from pipeline.read import hub
 from schemas import TokenizerInputs, WriteError, atomic_output, cache_dir, file_sha256
 
 DEFAULT_TOKENIZER_FILE = "tokenizer.model.v1"  # in mistral_common/data, Apache-2.0

@@ -1,0 +1,1 @@
+"""Training on packed batches: attention backends, loss, step graphs, trainers, evaluation."""

@@ -1,0 +1,1 @@
+"""Encode: tokenizers, example kinds, chat templates, rows to tokenized examples, bad rows."""

@@ -1,0 +1,1 @@
+"""Read: where source rows come from (local files, the Hub, synthetic data)."""

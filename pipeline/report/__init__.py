@@ -1,0 +1,1 @@
+"""Report: progress, the end-of-run report, figures."""

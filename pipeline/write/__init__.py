@@ -1,0 +1,1 @@
+"""Write: shards, the manifest, storage, the build lock."""
