@@ -28,7 +28,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
+from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
 from loaders.train.models import load_causal_lm, model_inputs
 
 # Largest |packed - alone| logit gap allowed, relative to the largest logit: about what a few

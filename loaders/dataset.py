@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from loaders.collate import FixedShape, collate_rows, fixed_shape
-from loaders.loss import LossReduction, add_loss_weights, make_loss_weighting
+from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weighting
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import Position, from_state_dict, to_state_dict
@@ -89,11 +89,11 @@ class PackedIterableDataset(IterableDataset):
             sequences. FA2 then launches no blocks for the worst case's empty sequences; the
             few shapes compile once each when ``cu_seq_lens`` and ``max_length`` are dynamic
             (``loaders.train.models.compile_layers``).
-        loss_reduction, example_weights: how the loss weighs target tokens (``loaders/loss.py``):
+        loss_reduction, example_weights: how the loss weighs target tokens (``loaders/loss_weights.py``):
             ``"token"`` (every target the same) or ``"sequence"`` (every example the same), each
             optionally scaled by ``example_weights`` (one weight per example id, e.g. from a
             column or a mixture). Other than plain ``"token"``, batches carry ``loss_weights``
-            and ``loss_weight_sum``, and the loss must be computed by ``loaders.loss`` or the
+            and ``loss_weight_sum``, and the loss must be computed by ``loaders.loss_weights`` or the
             loss-position head.
 
     Every batch also carries ``num_real_tokens`` and ``num_loss_tokens`` (Python ints): the

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from pipeline.build import BuildPlan
+from pipeline import storage
+from pipeline.build_plan import BuildPlan
 from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
 from pipeline.encode.examples import Encoder
 from pipeline.errors import InputError
@@ -49,7 +50,6 @@ from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, ass
 from pipeline.packing.spill import spill
 from pipeline.read.sources import ReadTask
 from pipeline.report import progress
-from pipeline.write import storage
 from pipeline.write.shard_writer import finish_build, publish_shard, shard_name
 from schemas import (
     MANIFEST_NAME,

@@ -19,16 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import storage
+from pipeline.build_plan import BuildPlan
 from pipeline.config import PackConfig
 from pipeline.encode.bad_rows import REJECTED_NAME
-from pipeline.encode.formats import ExampleFormat, resolve_format
 from pipeline.encode.tokenizer import LoadedTokenizer, load_tokenizer
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.packing import spill
-from pipeline.read.sources import Source, resolve_source
-from pipeline.write import storage
+from pipeline.read.formats import resolve_format
+from pipeline.read.sources import resolve_source
 from pipeline.write.lock import build_lock
-from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
+from schemas import MANIFEST_NAME, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
 from schemas.io import temporary_target
 from schemas.verified import VerifiedShards
 
@@ -36,20 +37,6 @@ from schemas.verified import VerifiedShards
 _BUILD_FILE = re.compile(r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)$")
 # At a URL each run writes its shards into its own attempt directory inside the build's.
 ATTEMPT_PREFIX = "attempt-"
-
-
-@dataclass(frozen=True)
-class BuildPlan:
-    """A run's config with what it resolves to: the dataset's read tasks, the tokenizer, the
-    example format, the manifest's inputs, the fingerprint, and the build directory."""
-
-    config: PackConfig
-    source: Source
-    tokenizer: LoadedTokenizer
-    example_format: ExampleFormat
-    inputs: BuildInputs
-    fingerprint: str
-    out_dir: str
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-from pipeline.packing.groups import EXAMPLES_PER_GROUP
-from pipeline.write.shard_writer import default_rows_per_shard
 from schemas import (
     BadRowPolicy,
     BuildInputs,
@@ -26,6 +24,16 @@ from schemas import (
 
 # The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/encode/tokenizer.py).
 DEFAULT_TOKENIZER = "mistral-7b-v0.1"
+
+# Examples per packing group: above it a dataset is packed in groups of consecutive examples.
+EXAMPLES_PER_GROUP = 50_000_000
+# About 8M tokens (about 40 MB) per shard: large enough for sequential reads, small enough to spread.
+TARGET_SHARD_TOKENS = 1 << 23
+
+
+def default_rows_per_shard(capacity: int) -> int:
+    """Rows per shard so that a full shard holds about TARGET_SHARD_TOKENS tokens."""
+    return max(1, TARGET_SHARD_TOKENS // capacity)
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,16 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
+from pipeline import storage
 from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
+from pipeline.report.profile import read_profile, read_shard_table
 from pipeline.report.summary import aligned, describe_overflow, describe_rejected, examples_per_row, plural
-from pipeline.write import storage
-from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, VarpackError, list_parts, validate_table
+from schemas import MANIFEST_NAME, Manifest, ManifestError, VarpackError
 
 EXIT_ERROR = 1
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"
@@ -47,21 +46,6 @@ def locate_build(path: str) -> str:
     if not storage.exists(path):
         raise InputError(f"{path}: no such directory")
     raise ManifestError(f"{path}: no {MANIFEST_NAME}; the build is missing or was interrupted, run the pipeline again")
-
-
-def read_shard_table(build_dir: str, info: ShardInfo, capacity: int) -> pa.Table:
-    """One shard of the build as an Arrow table (memory-mapped when local), checked against the row schema."""
-    path = storage.join(build_dir, info.path)
-    try:
-        if storage.is_url(path):
-            with storage.open_read(path) as f:
-                table = pa.ipc.open_file(pa.py_buffer(f.read())).read_all()
-        else:
-            table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-    except (pa.ArrowException, OSError) as err:
-        raise ShardError(path, f"is missing or not a readable Arrow IPC file ({err}); rebuild the build") from err
-    validate_table(table, capacity, path)
-    return table
 
 
 def summarize(build_dir: str, manifest: Manifest) -> dict[str, Any]:
@@ -129,40 +113,6 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
         ("bad rows", bad_rows),
     ]
     return aligned(lines)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What the figures show, read from the shards: the lengths before and after overflow handling, and the rows."""
-
-    capacity: int
-    example_lengths: np.ndarray  # int64 [examples in the shards]: split examples' chunks joined
-    segment_lengths: np.ndarray  # int64 [segments]: what attention sees, at most capacity
-    row_tokens: np.ndarray  # int64 [rows]
-    row_segments: np.ndarray  # int64 [rows]
-
-
-def read_profile(build_dir: str, manifest: Manifest) -> Profile:
-    """Lengths and row sizes of every row of the build, read shard by shard (boundaries only, not tokens)."""
-    segment_lengths, example_ids, row_tokens, row_segments = [], [], [], []
-    for info in manifest.shards:
-        table = read_shard_table(build_dir, info, manifest.capacity)
-        cu_offsets, cu = list_parts(table.column("cu_seqlens"))
-        steps = np.diff(cu)
-        within_row = np.ones(steps.size, dtype=bool)
-        within_row[cu_offsets[1:-1] - 1] = False
-        segment_lengths.append(steps[within_row].astype(np.int64))
-        example_ids.append(list_parts(table.column("example_ids"))[1])
-        row_tokens.append(table.column("num_tokens").to_numpy().astype(np.int64))
-        row_segments.append(np.diff(cu_offsets).astype(np.int64) - 1)
-    segments = np.concatenate(segment_lengths)
-    ids = np.concatenate(example_ids)
-    if manifest.stats.examples_split:
-        _, example_of_segment = np.unique(ids, return_inverse=True)
-        examples = np.bincount(example_of_segment, weights=segments).astype(np.int64)
-    else:
-        examples = segments
-    return Profile(manifest.capacity, examples, segments, np.concatenate(row_tokens), np.concatenate(row_segments))
 
 
 Decoder = Callable[[np.ndarray], str]

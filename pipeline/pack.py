@@ -274,16 +274,16 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 def report_written(out_dir: str) -> bool:
     """Whether the build already holds report.png (a reused build made with --no-report, or without matplotlib, does not)."""
+    from pipeline import storage
     from pipeline.report.figures import REPORT_NAME
-    from pipeline.write import storage
 
     return storage.exists(storage.join(out_dir, REPORT_NAME))
 
 
 def write_report_figure(out_dir: str, manifest: Manifest) -> None:
     """Write report.png beside the manifest; without matplotlib, say so once and how to get it."""
-    from pipeline.inspect import read_profile
     from pipeline.report.figures import missing_matplotlib, write_report
+    from pipeline.report.profile import read_profile
 
     missing = missing_matplotlib()
     if missing:

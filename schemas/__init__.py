@@ -5,6 +5,7 @@ Imports only numpy and pyarrow, so it loads on a GPU box without Beam or dataset
 
 from schemas.checksum import file_sha256, stream_sha256
 from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError, WriteError
+from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
 from schemas.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -24,7 +25,6 @@ from schemas.manifest import (
     compute_fingerprint,
     validate_manifest,
 )
-from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
 from schemas.row import ROW_COLUMNS, ROW_SCHEMA, list_parts, validate_table
 from schemas.validate import one_of, positive_int
 

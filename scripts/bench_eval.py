@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.evaluate import evaluate_packed  # noqa: E402
-from pipeline.read.synthetic import SHAPES, random_token_build  # noqa: E402
+from pipeline.read.synthetic import SHAPES
+from pipeline.write.random_build import random_token_build  # noqa: E402
 
 
 def small_llama(vocab: int, capacity: int, attn: str):

@@ -30,7 +30,8 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders.interop import shard_paths, to_hf_dataset  # noqa: E402
-from pipeline.read.synthetic import SHAPES, random_token_build  # noqa: E402
+from pipeline.read.synthetic import SHAPES
+from pipeline.write.random_build import random_token_build  # noqa: E402
 
 
 def directory_bytes(path: Path) -> int:

@@ -32,7 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from pipeline.read.synthetic import SHAPES, random_token_build  # noqa: E402
+from pipeline.read.synthetic import SHAPES
+from pipeline.write.random_build import random_token_build  # noqa: E402
 
 
 def loader_run(directory: Path, batch_rows: int, epochs: int, fixed: bool) -> tuple[float, int]:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.collate import NUM_REAL_TOKENS  # noqa: E402
-from loaders.loss import LossReduction, batch_normalizer  # noqa: E402
+from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.train.hf_trainer import loader_state_name  # noqa: E402
@@ -80,7 +80,7 @@ class TrainConfig:
     compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
     step_graph: bool = False  # with --compile: each step one CUDA graph replay (loaders.train.step_graph); one GPU
     full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
-    loss_reduction: str = "token"  # token | sequence (loaders/loss.py)
+    loss_reduction: str = "token"  # token | sequence (loaders/loss_weights.py)
     log_every: int = 10
     save_every: int = 0  # 0: save only at the end
     resume: bool = False

@@ -2,7 +2,7 @@
 
 For loader tests: random token ids, the first part of each example a prompt (loss mask 0),
 packed with best-fit decreasing and written by ``pipeline.write.shard_writer.ShardWriter``
-(``pipeline.read.synthetic.random_token_build``).
+(``pipeline.write.random_build.random_token_build``).
 ``ShardDir`` keeps the source examples so a test can check that the loader hands back exactly
 these tokens.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.read.synthetic import random_token_build
+from pipeline.write.random_build import random_token_build
 from schemas import Manifest
 
 

@@ -5,7 +5,7 @@
   ``num_items_in_batch`` covers the whole window, across epoch ends too.
 - Stopping at a checkpoint and resuming with ``resume_from_checkpoint=True`` ends with the same
   weights as an uninterrupted run: the loader continues at the exact batch.
-- The loss reductions of ``loaders/loss.py`` reach the trainers.
+- The loss reductions of ``loaders/loss_weights.py`` reach the trainers.
 Two ranks under torchrun are tested through ``scripts/train.py --trainer hf`` in test_train.py.
 """
 
@@ -20,7 +20,8 @@ import torch
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
-from loaders.loss import LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
+from loaders.loss_weights import LOSS_WEIGHTS, batch_normalizer
+from loaders.train.loss import weighted_causal_lm_loss
 
 transformers = pytest.importorskip("transformers")
 

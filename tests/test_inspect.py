@@ -23,8 +23,8 @@ from pipeline import cli
 from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.inspect import format_rows, main
 from pipeline.pack import main as pack_main
-from pipeline.read.synthetic import random_token_build
 from pipeline.report.figures import REPORT_NAME
+from pipeline.write.random_build import random_token_build
 from schemas import MANIFEST_NAME, read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

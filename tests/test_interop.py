@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
+from shard_factory import build_shard_dir
 
 from loaders.interop import arrow_dataset, shard_paths, to_hf_dataset
 from loaders.shard_reader import open_shard
 from schemas import ROW_COLUMNS, ShardError, read_manifest
-from shard_factory import build_shard_dir
 
 
 @pytest.fixture(scope="module")

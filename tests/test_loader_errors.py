@@ -12,8 +12,8 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.verify import verify_build
-from schemas.verified import record_path
 from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
+from schemas.verified import record_path
 
 CAPACITY = 32
 

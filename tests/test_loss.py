@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
-from loaders.loss import LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
+from loaders.loss_weights import LOSS_WEIGHTS, batch_normalizer
+from loaders.train.loss import weighted_causal_lm_loss
 from loaders.train.loss_head import use_loss_position_head
 
 transformers = pytest.importorskip("transformers")

@@ -13,12 +13,12 @@ import pytest
 from pipeline.build import plan_build
 from pipeline.config import RUN_SETTINGS, PackConfig
 from pipeline.encode.examples import Encoder, special_affixes
-from pipeline.encode.formats import ExampleFormat
 from pipeline.encode.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
 from pipeline.packing.groups import make_layout
 from pipeline.packing.shard_plans import GroupBatch, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import spill
+from pipeline.read.formats import ExampleFormat
 from pipeline.read.readers import BatchRows, scan_file
 from pipeline.read.sources import resolve_source
 from pipeline.read.synthetic import SHAPES, generate_block

@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loaders.shard_reader import Shard, open_shard
+from pipeline.config import default_rows_per_shard
 from pipeline.packing.algorithms import PackingPlan, pack
-from pipeline.write.shard_writer import ShardWriter, build_rows, default_rows_per_shard, shard_name, write_shard
+from pipeline.packing.rows import build_rows
+from pipeline.write.shard_writer import ShardWriter, shard_name, write_shard
 from schemas import (
     FORMAT_VERSION,
     MANIFEST_NAME,

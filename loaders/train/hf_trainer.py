@@ -45,10 +45,11 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from loaders.collate import NUM_REAL_TOKENS
 from loaders.dataset import PackedIterableDataset
-from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer, weighted_causal_lm_loss
+from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
 from loaders.train import models as training
 from loaders.train.distributed import global_loss_tokens, world_size
 from loaders.train.evaluate import evaluate_packed
+from loaders.train.loss import weighted_causal_lm_loss
 
 LOADER_STATE = "loader_state.pt"
 
@@ -202,7 +203,7 @@ def _packed_trainer() -> type:
         """``transformers.Trainer`` on a PackedIterableDataset: see ``loaders/train/hf_trainer.py``.
 
         The loss is the model's (``use_loss_position_head`` works as it is); batches with
-        ``loss_weights`` are reduced by ``loaders.loss`` on the model's logits, or by the head.
+        ``loss_weights`` are reduced by ``loaders.loss_weights`` on the model's logits, or by the head.
         """
 
         def __init__(self, model: Any = None, args: Any = None, *, train_dataset: PackedIterableDataset,

@@ -24,7 +24,7 @@ from typing import Any, Callable, cast
 import torch
 
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
-from loaders.loss import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
+from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
 
 # Logits per chunk (rows x vocab): 2**27 is 512 MiB in fp32, about 4k rows of a 32k vocabulary.
 CHUNK_LOGITS = 2**27
@@ -164,8 +164,8 @@ def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labe
 
     Equals transformers' ``ForCausalLMLoss``: the summed cross-entropy over labels that are not
     -100, divided by ``num_items_in_batch`` when given, else by their number. With
-    ``loss_weights`` (a batch's, ``loaders/loss.py``) each label's term is weighted and the
-    default divisor is the sum of the weights, as in ``loaders.loss.weighted_causal_lm_loss``.
+    ``loss_weights`` (a batch's, ``loaders/loss_weights.py``) each label's term is weighted and the
+    default divisor is the sum of the weights, as in ``loaders.train.loss.weighted_causal_lm_loss``.
     With ``padded_rows`` the labelled positions are padded to that many rows of weight 0
     (``padded_loss_positions``), so the shapes do not depend on the batch's labelled count.
     """
@@ -198,7 +198,7 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     with the loss and no logits. Without labels the model runs as before. ``num_items_in_batch``
     is honoured as in transformers (the HF Trainer passes it), and a PackedIterableDataset
     batch's ``num_loss_tokens`` and ``num_real_tokens`` are consumed here, not passed to the
-    layers, and its ``loss_weights`` (``loaders/loss.py``) weigh the loss, so ``model(**batch)`` needs
+    layers, and its ``loss_weights`` (``loaders/loss_weights.py``) weigh the loss, so ``model(**batch)`` needs
     no device sync and compiled layers see no int arguments.
     """
     check_supported(model)

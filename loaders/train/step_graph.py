@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS
-from loaders.loss import LOSS_WEIGHT_SUM
+from loaders.loss_weights import LOSS_WEIGHT_SUM
 from loaders.train.loss_head import PADDED_LOSS_ROWS
 
 # Batch entries that are no model setting: counts the head consumes, which differ from batch to batch.

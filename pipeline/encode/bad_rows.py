@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pipeline import storage
 from pipeline.errors import InputError
-from pipeline.write import storage
 from schemas import RejectedRows
 
 REJECTED_NAME = "rejected.jsonl"

@@ -28,10 +28,10 @@ import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import BadRow, Reason, RowProblem
 from pipeline.encode.chat import conversation
-from pipeline.encode.formats import ExampleFormat, split_prompt_template
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
-from pipeline.packing.ranges import gather_index
+from pipeline.ranges import gather_index
+from pipeline.read.formats import ExampleFormat, split_prompt_template
 from pipeline.read.readers import BatchRows, select_columns
 from schemas import BadRowPolicy, ExampleKind, Overflow
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.config import EXAMPLES_PER_GROUP
 from pipeline.errors import InputError
 
 BatchKey = tuple[int, int]
-EXAMPLES_PER_GROUP = 50_000_000
 
 
 @dataclass(frozen=True)

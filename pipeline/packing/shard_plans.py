@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from pipeline import storage
 from pipeline.packing.algorithms import PackingPlan, pack
 from pipeline.packing.groups import BatchKey
-from pipeline.packing.ranges import gather_index
+from pipeline.packing.rows import build_rows
 from pipeline.packing.spill import read_spilled
-from pipeline.write import storage
-from pipeline.write.shard_writer import build_rows
+from pipeline.ranges import gather_index
 from schemas import PackingStats
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from pipeline import storage
 from pipeline.encode.examples import EncodedBatch
-from pipeline.write import storage
 
 SPILL_PREFIX = ".spill-"
 CLUSTER_SPILL_PREFIX = "varpack-spill-"

@@ -27,8 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from pipeline import storage
 from pipeline.errors import InputError
-from pipeline.write import storage
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 # Byte size of one JSON-lines read task, and the most rows of one Arrow read task.

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import fsspec
 import yaml
 
+from pipeline import storage
 from pipeline.errors import InputError
 from pipeline.read.readers import FORMATS, file_format
-from pipeline.write import storage
 
 README = "README.md"
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*(\n|\Z)", re.DOTALL)

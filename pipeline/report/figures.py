@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.inspect import Profile
+from pipeline import storage
+from pipeline.report.profile import Profile
 from pipeline.report.summary import plural
-from pipeline.write import storage
 from schemas import Manifest
 
 REPORT_NAME = "report.png"

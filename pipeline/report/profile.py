@@ -1,0 +1,60 @@
+"""What the report's figures show, read from a build's shards: example and segment lengths, and rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import storage
+from schemas import Manifest, ShardError, ShardInfo, list_parts, validate_table
+
+
+def read_shard_table(build_dir: str, info: ShardInfo, capacity: int) -> pa.Table:
+    """One shard of the build as an Arrow table (memory-mapped when local), checked against the row schema."""
+    path = storage.join(build_dir, info.path)
+    try:
+        if storage.is_url(path):
+            with storage.open_read(path) as f:
+                table = pa.ipc.open_file(pa.py_buffer(f.read())).read_all()
+        else:
+            table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
+    except (pa.ArrowException, OSError) as err:
+        raise ShardError(path, f"is missing or not a readable Arrow IPC file ({err}); rebuild the build") from err
+    validate_table(table, capacity, path)
+    return table
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the figures show, read from the shards: the lengths before and after overflow handling, and the rows."""
+
+    capacity: int
+    example_lengths: np.ndarray  # int64 [examples in the shards]: split examples' chunks joined
+    segment_lengths: np.ndarray  # int64 [segments]: what attention sees, at most capacity
+    row_tokens: np.ndarray  # int64 [rows]
+    row_segments: np.ndarray  # int64 [rows]
+
+
+def read_profile(build_dir: str, manifest: Manifest) -> Profile:
+    """Lengths and row sizes of every row of the build, read shard by shard (boundaries only, not tokens)."""
+    segment_lengths, example_ids, row_tokens, row_segments = [], [], [], []
+    for info in manifest.shards:
+        table = read_shard_table(build_dir, info, manifest.capacity)
+        cu_offsets, cu = list_parts(table.column("cu_seqlens"))
+        steps = np.diff(cu)
+        within_row = np.ones(steps.size, dtype=bool)
+        within_row[cu_offsets[1:-1] - 1] = False
+        segment_lengths.append(steps[within_row].astype(np.int64))
+        example_ids.append(list_parts(table.column("example_ids"))[1])
+        row_tokens.append(table.column("num_tokens").to_numpy().astype(np.int64))
+        row_segments.append(np.diff(cu_offsets).astype(np.int64) - 1)
+    segments = np.concatenate(segment_lengths)
+    ids = np.concatenate(example_ids)
+    if manifest.stats.examples_split:
+        _, example_of_segment = np.unique(ids, return_inverse=True)
+        examples = np.bincount(example_of_segment, weights=segments).astype(np.int64)
+    else:
+        examples = segments
+    return Profile(manifest.capacity, examples, segments, np.concatenate(row_tokens), np.concatenate(row_segments))
