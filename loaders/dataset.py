@@ -186,7 +186,7 @@ class PackedIterableDataset(IterableDataset):
             verify_build(manifest, self._paths)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
-            [open_shard(path, self.capacity, expected=info) for path, info in zip(self._paths, manifest.shards)]
+            [self._open_shard(index) for index in range(len(manifest.shards))]
             if loss_reduction == LossReduction.SEQUENCE else (),
         )
         row_tokens, row_segments = self._read_row_index()
@@ -217,8 +217,8 @@ class PackedIterableDataset(IterableDataset):
     def _read_row_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and segments of every row, read (and checked) from each shard once."""
         tokens, segments = [], []
-        for path, info in zip(self._paths, self.manifest.shards):
-            shard = open_shard(path, self.capacity, expected=info)
+        for index, (path, info) in enumerate(zip(self._paths, self.manifest.shards)):
+            shard = self._open_shard(index)
             tokens.append(np.diff(shard.token_offsets).astype(np.int32))
             segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
             if int(tokens[-1].sum()) != info.tokens:
@@ -280,11 +280,16 @@ class PackedIterableDataset(IterableDataset):
             self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
 
+    def _open_shard(self, index: int) -> Shard:
+        """Shard ``index`` memory-mapped and checked: against its manifest entry, and its example ids against the build's."""
+        return open_shard(self._paths[index], self.capacity, expected=self.manifest.shards[index],
+                          num_example_ids=self.manifest.num_example_ids)
+
     def _shard(self, index: int) -> Shard:
         """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound."""
         shard = self._open_shards.get(index)
         if shard is None:
-            shard = open_shard(self._paths[index], self.capacity, expected=self.manifest.shards[index])
+            shard = self._open_shard(index)
             self._open_shards[index] = shard
             window_shards = -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard)
             while len(self._open_shards) > 2 * window_shards + 2:

@@ -249,6 +249,18 @@ class Manifest:
     def num_tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
 
+    @property
+    def num_example_ids(self) -> int:
+        """Every example id of the build lies in ``[0, num_example_ids)``.
+
+        Ids number the source examples the build read: those packed (``stats.examples``), those
+        truncation left untrained and the rows ``--on-bad-row skip`` left out, so the bound holds
+        whether ids count the kept examples or the source rows; or ``inputs.dataset.num_examples``
+        when a writer declared more.
+        """
+        read = self.stats.examples + self.stats.examples_untrained + (self.rejected.rows if self.rejected else 0)
+        return max(read, self.inputs.dataset.num_examples or 0)
+
     def to_dict(self) -> dict[str, Any]:
         shards = [dataclasses.asdict(s) for s in self.shards]
         data: dict[str, Any] = {
