@@ -22,6 +22,7 @@ from schemas.manifest import (
     ShardInfo,
     TokenizerInputs,
     compute_fingerprint,
+    example_id_count,
     validate_manifest,
 )
 from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
@@ -56,6 +57,7 @@ __all__ = [
     "atomic_write",
     "cache_dir",
     "compute_fingerprint",
+    "example_id_count",
     "file_sha256",
     "one_of",
     "positive_int",
