@@ -57,8 +57,8 @@ def uninterrupted(build, example_of, settings_, epochs=EPOCHS) -> list[tuple[int
 def plain_loop(dataset, example_of, start, stop=None, save_after_loop=False):
     """The README's loop from ``start``: its reads, and the state saved after ``stop`` batches (or None).
 
-    The state is saved inside the epoch's loop after the batch, or, with ``save_after_loop``,
-    after the loop of the epoch in which the ``stop``-th batch came (then at its last batch).
+    The state is saved inside the epoch's loop right after that batch, or, with
+    ``save_after_loop``, after the epoch's loop ended (``stop`` is then an epoch's last batch).
     """
     reads = []
     for epoch in range(start, EPOCHS):
