@@ -21,7 +21,7 @@ from loaders.collate import FixedShape, collate_rows, fixed_shape
 from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weighting
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
-from loaders.resume import Position, from_state_dict, to_state_dict
+from loaders.resume import Position, check_position, from_state_dict, to_state_dict
 from loaders.shard_reader import Shard, open_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import verify_build
@@ -118,8 +118,13 @@ class PackedIterableDataset(IterableDataset):
     workers, whose batches are copied between processes) the state is exact. With workers,
     use torchdata's ``StatefulDataLoader``, which collects the workers' states;
     ``dataset.load_state_dict(loader.state_dict())`` turns that back into the rank's
-    position, so a run can resume under another ``num_workers``. A plain ``DataLoader``
-    with workers loses only the resume.
+    position, so a run can resume under another ``num_workers``. Load it into the dataset
+    even under the same ``num_workers`` (``loader.load_state_dict`` may follow): a loader
+    state saved after the epoch's pass ended makes torchdata drop the workers' states and
+    start afresh from the dataset. A plain ``DataLoader`` with workers loses only the resume.
+    A resumed run reads what the uninterrupted run reads, from any point: a state saved after
+    an epoch's loop ended resumes at the next epoch (see ``set_epoch``). A position outside
+    the epoch is refused.
     """
 
     def __init__(
@@ -181,7 +186,7 @@ class PackedIterableDataset(IterableDataset):
             verify_build(manifest, self._paths)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
-            [open_shard(path, self.capacity, expected=info) for path, info in zip(self._paths, manifest.shards)]
+            [self._open_shard(index) for index in range(len(manifest.shards))]
             if loss_reduction == LossReduction.SEQUENCE else (),
         )
         row_tokens, row_segments = self._read_row_index()
@@ -197,6 +202,7 @@ class PackedIterableDataset(IterableDataset):
 
         self._position = Position(epoch=0)
         self._loaded = False
+        self._epoch_named: int | None = None  # the latest set_epoch's argument
         self._plan_cache: tuple[int, EpochPlan] | None = None
         self._open_shards: OrderedDict[int, Shard] = OrderedDict()
         if len(self) == 0:
@@ -211,8 +217,8 @@ class PackedIterableDataset(IterableDataset):
     def _read_row_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and segments of every row, read (and checked) from each shard once."""
         tokens, segments = [], []
-        for path, info in zip(self._paths, self.manifest.shards):
-            shard = open_shard(path, self.capacity, expected=info)
+        for index, (path, info) in enumerate(zip(self._paths, self.manifest.shards)):
+            shard = self._open_shard(index)
             tokens.append(np.diff(shard.token_offsets).astype(np.int32))
             segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
             if int(tokens[-1].sum()) != info.tokens:
@@ -274,11 +280,16 @@ class PackedIterableDataset(IterableDataset):
             self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
 
+    def _open_shard(self, index: int) -> Shard:
+        """Shard ``index`` memory-mapped and checked: against its manifest entry, and its example ids against the build's."""
+        return open_shard(self._paths[index], self.capacity, expected=self.manifest.shards[index],
+                          num_example_ids=self.manifest.num_example_ids)
+
     def _shard(self, index: int) -> Shard:
         """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound."""
         shard = self._open_shards.get(index)
         if shard is None:
-            shard = open_shard(self._paths[index], self.capacity, expected=self.manifest.shards[index])
+            shard = self._open_shard(index)
             self._open_shards[index] = shard
             window_shards = -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard)
             while len(self._open_shards) > 2 * window_shards + 2:
@@ -300,13 +311,16 @@ class PackedIterableDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it).
 
-        A state loaded from the end of an epoch resumes at the next epoch even when ``set_epoch``
-        names the finished one: a checkpoint taken after the epoch's loop must not replay it.
+        A state loaded from the end of an epoch stays there when ``set_epoch`` names the finished
+        epoch (before or after ``load_state_dict``): that pass reads nothing, and the next
+        ``set_epoch`` starts the next epoch, as in the run that saved the state. Without
+        ``set_epoch`` the next pass is the next epoch.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if self._loaded and self._position.finished and epoch == self._position.epoch:
-            return  # the next iteration moves on to epoch + 1
+        self._epoch_named = int(epoch)
+        if self._loaded and epoch == self._position.epoch:
+            return
         if epoch != self._position.epoch or self._position.finished:
             self._position = Position(epoch=int(epoch))
             self._loaded = False
@@ -325,7 +339,10 @@ class PackedIterableDataset(IterableDataset):
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         position = self._position
-        if position.finished and (position.num_workers == 1 or not self._loaded):
+        if position.finished and self._loaded and self._epoch_named == position.epoch:
+            end = len(self._plan(position.epoch))
+            position = Position(position.epoch, pass_start=end, next_batch=end)  # the loop names the finished epoch
+        elif position.finished and (position.num_workers == 1 or not self._loaded):
             position = Position(epoch=position.epoch + 1)
         pass_start, first = position.first_batch(worker_id, num_workers)
         # Set the position now, not on the first next(): torchdata reads the state right after iter().
@@ -356,6 +373,7 @@ class PackedIterableDataset(IterableDataset):
                 f"this state is DataLoader worker {position.worker_id}'s alone; load the StatefulDataLoader's "
                 "whole state_dict instead (dataset.load_state_dict(loader.state_dict()))"
             )
+        check_position(position, len(self._plan(position.epoch)))
         self._position = position
         self._loaded = True
 

@@ -73,7 +73,7 @@ def to_hf_dataset(build: str | os.PathLike[str], verify_checksum: bool = False, 
     tables = []
     for path in paths:
         table = _memory_mapped(path)
-        validate_table(table, manifest.capacity, path)
+        validate_table(table, manifest.capacity, path, manifest.num_example_ids)
         tables.append(table)
     # The build's fingerprint addresses its content: datasets would otherwise hash every row to make one.
     return datasets.Dataset(pa.concat_tables(tables), split=datasets.Split.TRAIN, fingerprint=manifest.fingerprint)

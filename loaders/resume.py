@@ -80,7 +80,47 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
             "the state was saved with settings that give a different list of batches, so it cannot be resumed: "
             + "; ".join(changed)
         )
-    return Position(**{field.name: state[field.name] for field in dataclasses.fields(Position)})
+    position = Position(**{field.name: _position_field(state, field.name) for field in dataclasses.fields(Position)})
+    _refuse_unless(position.epoch >= 0, "epoch", position.epoch, "a non-negative integer")
+    _refuse_unless(position.num_workers >= 1, "num_workers", position.num_workers, "at least 1")
+    _refuse_unless(0 <= position.worker_id < position.num_workers, "worker_id", position.worker_id,
+                   f"in [0, {position.num_workers - 1}] (num_workers {position.num_workers})")
+    return position
+
+
+def check_position(position: Position, num_batches: int) -> None:
+    """Raise ValueError naming the field of ``position`` that lies outside an epoch of ``num_batches`` batches.
+
+    A worker's next batch is ``pass_start + worker_id + k * num_workers``; past its last batch it
+    stands less than ``num_workers`` batches beyond the end.
+    """
+    _refuse_unless(0 <= position.pass_start <= num_batches, "pass_start", position.pass_start,
+                   f"in [0, {num_batches}] (epoch {position.epoch} has {num_batches} batches on this rank)")
+    first = position.pass_start + position.worker_id
+    last = num_batches + position.num_workers - 1
+    steps = f", {first} plus a multiple of num_workers {position.num_workers}," if position.num_workers > 1 else ""
+    _refuse_unless(
+        first <= position.next_batch <= last and (position.next_batch - first) % position.num_workers == 0,
+        "next_batch", position.next_batch,
+        f"in [{first}, {last}]{steps} (epoch {position.epoch} has {num_batches} batches on this rank)",
+    )
+
+
+def _position_field(state: dict[str, Any], name: str) -> Any:
+    """Field ``name`` of a state dict: an integer, or a bool for ``finished``; else ValueError naming it."""
+    if name not in state:
+        raise ValueError(f"loader state: {name} is missing; the state is incomplete, save it again")
+    value = state[name]
+    if name == "finished":
+        _refuse_unless(isinstance(value, bool), name, value, "true or false")
+    else:
+        _refuse_unless(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+    return value
+
+
+def _refuse_unless(holds: bool, name: str, value: Any, must_be: str) -> None:
+    if not holds:
+        raise ValueError(f"loader state: {name} {value!r} must be {must_be}; the state is corrupt or was edited")
 
 
 def _dataset_state(state: Any) -> dict[str, Any]:
@@ -98,7 +138,7 @@ def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, A
     first = workers[0]
     if any((w.epoch, w.pass_start) != (first.epoch, first.pass_start) for w in workers):
         raise ValueError("the StatefulDataLoader's workers disagree on the epoch; the state is inconsistent")
-    yielded = snapshot["_snapshot_step"] + state["_steps_since_snapshot"]
+    yielded = _position_field(snapshot, "_snapshot_step") + _position_field(state, "_steps_since_snapshot")
     return Position(
         epoch=first.epoch,
         pass_start=first.pass_start,

@@ -88,10 +88,11 @@ def open_shard(
     capacity: int,
     expected: ShardInfo | None = None,
     verify_checksum: bool = False,
+    num_example_ids: int | None = None,
 ) -> Shard:
     """Memory-map a shard and check it: size and row count against ``expected``, the sha256
-    when ``verify_checksum`` (which needs ``expected``), and every row invariant. Raises
-    ShardError naming the file."""
+    when ``verify_checksum`` (which needs ``expected``), and every row invariant, example ids
+    below the manifest's ``num_example_ids`` when given. Raises ShardError naming the file."""
     if verify_checksum and expected is None:
         raise ValueError("verify_checksum needs the shard's manifest entry as expected")
     path = Path(path)
@@ -103,7 +104,7 @@ def open_shard(
         raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
     if expected is not None and table.num_rows != expected.rows:
         raise ShardError(name, f"holds {table.num_rows} rows, the manifest says {expected.rows}")
-    validate_table(table, capacity, name)
+    validate_table(table, capacity, name, num_example_ids)
 
     token_offsets, input_ids = list_parts(table.column("input_ids"))
     _, loss_mask = list_parts(table.column("loss_mask"))

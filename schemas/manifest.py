@@ -221,6 +221,18 @@ class RejectedRows:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def example_id_count(stats: PackingStats, rejected: RejectedRows | None, dataset: DatasetInputs) -> int:
+    """How many example ids a build numbers: every id lies in ``[0, example_id_count)``.
+
+    Ids number the source examples the build read: those packed (``stats.examples``), those
+    truncation left untrained and the rows ``--on-bad-row skip`` left out, so the bound holds
+    whether ids count the kept examples or the source rows; or ``dataset.num_examples`` when a
+    writer declared more.
+    """
+    read = stats.examples + stats.examples_untrained + (rejected.rows if rejected else 0)
+    return max(read, dataset.num_examples or 0)
+
+
 @dataclass
 class Manifest:
     """The complete description of one build.
@@ -248,6 +260,11 @@ class Manifest:
     @property
     def num_tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
+
+    @property
+    def num_example_ids(self) -> int:
+        """Every example id of the build lies in ``[0, num_example_ids)`` (see ``example_id_count``)."""
+        return example_id_count(self.stats, self.rejected, self.inputs.dataset)
 
     def to_dict(self) -> dict[str, Any]:
         shards = [dataclasses.asdict(s) for s in self.shards]

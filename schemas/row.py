@@ -70,13 +70,14 @@ def _column_names(schema: pa.Schema) -> str:
         return "(column names that are not valid UTF-8)"
 
 
-def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
+def validate_table(table: pa.Table, capacity: int, shard: str, num_example_ids: int | None = None) -> None:
     """Check every row invariant of a shard table; raise ShardError naming the first bad row.
 
     Invariants: the schema matches ROW_SCHEMA and Arrow finds the data well formed;
     ``loss_mask`` and ``input_ids`` have the same length; ``cu_seqlens`` starts at 0, strictly
     increases and ends at the row's token count, which is at most ``capacity``; ``max_seqlen``
-    is the largest segment; one example id and offset per segment.
+    is the largest segment; one example id and offset per segment, every id in
+    ``[0, num_example_ids)`` when given (the manifest's ``num_example_ids``).
     """
     if not table.schema.remove_metadata().equals(ROW_SCHEMA.remove_metadata()):
         raise ShardError(shard, f"schema {_column_names(table.schema)} does not match the packed-row schema {list(ROW_COLUMNS)}")
@@ -94,7 +95,7 @@ def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
     token_offsets, _ = list_parts(table.column("input_ids"))
     mask_offsets, mask = list_parts(table.column("loss_mask"))
     cu_offsets, cu = list_parts(table.column("cu_seqlens"))
-    id_offsets, _ = list_parts(table.column("example_ids"))
+    id_offsets, example_ids = list_parts(table.column("example_ids"))
     pos_offsets, _ = list_parts(table.column("example_offsets"))
     num_tokens = table.column("num_tokens").to_numpy()
     max_seqlen = table.column("max_seqlen").to_numpy()
@@ -113,6 +114,16 @@ def validate_table(table: pa.Table, capacity: int, shard: str) -> None:
     fail_at(n_segments < 1, "cu_seqlens must hold at least [0, n]")
     fail_at(np.diff(id_offsets) != n_segments, "example_ids needs one entry per segment of cu_seqlens")
     fail_at(np.diff(pos_offsets) != n_segments, "example_offsets needs one entry per segment of cu_seqlens")
+    if num_example_ids is not None:
+        outside = np.flatnonzero((example_ids < 0) | (example_ids >= num_example_ids))
+        if outside.size:
+            raise ShardError(
+                shard,
+                f"example_ids holds {int(example_ids[outside[0]])}, outside [0, {num_example_ids}), the build's "
+                "example ids by its manifest: the shard is corrupt, or was written with ids past "
+                "inputs.dataset.num_examples; rebuild it",
+                row=int(np.searchsorted(id_offsets, outside[0], side="right")) - 1,
+            )
     fail_at(cu[cu_offsets[:-1]] != 0, "cu_seqlens does not start at 0")
     fail_at(cu[cu_offsets[1:] - 1] != lengths, "cu_seqlens does not end at the row's token count")
     if mask.size and mask.max() > 1:

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from shard_factory import build_shard_dir
 
@@ -62,6 +63,29 @@ def test_garbage_shard_of_the_right_size(build):
     path.write_bytes(b"\0" * path.stat().st_size)
     with pytest.raises(ShardError, match="not a readable Arrow IPC file"):
         PackedIterableDataset(build.path, verify_checksum=False)
+
+
+def set_example_id(path, row, value):
+    """Overwrite the first example id of ``row`` in the shard file, in place: its size stays, its checksum does not."""
+    table = pa.ipc.open_file(str(path)).read_all()
+    ids = table.column("example_ids").combine_chunks()
+    stored = ids.values.to_numpy().astype("<i8").tobytes()
+    data = path.read_bytes()
+    at = data.find(stored)
+    assert at >= 0 and data.find(stored, at + 1) < 0, "the ids must be found once in the file"
+    at += 8 * ids.offsets[row].as_py()
+    path.write_bytes(data[:at] + np.int64(value).astype("<i8").tobytes() + data[at + 8 :])
+
+
+# Bit 43 set in an id asked loss_reduction="sequence" for a 64 TiB count per example id; -1 and
+# the example count itself lie just outside the build's ids.
+@pytest.mark.parametrize("value", [(1 << 43) | 3, -1, 60], ids=["flipped-high-byte", "negative", "one-past-the-end"])
+def test_an_example_id_outside_the_build_is_refused(build, value):
+    assert build.manifest.stats.examples == 60
+    set_example_id(shard_file(build, 1), 3, value)
+    for reduction in ("sequence", "token"):
+        with pytest.raises(ShardError, match=rf"shard-00001.arrow row 3: example_ids holds {value}, outside \[0, 60\)"):
+            PackedIterableDataset(build.path, verify_checksum=False, loss_reduction=reduction)
 
 
 def test_no_manifest(tmp_path):

@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CAPACITY = 16
 
 
-def inputs(capacity: int = CAPACITY, packing: str = "best_fit_decreasing") -> BuildInputs:
+def inputs(capacity: int = CAPACITY, packing: str = "best_fit_decreasing", num_examples: int | None = None) -> BuildInputs:
     return BuildInputs(
-        dataset=DatasetInputs(id="corpus", split="train", content_hash="ab"),
+        dataset=DatasetInputs(id="corpus", split="train", content_hash="ab", num_examples=num_examples),
         tokenizer=TokenizerInputs(name="tok", content_hash="cd", vocab_size=100),
         template="none", loss_masking="given", max_len=capacity, overflow="split", packing=packing,
         seed=0, package_version="0.1.0",
@@ -66,7 +66,7 @@ def test_the_documented_example_runs_and_the_loader_reads_the_build() -> None:
 def test_rows_come_back_as_written_across_shards(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     written = []
-    with ShardWriter(tmp_path, inputs(), rows_per_shard=3) as writer:
+    with ShardWriter(tmp_path, inputs(num_examples=200), rows_per_shard=3) as writer:  # ids 100, 101, ... of 200
         for _ in range(10):
             cu = np.unique(np.concatenate(([0], rng.integers(1, 12, 2), [12])))
             row = {"input_ids": rng.integers(0, 100, 12).tolist(), "loss_mask": rng.integers(0, 2, 12).tolist(),
@@ -125,6 +125,16 @@ def test_a_bad_row_is_named_and_nothing_is_left(tmp_path: Path, row: dict, messa
             writer.write_row([1, 2, 3])
             writer.write_row(**row)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_example_ids_past_the_declared_count_are_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"example id 5 is outside \[0, 5\), the ids of the 5 examples written"):
+        with ShardWriter(tmp_path / "build", inputs(), rows_per_shard=1) as writer:
+            writer.write_examples(np.arange(1, 11), [2, 2, 2, 2, 2], example_ids=[0, 1, 2, 3, 5])
+    assert list(tmp_path.iterdir()) == []
+    with ShardWriter(tmp_path / "declared", inputs(num_examples=6), rows_per_shard=1) as writer:
+        writer.write_examples(np.arange(1, 11), [2, 2, 2, 2, 2], example_ids=[0, 1, 2, 3, 5])
+    assert writer.manifest.num_example_ids == 6
 
 
 def test_a_directory_with_files_is_refused_and_a_build_needs_rows(tmp_path: Path) -> None:

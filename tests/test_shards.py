@@ -69,10 +69,13 @@ def packed_table(examples: Examples, capacity: int = CAPACITY, algorithm: str = 
 
 
 def write_build(directory: Path, examples: Examples, capacity: int = CAPACITY, rows_per_shard: int = 4,
-                example_ids: np.ndarray | None = None) -> tuple[Manifest, PackingPlan]:
-    """Pack and write the examples with ShardWriter, in shards of ``rows_per_shard`` rows; the plan it packed by."""
+                example_ids: np.ndarray | None = None, num_examples: int | None = None) -> tuple[Manifest, PackingPlan]:
+    """Pack and write the examples with ShardWriter, in shards of ``rows_per_shard`` rows; the plan it packed by.
+
+    ``num_examples``: the size of the source the ``example_ids`` number, when they go past the examples.
+    """
     inputs = BuildInputs(
-        dataset=DatasetInputs(id="test", split="train", content_hash="00"),
+        dataset=DatasetInputs(id="test", split="train", content_hash="00", num_examples=num_examples),
         tokenizer=TokenizerInputs(name="test", content_hash="11", vocab_size=50_000),
         template="none", loss_masking="given", max_len=capacity, overflow="split",
         packing="best_fit_decreasing", seed=7, package_version="0.1.0",
@@ -143,7 +146,7 @@ def test_round_trip_keeps_the_rows_of_the_plan(tmp_path: Path) -> None:
 def test_example_ids_map_plan_indices_to_stored_ids(tmp_path: Path) -> None:
     examples = make_examples([5, 30, 7, 16, 1])
     ids = np.array([900, 901, 902, 903, 904], dtype=np.int64)
-    write_build(tmp_path, examples, example_ids=ids)
+    write_build(tmp_path, examples, example_ids=ids, num_examples=1000)
     reassemble(open_build(tmp_path), examples, ids)
 
 

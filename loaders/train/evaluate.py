@@ -87,7 +87,7 @@ def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 
     manifest = location.read_manifest()
     index = 0
     for path, info in zip(location.local_shards(manifest, None, verify_checksum=True), manifest.shards):
-        shard: Shard = open_shard(path, manifest.capacity, expected=info)
+        shard: Shard = open_shard(path, manifest.capacity, expected=info, num_example_ids=manifest.num_example_ids)
         for first in range(0, shard.num_rows, batch_rows):
             index += 1
             if (index - 1) % world_size != rank:

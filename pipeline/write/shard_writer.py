@@ -41,6 +41,7 @@ from schemas import (
     ShardInfo,
     atomic_output,
     compute_fingerprint,
+    example_id_count,
     file_sha256,
     one_of,
     positive_int,
@@ -183,6 +184,7 @@ class ShardWriter:
         self._shards: list[ShardInfo] = []
         self._stats: list[PackingStats] = []
         self._examples = 0  # examples written so far: the id of the next one when ids are not given
+        self._lowest_id, self._highest_id = 0, -1  # over the example ids written, and 0
         self._rows = 0
 
     def write_row(
@@ -196,7 +198,9 @@ class ShardWriter:
         """Add one packed row: its tokens, where each segment ends (``[0, n1, n1 + n2, ...]``;
         default one segment), which tokens are trained on (default all), and per segment the
         source example and the segment's first token within it (default: new examples, whole).
-        A row that breaks the row schema raises ShardError naming it."""
+        A row that breaks the row schema raises ShardError naming it. Example ids lie below the
+        examples written, or below ``inputs.dataset.num_examples`` when it declares more;
+        ``finish`` refuses others."""
         input_ids = np.asarray(input_ids)
         cu = np.asarray([0, input_ids.size] if cu_seqlens is None else cu_seqlens, dtype=np.int64)
         mask = np.ones(input_ids.size, np.uint8) if loss_mask is None else np.asarray(loss_mask)
@@ -256,6 +260,8 @@ class ShardWriter:
         except ValueError as err:
             raise ShardError(where, str(err)) from err
         self._rows += plan.num_rows
+        self._lowest_id = min(self._lowest_id, int(plan.segment_example.min()))
+        self._highest_id = max(self._highest_id, int(plan.segment_example.max()))
         self._pending.append(table)
         if sum(t.num_rows for t in self._pending) >= self.rows_per_shard:
             pending = pa.concat_tables(self._pending)
@@ -279,6 +285,13 @@ class ShardWriter:
             self._write(pa.concat_tables(self._pending))
             self._pending = []
         stats = PackingStats.merged(self._stats)
+        count = example_id_count(stats, rejected, self.inputs.dataset)
+        if self._lowest_id < 0 or self._highest_id >= count:
+            outside = self._lowest_id if self._lowest_id < 0 else self._highest_id
+            raise ValueError(
+                f"{self.out_dir}: example id {outside} is outside [0, {count}), the ids of the {count} examples "
+                "written; give ids below the source's example count and declare it in inputs.dataset.num_examples"
+            )
         self.manifest = finish_build(self.out_dir, self.inputs, self.rows_per_shard, self._shards, stats, rejected)
         return self.manifest
 
