@@ -4,7 +4,9 @@ The output goes to ``OUT/<dataset>-<fingerprint>/``. A directory with a manifest
 fingerprint and all its shards, each matching its size and checksum, is reused without
 reading or tokenizing anything; one that fails the check is rebuilt. One without a manifest
 holds the leftovers of an interrupted run: they are removed and the build runs again. A
-failed run removes what it wrote, but never a finished build (one with a manifest).
+reused build is left as clean as a fresh one: temporary files and spill directories of runs
+killed after its manifest appeared are removed too. A failed run removes what it wrote, but
+never a finished build (one with a manifest).
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     """The manifest of a finished build to reuse, or None after clearing the way for a new build.
 
     A local build directory is only ever checked, and cleared, by the run holding its lock.
-    Reuse verifies every shard's size and checksum; a build that fails is rebuilt. Raises
+    Reuse verifies every shard's size and checksum, and removes what killed runs left beside
+    the build; a build that fails is rebuilt. Raises
     OutputDirError when ``--out`` is itself a build directory, when the build directory holds
     another fingerprint's build (without ``--force``) or files varpack did not write.
     """
@@ -198,10 +201,12 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
             if force and manifest.fingerprint == plan.fingerprint and local:
                 # Same inputs, same bytes: each shard is replaced by a rename, so a loader reading it meanwhile goes on.
                 log(f"--force: rebuilding {out_dir} in place")
-                _remove_temporaries(out_dir)
+                _remove_leftovers(out_dir)
                 return None
             problem = "--force" if force else reuse_problem(manifest, out_dir)
             if problem is None:
+                if local:
+                    _remove_leftovers(out_dir, log)
                 return manifest
         if not local and not force:
             raise OutputDirError(f"{out_dir} cannot be reused: {problem}; pass --force to build it again")
@@ -209,7 +214,7 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     elif names and local:
         log(f"removing {len(names)} leftover files of an interrupted run from {out_dir}")
     if local:
-        spill.remove_leftover_spills(out_dir)
+        _remove_leftovers(out_dir)
         clear_build(out_dir)
     elif problem is not None:
         # No lock at a URL: only the manifest goes, so the next manifest published wins; attempts stay.
@@ -224,10 +229,23 @@ def clear_build(out_dir: str) -> None:
     storage.remove([storage.join(out_dir, n) for n in names])
 
 
-def _remove_temporaries(out_dir: str) -> None:
-    """Remove the temporary files and spill directories runs killed in the middle left in a local build directory."""
-    storage.remove([storage.join(out_dir, n) for n in storage.list_files(out_dir) if temporary_target(n) is not None])
-    spill.remove_leftover_spills(out_dir)
+def _leftovers(out_dir: str) -> list[str]:
+    """The names of the temporary files and spill directories that runs killed in the middle left in a local build directory."""
+    spills = [d for d in storage.list_subdirs(out_dir) if d.startswith(spill.SPILL_PREFIX)]
+    return [n for n in storage.list_files(out_dir) if temporary_target(n) is not None] + spills
+
+
+def _remove_leftovers(out_dir: str, log: Callable[[str], None] | None = None) -> None:
+    """Remove ``_leftovers(out_dir)``; only while holding the build's lock alone, so no live run's files go."""
+    found = _leftovers(out_dir)
+    if found and log is not None:
+        log(f"removing {len(found)} leftover files of interrupted runs from {out_dir}")
+    for name in found:
+        path = storage.join(out_dir, name)
+        if name.startswith(spill.SPILL_PREFIX):
+            spill.remove_spill(path)
+        else:
+            storage.remove([path])
 
 
 def _discard(out_dir: str, shard_dir: str) -> None:
@@ -235,7 +253,7 @@ def _discard(out_dir: str, shard_dir: str) -> None:
     if shard_dir != out_dir:
         storage.remove([storage.join(shard_dir, n) for n in storage.list_files(shard_dir)])
     elif storage.exists(storage.join(out_dir, MANIFEST_NAME)):
-        _remove_temporaries(out_dir)
+        _remove_leftovers(out_dir)
     else:
         clear_build(out_dir)
         storage.remove_empty_dir(out_dir)
@@ -262,8 +280,10 @@ def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> Bu
         # First only read, sharing the lock with other runs that read: the nodes of a job check a build side by side.
         with build_lock(plan.out_dir, config.lock_timeout, log, shared=True):
             existing = reusable(plan)
-        if existing is not None:
+            untidy = existing is not None and bool(_leftovers(plan.out_dir))
+        if existing is not None and not untidy:
             return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
+        # A build to make, or one to reuse that killed runs left files in: the lock alone, then check again.
     with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
         existing = check_output(plan, log)
         if existing is not None:
@@ -272,7 +292,7 @@ def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> Bu
         _run(plan, shard_dir, log)
         manifest = read_build_manifest(plan.out_dir)
         if local:
-            _remove_temporaries(plan.out_dir)  # of workers of a killed run that were still writing when it ended
+            _remove_leftovers(plan.out_dir)  # of workers of a killed run that were still writing when it ended
     if not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards):
         log(f"another run published {plan.out_dir} first; using its build")
         _discard(plan.out_dir, shard_dir)

@@ -357,3 +357,29 @@ def test_runs_at_a_url_write_attempt_directories_and_the_first_manifest_wins(dat
     again = build(config(data, url))  # a later run reuses the published build
     assert again.reused and again.manifest.shards == manifest.shards
 
+
+
+def test_a_reused_build_is_left_as_clean_as_a_fresh_one(data, tmp_path):
+    """A run killed just after its manifest appeared leaves its spill directory, a killed --force run its
+    temporary shards; the next run that reuses the build removes them, holding the build's lock alone."""
+    out = tmp_path / "out"
+    first = build(config(data, out))
+    out_dir = Path(first.out_dir)
+    fresh = sorted(p.name for p in out_dir.iterdir())
+    spill = out_dir / ".spill-0123456789ab"
+    spill.mkdir()
+    (spill / "0-0.arrow").write_bytes(b"\0" * 4096)
+    (out_dir / ".shard-00000.arrow.tmp-4242-0badc0de").write_bytes(b"half a shard")
+    (out_dir / ".manifest.json.tmp-4242-0badc0de").write_text("{")
+    Path(lock_path(first.out_dir)).write_text("")  # the lock file exists while runs come and go
+    with build_lock(first.out_dir, None, lambda _: None, shared=True):  # another run checking it for reuse
+        with pytest.raises(OutputDirError, match="is being built by"):
+            build(config(data, out, lock_timeout=0.5))  # waits to remove them, removing nothing meanwhile
+        assert spill.is_dir() and len(list(out_dir.iterdir())) == len(fresh) + 3
+    messages: list[str] = []
+    assert build(config(data, out), log=messages.append).reused
+    assert sorted(p.name for p in out_dir.iterdir()) == fresh
+    assert f"removing 3 leftover files of interrupted runs from {out_dir}" in messages, messages
+    assert build(config(data, out), log=messages.append).reused  # a clean build is reused under the shared lock
+    assert sorted(p.name for p in out.iterdir()) == [out_dir.name]
+
