@@ -383,3 +383,23 @@ def test_a_reused_build_is_left_as_clean_as_a_fresh_one(data, tmp_path):
     assert build(config(data, out), log=messages.append).reused  # a clean build is reused under the shared lock
     assert sorted(p.name for p in out.iterdir()) == [out_dir.name]
 
+
+def test_a_shard_overwritten_in_place_with_its_mtime_put_back_is_hashed_again(tmp_path, monkeypatch):
+    """The per-host record of verified shards is not fooled by ``touch -r``: the change time moves on any write."""
+    from tests.shard_factory import build_shard_dir
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    PackedIterableDataset(written.path, batch_rows=1)  # the first open hashes every shard and records it
+    shard = written.path / written.manifest.shards[1].path
+    before = shard.stat()
+    corrupt = bytearray(shard.read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0x01  # a token id in the middle of the shard
+    with open(shard, "r+b") as f:  # in place: the same inode and size
+        f.write(corrupt)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    with pytest.raises(ShardError, match=f"^{shard}: checksum mismatch"):
+        PackedIterableDataset(written.path, batch_rows=1)
+
