@@ -31,6 +31,7 @@ from pipeline.sources import Source, resolve_source
 from pipeline.tokenizer import LoadedTokenizer, load_tokenizer
 from schemas import MANIFEST_NAME, BuildInputs, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
 from schemas.io import temporary_target
+from schemas.shard_identity import file_identity_problem
 from schemas.verified import VerifiedShards
 
 # The files a build writes: shards, the rejected rows, the manifest and the report figure.
@@ -117,7 +118,8 @@ def read_build_manifest(out_dir: str) -> Manifest:
 
 
 def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
-    """Why a finished build cannot be reused (a file missing, truncated or failing its checksum), or None.
+    """Why a finished build cannot be reused (a file missing, truncated, failing its checksum, or not
+    the shard of this build its place in the manifest says: ``schemas/shard_identity.py``), or None.
 
     A local build's shards are hashed once per host (``schemas/verified.py``): a shard this host
     hashed whole before, and that is still the same file, is not hashed again.
@@ -126,19 +128,21 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
         return f"{REJECTED_NAME} is missing"
     record = None if storage.is_url(out_dir) else VerifiedShards(manifest)
     with record or contextlib.nullcontext():
-        for shard in manifest.shards:
+        for index, shard in enumerate(manifest.shards):
             path = storage.join(out_dir, shard.path)
             if not storage.exists(path):
                 return f"{shard.path} is missing"
             if (size := storage.size(path)) != shard.bytes:
                 return f"{shard.path} is {size} bytes, the manifest says {shard.bytes}"
-            if record is not None and record.unchanged(Path(path)):
-                continue
+            if record is None or not record.unchanged(Path(path)):
+                with storage.open_read(path) as f:
+                    if stream_sha256(f) != shard.sha256:
+                        return f"{shard.path} fails its checksum (the file is corrupt)"
+                if record is not None:
+                    record.add(Path(path))
             with storage.open_read(path) as f:
-                if stream_sha256(f) != shard.sha256:
-                    return f"{shard.path} fails its checksum (the file is corrupt)"
-            if record is not None:
-                record.add(Path(path))
+                if (problem := file_identity_problem(f, manifest, index)) is not None:
+                    return f"{shard.path} {problem}"
     return None
 
 

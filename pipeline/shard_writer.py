@@ -46,6 +46,7 @@ from schemas import (
     atomic_output,
     validate_table,
 )
+from schemas.shard_identity import ShardIdentity, with_identity
 
 # About 8M tokens (about 40 MB) per shard: large enough for sequential reads, small enough to spread.
 TARGET_SHARD_TOKENS = 1 << 23
@@ -132,18 +133,22 @@ def build_rows(
     )
 
 
-def write_shard(table: pa.Table, directory: str | os.PathLike[str], name: str, capacity: int) -> ShardInfo:
+def write_shard(
+    table: pa.Table, directory: str | os.PathLike[str], name: str, capacity: int, identity: ShardIdentity
+) -> ShardInfo:
     """Validate ``table`` and write it as one uncompressed Arrow IPC file, atomically.
 
-    The file is written under a temporary name, fsynced, then renamed, so a reader never
-    sees half a shard. Returns the manifest entry with the file's sha256.
+    The file's schema metadata carries ``identity``, its place in the build. The file is
+    written under a temporary name, fsynced, then renamed, so a reader never sees half a
+    shard. Returns the manifest entry with the file's sha256.
     """
     validate_table(table, capacity, name)
+    schema = with_identity(ROW_SCHEMA, identity)
     with atomic_output(Path(directory) / name) as tmp:
         with pa.OSFile(str(tmp), "wb") as sink:
             # One record batch per shard: the reader maps it as contiguous buffers.
-            with pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
-                writer.write_table(table.combine_chunks(), max_chunksize=table.num_rows)
+            with pa.ipc.new_file(sink, schema) as writer:
+                writer.write_table(table.combine_chunks().replace_schema_metadata(schema.metadata), max_chunksize=table.num_rows)
         return ShardInfo(
             path=name,
             rows=table.num_rows,
@@ -153,13 +158,14 @@ def write_shard(table: pa.Table, directory: str | os.PathLike[str], name: str, c
         )
 
 
-def publish_shard(table: pa.Table, out_dir: str, name: str, capacity: int) -> ShardInfo:
-    """``write_shard`` into a local directory or a URL (``gs://``, ``s3://``): remotely, written
-    locally first, then uploaded under a temporary name and renamed."""
+def publish_shard(table: pa.Table, out_dir: str, capacity: int, identity: ShardIdentity) -> ShardInfo:
+    """``write_shard`` of shard ``identity.index`` into a local directory or a URL (``gs://``,
+    ``s3://``): remotely, written locally first, then uploaded under a temporary name and renamed."""
+    name = shard_name(identity.index)
     if not storage.is_url(out_dir):
-        return write_shard(table, out_dir, name, capacity)
+        return write_shard(table, out_dir, name, capacity, identity)
     with tempfile.TemporaryDirectory() as tmp:
-        info = write_shard(table, tmp, name, capacity)
+        info = write_shard(table, tmp, name, capacity, identity)
         storage.publish(os.path.join(tmp, name), storage.join(out_dir, name))
     return info
 
@@ -244,6 +250,7 @@ class ShardWriter:
     def __init__(self, out_dir: str | os.PathLike[str], inputs: BuildInputs, rows_per_shard: int | None = None) -> None:
         self.out_dir = str(out_dir)
         self.inputs = inputs
+        self.fingerprint = compute_fingerprint(inputs)
         self.capacity = inputs.max_len
         self.rows_per_shard = rows_per_shard or default_rows_per_shard(self.capacity)
         positive_int("rows_per_shard", self.rows_per_shard)
@@ -257,7 +264,9 @@ class ShardWriter:
             )
         storage.make_dirs(self.out_dir)
         self.manifest: Manifest | None = None
-        self._pending: list[pa.Table] = []  # rows not yet in a shard, fewer than rows_per_shard
+        # Rows not yet in a shard, 1 to rows_per_shard once any were written: the last shard is written by
+        # finish(), which knows it is the last.
+        self._pending: list[pa.Table] = []
         self._shards: list[ShardInfo] = []
         self._stats: list[PackingStats] = []
         self._examples = 0  # examples written so far: the id of the next one when ids are not given
@@ -335,16 +344,16 @@ class ShardWriter:
             raise ShardError(where, str(err)) from err
         self._rows += plan.num_rows
         self._pending.append(table)
-        if sum(t.num_rows for t in self._pending) >= self.rows_per_shard:
+        if sum(t.num_rows for t in self._pending) > self.rows_per_shard:
             pending = pa.concat_tables(self._pending)
-            full = pending.num_rows - pending.num_rows % self.rows_per_shard
+            full = (pending.num_rows - 1) // self.rows_per_shard * self.rows_per_shard
             for start in range(0, full, self.rows_per_shard):
-                self._write(pending.slice(start, self.rows_per_shard))
-            self._pending = [pending.slice(full)] if full < pending.num_rows else []
+                self._write(pending.slice(start, self.rows_per_shard), last=False)
+            self._pending = [pending.slice(full)]
 
-    def _write(self, table: pa.Table) -> None:
-        name = shard_name(len(self._shards))
-        self._shards.append(publish_shard(table, self.out_dir, name, self.capacity))
+    def _write(self, table: pa.Table, last: bool) -> None:
+        identity = ShardIdentity(self.fingerprint, len(self._shards), last)
+        self._shards.append(publish_shard(table, self.out_dir, self.capacity, identity))
 
     def finish(self, rejected: RejectedRows | None = None) -> Manifest:
         """Write the last shard, then the manifest; returns the manifest. ``rejected`` counts
@@ -353,9 +362,8 @@ class ShardWriter:
             return self.manifest
         if self._rows == 0:
             raise ValueError(f"{self.out_dir}: no rows were written; a build needs at least one row")
-        if self._pending:
-            self._write(pa.concat_tables(self._pending))
-            self._pending = []
+        self._write(pa.concat_tables(self._pending), last=True)
+        self._pending = []
         stats = PackingStats.merged(self._stats)
         self.manifest = finish_build(self.out_dir, self.inputs, self.rows_per_shard, self._shards, stats, rejected)
         return self.manifest

@@ -403,3 +403,69 @@ def test_a_shard_overwritten_in_place_with_its_mtime_put_back_is_hashed_again(tm
     with pytest.raises(ShardError, match=f"^{shard}: checksum mismatch"):
         PackedIterableDataset(written.path, batch_rows=1)
 
+
+def rewritten_as_format_2(manifest: dict, edit: str) -> dict:
+    """``manifest`` rewritten as format version 2 (no digests), with its shard list edited and its stats made to agree."""
+    old = {key: value for key, value in manifest.items() if not key.endswith("_digest")}
+    old["format_version"] = 2
+    shards = old["shards"]
+    if edit == "drop":
+        del shards[1]
+    elif edit == "repeat":
+        shards.insert(1, shards[0])
+    elif edit == "reorder":
+        shards[0], shards[1] = shards[1], shards[0]
+    old["stats"]["rows"] = sum(s["rows"] for s in shards)
+    old["stats"]["tokens"] = sum(s["tokens"] for s in shards)
+    return old
+
+
+@pytest.mark.parametrize("edit", ["drop", "repeat", "reorder"])
+def test_a_manifest_rewritten_as_an_older_format_cannot_change_the_shard_list(tmp_path, edit):
+    """Each shard carries its place in its build: the loader and interop refuse a shard list that lost,
+    repeated or reordered shards, whatever format the manifest claims."""
+    from loaders.interop import arrow_dataset
+    from tests.shard_factory import build_shard_dir
+
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    path = written.path / MANIFEST_NAME
+    path.write_text(json.dumps(rewritten_as_format_2(json.loads(path.read_text()), edit)))
+    read_manifest(path)  # a valid format 2 manifest on its own
+    for verify_checksum in (True, False):
+        with pytest.raises(ShardError, match="the manifest was rewritten"):
+            PackedIterableDataset(written.path, batch_rows=1, verify_checksum=verify_checksum)
+        with pytest.raises(ShardError, match="the manifest was rewritten"):
+            arrow_dataset(written.path, verify_checksum=verify_checksum)
+
+
+def test_pack_does_not_reuse_a_build_whose_manifest_was_rewritten_as_an_older_format(data, tmp_path):
+    first = build(config(data, tmp_path / "out", rows_per_shard=40))
+    path = Path(first.out_dir) / MANIFEST_NAME
+    original = json.loads(path.read_text())
+    path.write_text(json.dumps(rewritten_as_format_2(original, "drop")))
+    messages: list[str] = []
+    again = build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append)
+    assert not again.reused
+    assert any(m.startswith(f"rebuilding {first.out_dir}: ") and "the manifest was rewritten" in m for m in messages)
+    assert again.manifest.shards == first.manifest.shards
+
+
+@pytest.mark.parametrize(("field", "value"), [(("stats", "examples"), 1), (("created_at",), "2020-01-01T00:00:00+00:00")])
+def test_an_edited_manifest_field_is_refused(tmp_path, field, value):
+    """Every field of the manifest is covered by its digest; rewritten as an older format without one, the
+    shards refuse it."""
+    from tests.shard_factory import build_shard_dir
+
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    path = written.path / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    where = manifest
+    for key in field[:-1]:
+        where = where[key]
+    where[field[-1]] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=f"^{path}: the manifest does not match its manifest_digest"):
+        PackedIterableDataset(written.path, batch_rows=1)
+    path.write_text(json.dumps(rewritten_as_format_2(manifest, "none")))
+    with pytest.raises(ShardError, match="the manifest was rewritten"):
+        PackedIterableDataset(written.path, batch_rows=1)
