@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import re
 import sys
 import time
@@ -63,6 +64,12 @@ class BuildResult:
     reused: bool
     elapsed_s: float
     layout: str = ""  # how each example is laid out, for the report
+    figure: str | None = None  # the report figure this run wrote
+
+
+# Writes the report figure of a build beside its manifest (pack's report.png): its path, or None when
+# it was not written (the writer says why).
+FigureWriter = Callable[[str, Manifest], "str | None"]
 
 
 def _is_build_file(name: str) -> bool:
@@ -267,13 +274,17 @@ def _log_to_stderr(message: str) -> None:
     print(f"varpack: {message}", file=sys.stderr)
 
 
-def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> BuildResult:
+def build(
+    config: PackConfig, log: Callable[[str], None] = _log_to_stderr, write_figure: FigureWriter | None = None
+) -> BuildResult:
     """Make (or reuse) the shards ``config`` describes and return the manifest.
 
     A local build runs holding the build directory's lock (``build_lock.py``): a second run
     of the same build waits, then reuses what the first made. Checking a finished build for
     reuse shares the lock with other runs doing the same. At a URL every run writes into
-    its own attempt directory and the first manifest published wins.
+    its own attempt directory and the first manifest published wins. ``write_figure`` writes
+    the report figure of a new build, or of a reused one that lacks it, holding the lock alone
+    (so that no run removing leftovers meanwhile takes its temporary file).
     """
     started = time.perf_counter()
     plan = plan_build(config)
@@ -284,23 +295,50 @@ def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> Bu
         # First only read, sharing the lock with other runs that read: the nodes of a job check a build side by side.
         with build_lock(plan.out_dir, config.lock_timeout, log, shared=True):
             existing = reusable(plan)
-            untidy = existing is not None and bool(_leftovers(plan.out_dir))
-        if existing is not None and not untidy:
-            return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
-        # A build to make, or one to reuse that killed runs left files in: the lock alone, then check again.
+            if existing is not None and not _needs_lock_alone(plan, write_figure):
+                elapsed_s = time.perf_counter() - started
+                figure = _missing_figure(plan, existing, write_figure)  # in a read-only place: says it cannot
+                return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
+        # A build to make, or one to reuse that needs tidying: the lock alone, then check again.
     with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
         existing = check_output(plan, log)
         if existing is not None:
-            return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
+            elapsed_s = time.perf_counter() - started
+            figure = _missing_figure(plan, existing, write_figure)
+            return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
         shard_dir = plan.out_dir if local else storage.join(plan.out_dir, ATTEMPT_PREFIX + uuid.uuid4().hex[:12])
         _run(plan, shard_dir, log)
         manifest = read_build_manifest(plan.out_dir)
         if local:
             _remove_leftovers(plan.out_dir)  # of workers of a killed run that were still writing when it ended
+        elapsed_s = time.perf_counter() - started
+        figure = write_figure(plan.out_dir, manifest) if write_figure is not None else None
     if not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards):
         log(f"another run published {plan.out_dir} first; using its build")
         _discard(plan.out_dir, shard_dir)
-    return BuildResult(manifest, plan.out_dir, False, time.perf_counter() - started, _layout(plan))
+    return BuildResult(manifest, plan.out_dir, False, elapsed_s, _layout(plan), figure)
+
+
+def _has_figure(out_dir: str) -> bool:
+    """Whether the build holds its report figure (one made with --no-report, or without matplotlib, does not)."""
+    from pipeline.figures import REPORT_NAME
+
+    return storage.exists(storage.join(out_dir, REPORT_NAME))
+
+
+def _missing_figure(plan: BuildPlan, manifest: Manifest, write_figure: FigureWriter | None) -> str | None:
+    """Write the report figure of a reused build that lacks it; its path, or None."""
+    if write_figure is None or _has_figure(plan.out_dir):
+        return None
+    return write_figure(plan.out_dir, manifest)
+
+
+def _needs_lock_alone(plan: BuildPlan, write_figure: FigureWriter | None) -> bool:
+    """Whether reusing the build means writing in its directory: removing what killed runs left, or writing
+    its missing figure. Not in a place this run cannot write to, where neither can happen."""
+    if not os.access(plan.config.out, os.W_OK) or not os.access(plan.out_dir, os.W_OK):
+        return False
+    return bool(_leftovers(plan.out_dir)) or (write_figure is not None and not _has_figure(plan.out_dir))
 
 
 def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:

@@ -469,3 +469,31 @@ def test_an_edited_manifest_field_is_refused(tmp_path, field, value):
     path.write_text(json.dumps(rewritten_as_format_2(manifest, "none")))
     with pytest.raises(ShardError, match="the manifest was rewritten"):
         PackedIterableDataset(written.path, batch_rows=1)
+
+
+def test_a_run_removing_leftovers_leaves_the_report_figure_another_run_is_writing(data, tmp_path, monkeypatch):
+    """pack writes report.png holding the build's lock, so a run cleaning the directory meanwhile waits."""
+    import pipeline.figures
+    from pipeline import storage
+
+    out = tmp_path / "out"
+    out_dir = build(config(data, out)).out_dir  # without its figure
+    other_runs: list[Run] = []
+
+    def write_report(profile, manifest, directory):
+        with storage.output(storage.join(directory, pipeline.figures.REPORT_NAME)) as tmp:
+            Path(tmp).write_bytes(b"\x89PNG half a figure")
+            other = Run(data, out, "other", "--no-report")
+            other_runs.append(other)
+            wait_for(lambda: other.proc.poll() is not None or "waiting for" in other.err(), "the other run to go by")
+            assert Path(tmp).exists(), other.err()
+        return storage.join(directory, pipeline.figures.REPORT_NAME)
+
+    monkeypatch.setattr(pipeline.figures, "write_report", write_report)
+    assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 0
+    (other,) = other_runs
+    assert other.wait() == 0, other.err()
+    assert other.out().startswith("varpack: reusing")
+    assert sorted(p.name for p in Path(out_dir).iterdir()) == sorted(
+        [MANIFEST_NAME, pipeline.figures.REPORT_NAME] + [s.path for s in read_manifest(out_dir).shards]
+    )
