@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from loaders import PackedIterableDataset
@@ -23,6 +24,7 @@ from pipeline.build_lock import build_lock, lock_path
 from pipeline.config import PackConfig
 from pipeline.errors import OutputDirError
 from schemas import MANIFEST_NAME, ManifestError, ShardError, WriteError, read_manifest
+from schemas.manifest import manifest_digest, shards_digest
 from tests.test_pipeline_e2e import REPO
 from tests.url_filesystem import PREFIX
 
@@ -497,3 +499,31 @@ def test_a_run_removing_leftovers_leaves_the_report_figure_another_run_is_writin
     assert sorted(p.name for p in Path(out_dir).iterdir()) == sorted(
         [MANIFEST_NAME, pipeline.figures.REPORT_NAME] + [s.path for s in read_manifest(out_dir).shards]
     )
+
+
+def test_a_build_of_format_4_whose_shards_carry_no_identity_is_still_read(tmp_path):
+    from loaders.interop import arrow_dataset
+    from schemas import ROW_SCHEMA, file_sha256
+    from tests.shard_factory import build_shard_dir
+
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    path = written.path / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    for entry in manifest["shards"]:  # each shard as format 4 wrote it: the row schema's metadata alone
+        shard = written.path / entry["path"]
+        table = pa.ipc.open_file(str(shard)).read_all().replace_schema_metadata(ROW_SCHEMA.metadata)
+        with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+            writer.write_table(table, max_chunksize=table.num_rows)
+        entry.update(sha256=file_sha256(shard), bytes=shard.stat().st_size)
+    old = {key: value for key, value in manifest.items() if key != "manifest_digest"}
+    old["format_version"] = 4
+    old["shards_digest"] = shards_digest(old["shards"])
+    path.write_text(json.dumps(old))
+    dataset = PackedIterableDataset(written.path, batch_rows=1, shuffle=False)
+    assert len(list(dataset)) == written.manifest.num_rows
+    assert arrow_dataset(written.path, verify_checksum=True).count_rows() == written.manifest.num_rows
+    new = {**old, "format_version": 5}  # a format 5 manifest promises that every shard names its place
+    new["manifest_digest"] = manifest_digest(new)
+    path.write_text(json.dumps(new))
+    with pytest.raises(ShardError, match="carries no build identity"):
+        PackedIterableDataset(written.path, batch_rows=1)
