@@ -22,7 +22,7 @@ from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weig
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import Position, check_position, from_state_dict, to_state_dict
-from loaders.shard_reader import Shard, open_shard
+from loaders.shard_reader import Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import verify_build
 from schemas import Manifest, ManifestError, positive_int
@@ -186,7 +186,7 @@ class PackedIterableDataset(IterableDataset):
             verify_build(manifest, self._paths)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
-            [self._open_shard(index) for index in range(len(manifest.shards))]
+            [open_build_shard(path, manifest, index) for index, path in enumerate(self._paths)]
             if loss_reduction == LossReduction.SEQUENCE else (),
         )
         row_tokens, row_segments = self._read_row_index()
@@ -218,7 +218,7 @@ class PackedIterableDataset(IterableDataset):
         """Tokens and segments of every row, read (and checked) from each shard once."""
         tokens, segments = [], []
         for index, (path, info) in enumerate(zip(self._paths, self.manifest.shards)):
-            shard = self._open_shard(index)
+            shard = open_build_shard(path, self.manifest, index)
             tokens.append(np.diff(shard.token_offsets).astype(np.int32))
             segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
             if int(tokens[-1].sum()) != info.tokens:
@@ -280,16 +280,11 @@ class PackedIterableDataset(IterableDataset):
             self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
 
-    def _open_shard(self, index: int) -> Shard:
-        """Shard ``index`` memory-mapped and checked: against its manifest entry, and its example ids against the build's."""
-        return open_shard(self._paths[index], self.capacity, expected=self.manifest.shards[index],
-                          num_example_ids=self.manifest.num_example_ids)
-
     def _shard(self, index: int) -> Shard:
         """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound."""
         shard = self._open_shards.get(index)
         if shard is None:
-            shard = self._open_shard(index)
+            shard = open_build_shard(self._paths[index], self.manifest, index)
             self._open_shards[index] = shard
             window_shards = -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard)
             while len(self._open_shards) > 2 * window_shards + 2:

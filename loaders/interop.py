@@ -20,27 +20,27 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from loaders.remote import locate
-from loaders.shard_reader import check_shard_file
+from loaders.shard_reader import check_build_shard
 from schemas import Manifest, ShardError, validate_table
 
 
 def _local_shards(
     build: str | os.PathLike[str], verify_checksum: bool, cache_dir: str | None
 ) -> tuple[Manifest, list[str]]:
-    """The manifest and the local paths of its shards, each checked against it."""
+    """The manifest and the local paths of its shards, each checked against it and its place in it."""
     location = locate(build)
     manifest = location.read_manifest()
     paths = location.local_shards(manifest, cache_dir, verify_checksum)
-    if location.is_local:  # remote shards were checked as they were copied
-        for path, info in zip(paths, manifest.shards):
-            check_shard_file(path, info, verify_checksum)
+    for index, path in enumerate(paths):  # remote copies were hashed as they were fetched
+        check_build_shard(path, manifest, index, verify_checksum and location.is_local)
     return manifest, [str(path) for path in paths]
 
 
 def shard_paths(build: str | os.PathLike[str], verify_checksum: bool = False, cache_dir: str | None = None) -> list[str]:
     """The local paths of a build's shards, in manifest order, each checked against the manifest's size
-    (and sha256 when ``verify_checksum``). ``build`` is a build directory or manifest, local or any
-    fsspec URL (remote shards are copied into ``cache_dir``, as the loader does)."""
+    (and sha256 when ``verify_checksum``) and its place in the build (``schemas/shard_identity.py``).
+    ``build`` is a build directory or manifest, local or any fsspec URL (remote shards are copied
+    into ``cache_dir``, as the loader does)."""
     return _local_shards(build, verify_checksum, cache_dir)[1]
 
 

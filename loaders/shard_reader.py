@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from schemas import ShardError, ShardInfo, file_sha256, list_parts, validate_table
+from schemas import Manifest, ShardError, ShardInfo, file_sha256, list_parts, validate_table
+from schemas.shard_identity import file_identity_problem, identity_problem
 
 
 def _column(table: pa.Table, name: str) -> pa.Array:
@@ -125,3 +126,23 @@ def open_shard(
         example_offsets=example_offsets,
         segment_offsets=segment_offsets,
     )
+
+
+def _raise_problem(path: str | os.PathLike[str], problem: str | None) -> None:
+    if problem is not None:
+        raise ShardError(str(path), problem)
+
+
+def open_build_shard(path: str | os.PathLike[str], manifest: Manifest, index: int) -> Shard:
+    """``open_shard`` for shard ``index`` of ``manifest``'s list, its example ids bounded by the build's,
+    also checking that the file names itself that shard of that build (``schemas/shard_identity.py``)."""
+    shard = open_shard(path, manifest.capacity, expected=manifest.shards[index], num_example_ids=manifest.num_example_ids)
+    _raise_problem(path, identity_problem(shard.table.schema, manifest, index))
+    return shard
+
+
+def check_build_shard(path: Path, manifest: Manifest, index: int, verify_checksum: bool) -> None:
+    """``check_shard_file`` for shard ``index`` of ``manifest``'s list, and its identity, read from the
+    file's footer alone."""
+    check_shard_file(path, manifest.shards[index], verify_checksum)
+    _raise_problem(path, file_identity_problem(pa.memory_map(str(path), "r"), manifest, index))

@@ -50,13 +50,14 @@ from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, ass
 from pipeline.packing.spill import spill
 from pipeline.read.sources import ReadTask
 from pipeline.report import progress
-from pipeline.write.shard_writer import finish_build, publish_shard, shard_name
+from pipeline.write.shard_writer import finish_build, publish_shard
 from schemas import (
     MANIFEST_NAME,
     BuildInputs,
     PackingStats,
     RejectedRows,
 )
+from schemas.shard_identity import ShardIdentity
 
 _COUNTERS = "varpack"
 
@@ -203,19 +204,21 @@ def first_shard(groups: list[PackedGroup], group: int) -> int:
 
 
 def shard_indices(groups: list[PackedGroup]):
-    """``((group, shard in group), (shard index, rows of the whole build))`` for every shard of the build."""
+    """``((group, shard in group), (shard index, shards of the build, rows of the build))`` for every shard."""
     total_rows = sum(g.stats.rows for g in groups)
+    total_shards = sum(len(g.shard_plans) for g in groups)
     for g in groups:
         first = first_shard(groups, g.group)
         for local in range(len(g.shard_plans)):
-            yield (g.group, local), (first + local, total_rows)
+            yield (g.group, local), (first + local, total_shards, total_rows)
 
 
 class WriteShard(beam.DoFn):
     """Build one shard's rows from its plan file and the spill files it names, and write it: ``(shard, ShardInfo)``."""
 
-    def __init__(self, out_dir: str, capacity: int, main_pid: int):
+    def __init__(self, out_dir: str, fingerprint: str, capacity: int, main_pid: int):
         self.out_dir = out_dir
+        self.fingerprint = fingerprint
         self.capacity = capacity
         self.main_pid = main_pid
         self.rows = Metrics.counter(_COUNTERS, "rows_written")
@@ -226,9 +229,10 @@ class WriteShard(beam.DoFn):
 
     def process(self, element):
         _, joined = element
-        (plan_path,), ((shard, total_rows),) = joined["plan"], joined["index"]
+        (plan_path,), ((shard, total_shards, total_rows),) = joined["plan"], joined["index"]
         table = assemble_shard(ShardPlan.load(plan_path))
-        info = publish_shard(table, self.out_dir, shard_name(shard), self.capacity)
+        identity = ShardIdentity(self.fingerprint, shard, last=shard == total_shards - 1)
+        info = publish_shard(table, self.out_dir, self.capacity, identity)
         self.rows.inc(info.rows)
         self.shards.inc()
         progress.advance("rows written", info.rows, total_rows, "rows")
@@ -317,7 +321,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     shards = (
         {"plan": plans, "index": indices}
         | "GroupByShard" >> beam.CoGroupByKey()
-        | "WriteShards" >> beam.ParDo(WriteShard(shard_dir, config.max_len, main_pid))
+        | "WriteShards" >> beam.ParDo(WriteShard(shard_dir, plan.fingerprint, config.max_len, main_pid))
     )
     shard_prefix = shard_dir[len(out_dir) :].strip("/")
     shard_prefix = shard_prefix and shard_prefix + "/"

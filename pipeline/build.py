@@ -4,13 +4,16 @@ The output goes to ``OUT/<dataset>-<fingerprint>/``. A directory with a manifest
 fingerprint and all its shards, each matching its size and checksum, is reused without
 reading or tokenizing anything; one that fails the check is rebuilt. One without a manifest
 holds the leftovers of an interrupted run: they are removed and the build runs again. A
-failed run removes what it wrote, but never a finished build (one with a manifest).
+reused build is left as clean as a fresh one: temporary files and spill directories of runs
+killed after its manifest appeared are removed too. A failed run removes what it wrote, but
+never a finished build (one with a manifest).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import re
 import sys
 import time
@@ -31,6 +34,7 @@ from pipeline.read.sources import resolve_source
 from pipeline.write.lock import build_lock
 from schemas import MANIFEST_NAME, Manifest, ManifestError, compute_fingerprint, read_manifest, stream_sha256
 from schemas.io import temporary_target
+from schemas.shard_identity import file_identity_problem
 from schemas.verified import VerifiedShards
 
 # The files a build writes: shards, the rejected rows, the manifest and the report figure.
@@ -48,6 +52,12 @@ class BuildResult:
     reused: bool
     elapsed_s: float
     layout: str = ""  # how each example is laid out, for the report
+    figure: str | None = None  # the report figure this run wrote
+
+
+# Writes the report figure of a build beside its manifest (pack's report.png): its path, or None when
+# it was not written (the writer says why).
+FigureWriter = Callable[[str, Manifest], "str | None"]
 
 
 def _is_build_file(name: str) -> bool:
@@ -103,7 +113,8 @@ def read_build_manifest(out_dir: str) -> Manifest:
 
 
 def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
-    """Why a finished build cannot be reused (a file missing, truncated or failing its checksum), or None.
+    """Why a finished build cannot be reused (a file missing, truncated, failing its checksum, or not
+    the shard of this build its place in the manifest says: ``schemas/shard_identity.py``), or None.
 
     A local build's shards are hashed once per host (``schemas/verified.py``): a shard this host
     hashed whole before, and that is still the same file, is not hashed again.
@@ -112,19 +123,21 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
         return f"{REJECTED_NAME} is missing"
     record = None if storage.is_url(out_dir) else VerifiedShards(manifest)
     with record or contextlib.nullcontext():
-        for shard in manifest.shards:
+        for index, shard in enumerate(manifest.shards):
             path = storage.join(out_dir, shard.path)
             if not storage.exists(path):
                 return f"{shard.path} is missing"
             if (size := storage.size(path)) != shard.bytes:
                 return f"{shard.path} is {size} bytes, the manifest says {shard.bytes}"
-            if record is not None and record.unchanged(Path(path)):
-                continue
+            if record is None or not record.unchanged(Path(path)):
+                with storage.open_read(path) as f:
+                    if stream_sha256(f) != shard.sha256:
+                        return f"{shard.path} fails its checksum (the file is corrupt)"
+                if record is not None:
+                    record.add(Path(path))
             with storage.open_read(path) as f:
-                if stream_sha256(f) != shard.sha256:
-                    return f"{shard.path} fails its checksum (the file is corrupt)"
-            if record is not None:
-                record.add(Path(path))
+                if (problem := file_identity_problem(f, manifest, index)) is not None:
+                    return f"{shard.path} {problem}"
     return None
 
 
@@ -164,7 +177,8 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     """The manifest of a finished build to reuse, or None after clearing the way for a new build.
 
     A local build directory is only ever checked, and cleared, by the run holding its lock.
-    Reuse verifies every shard's size and checksum; a build that fails is rebuilt. Raises
+    Reuse verifies every shard's size and checksum, and removes what killed runs left beside
+    the build; a build that fails is rebuilt. Raises
     OutputDirError when ``--out`` is itself a build directory, when the build directory holds
     another fingerprint's build (without ``--force``) or files varpack did not write.
     """
@@ -186,10 +200,12 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
             if force and manifest.fingerprint == plan.fingerprint and local:
                 # Same inputs, same bytes: each shard is replaced by a rename, so a loader reading it meanwhile goes on.
                 log(f"--force: rebuilding {out_dir} in place")
-                _remove_temporaries(out_dir)
+                _remove_leftovers(out_dir)
                 return None
             problem = "--force" if force else reuse_problem(manifest, out_dir)
             if problem is None:
+                if local:
+                    _remove_leftovers(out_dir, log)
                 return manifest
         if not local and not force:
             raise OutputDirError(f"{out_dir} cannot be reused: {problem}; pass --force to build it again")
@@ -197,7 +213,7 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     elif names and local:
         log(f"removing {len(names)} leftover files of an interrupted run from {out_dir}")
     if local:
-        spill.remove_leftover_spills(out_dir)
+        _remove_leftovers(out_dir)
         clear_build(out_dir)
     elif problem is not None:
         # No lock at a URL: only the manifest goes, so the next manifest published wins; attempts stay.
@@ -212,10 +228,23 @@ def clear_build(out_dir: str) -> None:
     storage.remove([storage.join(out_dir, n) for n in names])
 
 
-def _remove_temporaries(out_dir: str) -> None:
-    """Remove the temporary files and spill directories runs killed in the middle left in a local build directory."""
-    storage.remove([storage.join(out_dir, n) for n in storage.list_files(out_dir) if temporary_target(n) is not None])
-    spill.remove_leftover_spills(out_dir)
+def _leftovers(out_dir: str) -> list[str]:
+    """The names of the temporary files and spill directories that runs killed in the middle left in a local build directory."""
+    spills = [d for d in storage.list_subdirs(out_dir) if d.startswith(spill.SPILL_PREFIX)]
+    return [n for n in storage.list_files(out_dir) if temporary_target(n) is not None] + spills
+
+
+def _remove_leftovers(out_dir: str, log: Callable[[str], None] | None = None) -> None:
+    """Remove ``_leftovers(out_dir)``; only while holding the build's lock alone, so no live run's files go."""
+    found = _leftovers(out_dir)
+    if found and log is not None:
+        log(f"removing {len(found)} leftover files of interrupted runs from {out_dir}")
+    for name in found:
+        path = storage.join(out_dir, name)
+        if name.startswith(spill.SPILL_PREFIX):
+            spill.remove_spill(path)
+        else:
+            storage.remove([path])
 
 
 def _discard(out_dir: str, shard_dir: str) -> None:
@@ -223,7 +252,7 @@ def _discard(out_dir: str, shard_dir: str) -> None:
     if shard_dir != out_dir:
         storage.remove([storage.join(shard_dir, n) for n in storage.list_files(shard_dir)])
     elif storage.exists(storage.join(out_dir, MANIFEST_NAME)):
-        _remove_temporaries(out_dir)
+        _remove_leftovers(out_dir)
     else:
         clear_build(out_dir)
         storage.remove_empty_dir(out_dir)
@@ -233,13 +262,17 @@ def _log_to_stderr(message: str) -> None:
     print(f"varpack: {message}", file=sys.stderr)
 
 
-def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> BuildResult:
+def build(
+    config: PackConfig, log: Callable[[str], None] = _log_to_stderr, write_figure: FigureWriter | None = None
+) -> BuildResult:
     """Make (or reuse) the shards ``config`` describes and return the manifest.
 
     A local build runs holding the build directory's lock (``build_lock.py``): a second run
     of the same build waits, then reuses what the first made. Checking a finished build for
     reuse shares the lock with other runs doing the same. At a URL every run writes into
-    its own attempt directory and the first manifest published wins.
+    its own attempt directory and the first manifest published wins. ``write_figure`` writes
+    the report figure of a new build, or of a reused one that lacks it, holding the lock alone
+    (so that no run removing leftovers meanwhile takes its temporary file).
     """
     started = time.perf_counter()
     plan = plan_build(config)
@@ -250,21 +283,50 @@ def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> Bu
         # First only read, sharing the lock with other runs that read: the nodes of a job check a build side by side.
         with build_lock(plan.out_dir, config.lock_timeout, log, shared=True):
             existing = reusable(plan)
-        if existing is not None:
-            return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
+            if existing is not None and not _needs_lock_alone(plan, write_figure):
+                elapsed_s = time.perf_counter() - started
+                figure = _missing_figure(plan, existing, write_figure)  # in a read-only place: says it cannot
+                return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
+        # A build to make, or one to reuse that needs tidying: the lock alone, then check again.
     with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
         existing = check_output(plan, log)
         if existing is not None:
-            return BuildResult(existing, plan.out_dir, True, time.perf_counter() - started, _layout(plan))
+            elapsed_s = time.perf_counter() - started
+            figure = _missing_figure(plan, existing, write_figure)
+            return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
         shard_dir = plan.out_dir if local else storage.join(plan.out_dir, ATTEMPT_PREFIX + uuid.uuid4().hex[:12])
         _run(plan, shard_dir, log)
         manifest = read_build_manifest(plan.out_dir)
         if local:
-            _remove_temporaries(plan.out_dir)  # of workers of a killed run that were still writing when it ended
+            _remove_leftovers(plan.out_dir)  # of workers of a killed run that were still writing when it ended
+        elapsed_s = time.perf_counter() - started
+        figure = write_figure(plan.out_dir, manifest) if write_figure is not None else None
     if not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards):
         log(f"another run published {plan.out_dir} first; using its build")
         _discard(plan.out_dir, shard_dir)
-    return BuildResult(manifest, plan.out_dir, False, time.perf_counter() - started, _layout(plan))
+    return BuildResult(manifest, plan.out_dir, False, elapsed_s, _layout(plan), figure)
+
+
+def _has_figure(out_dir: str) -> bool:
+    """Whether the build holds its report figure (one made with --no-report, or without matplotlib, does not)."""
+    from pipeline.report.figures import REPORT_NAME
+
+    return storage.exists(storage.join(out_dir, REPORT_NAME))
+
+
+def _missing_figure(plan: BuildPlan, manifest: Manifest, write_figure: FigureWriter | None) -> str | None:
+    """Write the report figure of a reused build that lacks it; its path, or None."""
+    if write_figure is None or _has_figure(plan.out_dir):
+        return None
+    return write_figure(plan.out_dir, manifest)
+
+
+def _needs_lock_alone(plan: BuildPlan, write_figure: FigureWriter | None) -> bool:
+    """Whether reusing the build means writing in its directory: removing what killed runs left, or writing
+    its missing figure. Not in a place this run cannot write to, where neither can happen."""
+    if not os.access(plan.config.out, os.W_OK) or not os.access(plan.out_dir, os.W_OK):
+        return False
+    return bool(_leftovers(plan.out_dir)) or (write_figure is not None and not _has_figure(plan.out_dir))
 
 
 def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:

@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         from pipeline.build import build
         from pipeline.report.summary import format_report
 
-        result = build(config)
+        result = build(config, write_figure=write_report_figure if config.report else None)
         manifest = result.manifest
         verb = "reusing" if result.reused else "wrote"
         print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
@@ -254,8 +254,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
             result.layout, manifest.rejected,
         ))
-        if config.report and not (result.reused and report_written(result.out_dir)):
-            write_report_figure(result.out_dir, manifest)
+        if result.figure is not None:
+            print(f"  {'histograms':<12}  {result.figure}")
     except BaseException as err:
         if config is not None and config.verbose:
             traceback.print_exc()
@@ -272,29 +272,20 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     return 0
 
 
-def report_written(out_dir: str) -> bool:
-    """Whether the build already holds report.png (a reused build made with --no-report, or without matplotlib, does not)."""
-    from pipeline import storage
-    from pipeline.report.figures import REPORT_NAME
-
-    return storage.exists(storage.join(out_dir, REPORT_NAME))
-
-
-def write_report_figure(out_dir: str, manifest: Manifest) -> None:
-    """Write report.png beside the manifest; without matplotlib, say so once and how to get it."""
+def write_report_figure(out_dir: str, manifest: Manifest) -> str | None:
+    """Write report.png beside the manifest and return its path; without matplotlib, say so once and how to get it."""
     from pipeline.report.figures import missing_matplotlib, write_report
     from pipeline.report.profile import read_profile
 
     missing = missing_matplotlib()
     if missing:
         print(f"varpack: report figure skipped: {missing} (or pass --no-report)", file=sys.stderr)
-        return
+        return None
     try:
-        path = write_report(read_profile(out_dir, manifest), manifest, out_dir)
+        return write_report(read_profile(out_dir, manifest), manifest, out_dir)
     except (OSError, WriteError) as err:  # a read-only build directory, a full disk
         print(f"varpack: report figure not written ({err}); the build itself is complete", file=sys.stderr)
-        return
-    print(f"  {'histograms':<12}  {path}")
+        return None
 
 
 if __name__ == "__main__":

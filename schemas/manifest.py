@@ -25,7 +25,8 @@ FORMAT_NAME = "varpack.shards"
 # 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained.
 # 3: shards_digest. Version 1 and 2 manifests, which lack them, are still read.
 # 4: inputs.loss_masking is one of LossMasking's values (a free string before).
-FORMAT_VERSION = 4
+# 5: manifest_digest; every shard carries its identity in its Arrow schema metadata (shard_identity.py).
+FORMAT_VERSION = 5
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -142,6 +143,16 @@ def shards_digest(shards: list[dict[str, Any]]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def manifest_digest(data: dict[str, Any]) -> str:
+    """sha256 over the canonical JSON of every field of a manifest but ``manifest_digest`` itself, as hex.
+
+    No field is left out: the inputs, the shard list, the statistics, ``rejected`` and ``created_at``.
+    """
+    covered = {key: value for key, value in data.items() if key != "manifest_digest"}
+    canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def compute_fingerprint(inputs: BuildInputs) -> str:
     """A content address for a build: sha256 over the canonical JSON of its inputs, 16 hex digits.
 
@@ -239,6 +250,10 @@ class Manifest:
 
     ``shards_digest`` (written from format version 3) binds the ordered shard list: a manifest
     whose entries were swapped, dropped or repeated no longer matches it and is refused.
+    ``manifest_digest`` (from format version 5) covers every field: a manifest edited in any
+    field (``stats``, ``created_at``, ...) is refused on read. Its shards carry their place in
+    the build too (``shard_identity.py``), so a manifest rewritten as an older format, without
+    the digests, is refused by whatever opens them.
     """
 
     fingerprint: str
@@ -283,6 +298,8 @@ class Manifest:
             data["shards_digest"] = shards_digest(shards)
         if self.rejected is not None:
             data["rejected"] = dataclasses.asdict(self.rejected)
+        if self.format_version >= 5:
+            data["manifest_digest"] = manifest_digest(data)
         return data
 
     @classmethod
@@ -293,6 +310,11 @@ class Manifest:
             raise ManifestError(
                 f"{source}: fingerprint {data['fingerprint']} does not match the manifest's inputs; "
                 "the manifest was edited or is corrupt, rebuild the shards"
+            )
+        if "manifest_digest" in data and data["manifest_digest"] != manifest_digest(data):
+            raise ManifestError(
+                f"{source}: the manifest does not match its manifest_digest: a field was edited or the file is "
+                "corrupt; rebuild the shards (pack --force)"
             )
         return cls(
             fingerprint=data["fingerprint"],
@@ -408,6 +430,7 @@ def _holds(value: Any, schema: dict[str, Any]) -> bool:
 # Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.
 ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
 ADDED_IN_VERSION_3 = {"": ("shards_digest",)}
+ADDED_IN_VERSION_5 = {"": ("manifest_digest",)}
 
 
 def _check_across_fields(data: dict[str, Any], source: str) -> None:
@@ -422,7 +445,7 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
             raise ManifestError(f"{source}: shards[{i}] holds more rows or tokens than rows_per_shard and capacity allow")
     if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
         raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
-    for version, added in ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3)):
+    for version, added in ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3), (5, ADDED_IN_VERSION_5)):
         if data["format_version"] < version:
             continue
         for where, names in added.items():

@@ -3,13 +3,15 @@
 Hashing a build costs about 2.5 s per GB. The first check of a local build, by the loader
 (``verify_checksum=True``) or by ``pack`` deciding to reuse it, hashes every shard and records,
 in the cache directory (``$VARPACK_CACHE_DIR/verified/``), each shard's identity on disk:
-device, inode, size and modification time. Later checks on the host (the other ranks, the
-DataLoader workers, the next run, the next ``pack`` of the same build) find the shard still the
-same file and skip the hashing; a shard rewritten or replaced since no longer matches and is
-hashed again. Checks that start together take turns on a file lock, so one hashes while the
-others wait for its record. What this does not catch: bytes changed in place by the disk
-itself, with no write through the filesystem (point ``$VARPACK_CACHE_DIR`` elsewhere to hash
-everything again).
+device, inode, size, modification time and change time. Later checks on the host (the other
+ranks, the DataLoader workers, the next run, the next ``pack`` of the same build) find the
+shard still the same file and skip the hashing; a shard rewritten or replaced since no longer
+matches and is hashed again. The change time moves on every write, ``touch`` or rename and
+cannot be set from user space, so a shard overwritten in place with its modification time
+put back (``touch -r``) is hashed again too. Checks that start together take turns on a file
+lock, so one hashes while the others wait for its record. What this does not catch: bytes
+changed in place by the disk itself, with no write through the filesystem (point
+``$VARPACK_CACHE_DIR`` elsewhere to hash everything again).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def record_path(manifest: Manifest) -> Path:
 
 def _identity(path: Path) -> list[int]:
     stat = path.stat()
-    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns]
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
 class VerifiedShards:
@@ -71,7 +73,7 @@ class VerifiedShards:
         return self
 
     def unchanged(self, shard: Path) -> bool:
-        """Whether ``shard`` is the very file that was hashed whole (same device, inode, size and mtime)."""
+        """Whether ``shard`` is the very file that was hashed whole (same device, inode, size, mtime and ctime)."""
         key = str(shard.resolve())
         return key in self.known and shard.is_file() and self.known[key] == _identity(shard)
 

@@ -3,7 +3,9 @@
 Packs one full shard of synthetic FLAN-shaped data (about 8M tokens, 40 MB) with the real
 pipeline, then simulates a 1 GB and a 10 GB build by shard count: a manifest listing that shard
 under N names (hard links, so the bytes are in the page cache: warm, as a rank that opens a
-build another rank just read). For each size, with an empty verification record:
+build another rank just read). The simulated build is of format 4, whose shards do not name
+their place in a build (``schemas/shard_identity.py``), so one file can stand for many. For
+each size, with an empty verification record:
 
 - ``first_open_s``: ``PackedIterableDataset(build, verify_checksum=True)`` hashing every shard,
   what every rank paid on every open before verification was recorded;
@@ -30,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
@@ -37,24 +41,30 @@ from loaders import PackedIterableDataset  # noqa: E402
 from pipeline.build import build, reuse_problem  # noqa: E402
 from pipeline.config import PackConfig  # noqa: E402
 from pipeline.write.shard_writer import shard_name  # noqa: E402
-from schemas import read_manifest, write_manifest  # noqa: E402
+from schemas import ROW_SCHEMA, file_sha256, read_manifest, write_manifest  # noqa: E402
 
 GB = 1 << 30
 
 
 def simulated_build(source: Path, directory: Path, target_bytes: int) -> int:
-    """A build in ``directory`` of as many links to ``source``'s first shard as make ``target_bytes``; its shard count."""
+    """A format 4 build in ``directory`` of as many links to a copy of ``source``'s first shard, without its
+    identity, as make ``target_bytes``; its shard count."""
     manifest = read_manifest(source)
-    shard = manifest.shards[0]
-    count = math.ceil(target_bytes / shard.bytes)
     directory.mkdir(parents=True)
+    copy = directory / "format-4-shard.arrow"
+    table = pa.ipc.open_file(str(source / manifest.shards[0].path)).read_all().replace_schema_metadata(ROW_SCHEMA.metadata)
+    with pa.OSFile(str(copy), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+        writer.write_table(table, max_chunksize=table.num_rows)
+    shard = dataclasses.replace(manifest.shards[0], sha256=file_sha256(copy), bytes=copy.stat().st_size)
+    count = math.ceil(target_bytes / shard.bytes)
     shards = []
     for index in range(count):
-        os.link(source / shard.path, directory / shard_name(index))
+        os.link(copy, directory / shard_name(index))
         shards.append(dataclasses.replace(shard, path=shard_name(index)))
+    copy.unlink()
     rows = shard.rows * count
     stats = dataclasses.replace(manifest.stats, rows=rows, tokens=shard.tokens * count, capacity_tokens=rows * manifest.capacity)
-    write_manifest(dataclasses.replace(manifest, shards=shards, stats=stats), directory)
+    write_manifest(dataclasses.replace(manifest, shards=shards, stats=stats, format_version=4), directory)
     return count
 
 

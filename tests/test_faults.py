@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from loaders import PackedIterableDataset
@@ -23,6 +24,7 @@ from pipeline.config import PackConfig
 from pipeline.errors import OutputDirError
 from pipeline.write.lock import build_lock, lock_path
 from schemas import MANIFEST_NAME, ManifestError, ShardError, WriteError, read_manifest
+from schemas.manifest import manifest_digest, shards_digest
 from tests.test_pipeline_e2e import REPO
 from tests.url_filesystem import PREFIX
 
@@ -357,3 +359,171 @@ def test_runs_at_a_url_write_attempt_directories_and_the_first_manifest_wins(dat
     again = build(config(data, url))  # a later run reuses the published build
     assert again.reused and again.manifest.shards == manifest.shards
 
+
+
+def test_a_reused_build_is_left_as_clean_as_a_fresh_one(data, tmp_path):
+    """A run killed just after its manifest appeared leaves its spill directory, a killed --force run its
+    temporary shards; the next run that reuses the build removes them, holding the build's lock alone."""
+    out = tmp_path / "out"
+    first = build(config(data, out))
+    out_dir = Path(first.out_dir)
+    fresh = sorted(p.name for p in out_dir.iterdir())
+    spill = out_dir / ".spill-0123456789ab"
+    spill.mkdir()
+    (spill / "0-0.arrow").write_bytes(b"\0" * 4096)
+    (out_dir / ".shard-00000.arrow.tmp-4242-0badc0de").write_bytes(b"half a shard")
+    (out_dir / ".manifest.json.tmp-4242-0badc0de").write_text("{")
+    Path(lock_path(first.out_dir)).write_text("")  # the lock file exists while runs come and go
+    with build_lock(first.out_dir, None, lambda _: None, shared=True):  # another run checking it for reuse
+        with pytest.raises(OutputDirError, match="is being built by"):
+            build(config(data, out, lock_timeout=0.5))  # waits to remove them, removing nothing meanwhile
+        assert spill.is_dir() and len(list(out_dir.iterdir())) == len(fresh) + 3
+    messages: list[str] = []
+    assert build(config(data, out), log=messages.append).reused
+    assert sorted(p.name for p in out_dir.iterdir()) == fresh
+    assert f"removing 3 leftover files of interrupted runs from {out_dir}" in messages, messages
+    assert build(config(data, out), log=messages.append).reused  # a clean build is reused under the shared lock
+    assert sorted(p.name for p in out.iterdir()) == [out_dir.name]
+
+
+def test_a_shard_overwritten_in_place_with_its_mtime_put_back_is_hashed_again(tmp_path, monkeypatch):
+    """The per-host record of verified shards is not fooled by ``touch -r``: the change time moves on any write."""
+    from tests.shard_factory import build_shard_dir
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    PackedIterableDataset(written.path, batch_rows=1)  # the first open hashes every shard and records it
+    shard = written.path / written.manifest.shards[1].path
+    before = shard.stat()
+    corrupt = bytearray(shard.read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0x01  # a token id in the middle of the shard
+    with open(shard, "r+b") as f:  # in place: the same inode and size
+        f.write(corrupt)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    with pytest.raises(ShardError, match=f"^{shard}: checksum mismatch"):
+        PackedIterableDataset(written.path, batch_rows=1)
+
+
+def rewritten_as_format_2(manifest: dict, edit: str) -> dict:
+    """``manifest`` rewritten as format version 2 (no digests), with its shard list edited and its stats made to agree."""
+    old = {key: value for key, value in manifest.items() if not key.endswith("_digest")}
+    old["format_version"] = 2
+    shards = old["shards"]
+    if edit == "drop":
+        del shards[1]
+    elif edit == "repeat":
+        shards.insert(1, shards[0])
+    elif edit == "reorder":
+        shards[0], shards[1] = shards[1], shards[0]
+    old["stats"]["rows"] = sum(s["rows"] for s in shards)
+    old["stats"]["tokens"] = sum(s["tokens"] for s in shards)
+    return old
+
+
+@pytest.mark.parametrize("edit", ["drop", "repeat", "reorder"])
+def test_a_manifest_rewritten_as_an_older_format_cannot_change_the_shard_list(tmp_path, edit):
+    """Each shard carries its place in its build: the loader and interop refuse a shard list that lost,
+    repeated or reordered shards, whatever format the manifest claims."""
+    from loaders.interop import arrow_dataset
+    from tests.shard_factory import build_shard_dir
+
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    path = written.path / MANIFEST_NAME
+    path.write_text(json.dumps(rewritten_as_format_2(json.loads(path.read_text()), edit)))
+    read_manifest(path)  # a valid format 2 manifest on its own
+    for verify_checksum in (True, False):
+        with pytest.raises(ShardError, match="the manifest was rewritten"):
+            PackedIterableDataset(written.path, batch_rows=1, verify_checksum=verify_checksum)
+        with pytest.raises(ShardError, match="the manifest was rewritten"):
+            arrow_dataset(written.path, verify_checksum=verify_checksum)
+
+
+def test_pack_does_not_reuse_a_build_whose_manifest_was_rewritten_as_an_older_format(data, tmp_path):
+    first = build(config(data, tmp_path / "out", rows_per_shard=40))
+    path = Path(first.out_dir) / MANIFEST_NAME
+    original = json.loads(path.read_text())
+    path.write_text(json.dumps(rewritten_as_format_2(original, "drop")))
+    messages: list[str] = []
+    again = build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append)
+    assert not again.reused
+    assert any(m.startswith(f"rebuilding {first.out_dir}: ") and "the manifest was rewritten" in m for m in messages)
+    assert again.manifest.shards == first.manifest.shards
+
+
+@pytest.mark.parametrize(("field", "value"), [(("stats", "examples"), 1), (("created_at",), "2020-01-01T00:00:00+00:00")])
+def test_an_edited_manifest_field_is_refused(tmp_path, field, value):
+    """Every field of the manifest is covered by its digest; rewritten as an older format without one, the
+    shards refuse it."""
+    from tests.shard_factory import build_shard_dir
+
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    path = written.path / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    where = manifest
+    for key in field[:-1]:
+        where = where[key]
+    where[field[-1]] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=f"^{path}: the manifest does not match its manifest_digest"):
+        PackedIterableDataset(written.path, batch_rows=1)
+    path.write_text(json.dumps(rewritten_as_format_2(manifest, "none")))
+    with pytest.raises(ShardError, match="the manifest was rewritten"):
+        PackedIterableDataset(written.path, batch_rows=1)
+
+
+def test_a_run_removing_leftovers_leaves_the_report_figure_another_run_is_writing(data, tmp_path, monkeypatch):
+    """pack writes report.png holding the build's lock, so a run cleaning the directory meanwhile waits."""
+    import pipeline.report.figures
+    from pipeline import storage
+
+    out = tmp_path / "out"
+    out_dir = build(config(data, out)).out_dir  # without its figure
+    other_runs: list[Run] = []
+
+    def write_report(profile, manifest, directory):
+        with storage.output(storage.join(directory, pipeline.report.figures.REPORT_NAME)) as tmp:
+            Path(tmp).write_bytes(b"\x89PNG half a figure")
+            other = Run(data, out, "other", "--no-report")
+            other_runs.append(other)
+            wait_for(lambda: other.proc.poll() is not None or "waiting for" in other.err(), "the other run to go by")
+            assert Path(tmp).exists(), other.err()
+        return storage.join(directory, pipeline.report.figures.REPORT_NAME)
+
+    monkeypatch.setattr(pipeline.report.figures, "write_report", write_report)
+    assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 0
+    (other,) = other_runs
+    assert other.wait() == 0, other.err()
+    assert other.out().startswith("varpack: reusing")
+    assert sorted(p.name for p in Path(out_dir).iterdir()) == sorted(
+        [MANIFEST_NAME, pipeline.report.figures.REPORT_NAME] + [s.path for s in read_manifest(out_dir).shards]
+    )
+
+
+def test_a_build_of_format_4_whose_shards_carry_no_identity_is_still_read(tmp_path):
+    from loaders.interop import arrow_dataset
+    from schemas import ROW_SCHEMA, file_sha256
+    from tests.shard_factory import build_shard_dir
+
+    written = build_shard_dir(tmp_path / "build", [40] * 60, capacity=64, rows_per_shard=8)
+    path = written.path / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    for entry in manifest["shards"]:  # each shard as format 4 wrote it: the row schema's metadata alone
+        shard = written.path / entry["path"]
+        table = pa.ipc.open_file(str(shard)).read_all().replace_schema_metadata(ROW_SCHEMA.metadata)
+        with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+            writer.write_table(table, max_chunksize=table.num_rows)
+        entry.update(sha256=file_sha256(shard), bytes=shard.stat().st_size)
+    old = {key: value for key, value in manifest.items() if key != "manifest_digest"}
+    old["format_version"] = 4
+    old["shards_digest"] = shards_digest(old["shards"])
+    path.write_text(json.dumps(old))
+    dataset = PackedIterableDataset(written.path, batch_rows=1, shuffle=False)
+    assert len(list(dataset)) == written.manifest.num_rows
+    assert arrow_dataset(written.path, verify_checksum=True).count_rows() == written.manifest.num_rows
+    new = {**old, "format_version": 5}  # a format 5 manifest promises that every shard names its place
+    new["manifest_digest"] = manifest_digest(new)
+    path.write_text(json.dumps(new))
+    with pytest.raises(ShardError, match="carries no build identity"):
+        PackedIterableDataset(written.path, batch_rows=1)

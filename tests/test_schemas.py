@@ -37,7 +37,14 @@ from schemas import (
     validate_table,
     write_manifest,
 )
-from schemas.manifest import _SCHEMA_KEYWORDS, ADDED_IN_VERSION_2, ADDED_IN_VERSION_3, shards_digest
+from schemas.manifest import (
+    _SCHEMA_KEYWORDS,
+    ADDED_IN_VERSION_2,
+    ADDED_IN_VERSION_3,
+    ADDED_IN_VERSION_5,
+    manifest_digest,
+    shards_digest,
+)
 
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
 SCHEMA_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -218,7 +225,8 @@ def test_the_schema_enums_are_the_code_enums() -> None:
 def test_the_schema_lists_every_field_the_code_writes() -> None:
     data = make_manifest().to_dict()
     properties = SCHEMA["properties"]
-    assert set(data) == set(properties) == set(SCHEMA["required"]) | set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""])
+    added = set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""]) | set(ADDED_IN_VERSION_5[""])
+    assert set(data) == set(properties) == set(SCHEMA["required"]) | added
     # Written only when set: the shard and group sizes (absent, the defaults).
     optional = {"inputs": {"rows_per_shard", "examples_per_group"}, "stats": set()}
     for key in ("inputs", "stats"):
@@ -325,6 +333,7 @@ def test_the_code_rejects_what_the_schema_rejects(path: tuple[Any, ...], value: 
 def test_the_code_accepts_what_the_schema_accepts(path: tuple[Any, ...], value: Any) -> None:
     data = changed(BASE, path, value)
     data["fingerprint"] = compute_fingerprint(BuildInputs.from_dict(data["inputs"]))
+    data["manifest_digest"] = manifest_digest(data)
     assert schema_accepts(data)
     assert code_accepts(data)
     assert Manifest.from_dict(data).to_dict()["inputs"]["dataset"]["id"] == "openai/gsm8k"
@@ -336,6 +345,7 @@ def test_before_version_4_loss_masking_is_any_string() -> None:
     data["fingerprint"] = compute_fingerprint(BuildInputs.from_dict(data["inputs"]))
     assert not schema_accepts(data) and not code_accepts(data)
     data["format_version"] = 3
+    del data["manifest_digest"]
     assert schema_accepts(data) and code_accepts(data)
     assert Manifest.from_dict(data).inputs.loss_masking == "answer_only"
 
@@ -344,7 +354,7 @@ def version_1(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` as format version 1 wrote it: no bad-row policy, rejected rows or untrained counts."""
     old = copy.deepcopy(data)
     old["format_version"] = 1
-    del old["shards_digest"]
+    del old["shards_digest"], old["manifest_digest"]
     for where, names in ADDED_IN_VERSION_2.items():
         for name in names:
             del (old[where] if where else old)[name]

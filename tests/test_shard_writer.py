@@ -104,7 +104,8 @@ def test_an_exception_inside_the_block_leaves_nothing(tmp_path: Path) -> None:
         with ShardWriter(tmp_path / "build", inputs(), rows_per_shard=1) as writer:
             writer.write_row([1, 2, 3])
             writer.write_row([4, 5])
-            assert len(list((tmp_path / "build").iterdir())) == 2
+            writer.write_row([6])
+            assert len(list((tmp_path / "build").iterdir())) == 2  # the last shard waits for finish()
             raise RuntimeError("upstream failed")
     assert list(tmp_path.iterdir()) == []
 

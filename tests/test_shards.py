@@ -31,8 +31,10 @@ from schemas import (
     read_manifest,
     validate_table,
 )
+from schemas.shard_identity import ShardIdentity
 
 CAPACITY = 16
+IDENTITY = ShardIdentity("0123456789abcdef", index=0, last=True)  # a shard written on its own
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ def test_a_shard_is_one_record_batch_even_from_a_chunked_table(tmp_path: Path) -
     examples = make_examples([5, 9, 14, 3, 16, 2, 8])
     table = packed_table(examples)
     chunked = pa.concat_tables([table.slice(0, 1), table.slice(1)])
-    info = write_shard(chunked, tmp_path, "chunked.arrow", CAPACITY)
+    info = write_shard(chunked, tmp_path, "chunked.arrow", CAPACITY, IDENTITY)
     assert pa.ipc.open_file(str(tmp_path / "chunked.arrow")).num_record_batches == 1
     shard = open_shard(tmp_path / "chunked.arrow", CAPACITY, info, verify_checksum=True)
     assert shard.table.column("input_ids").num_chunks == 1 and shard.num_tokens == int(examples.lengths.sum())
@@ -185,7 +187,7 @@ def test_default_rows_per_shard_and_names() -> None:
 def test_write_shard_refuses_a_broken_table_and_leaves_nothing(tmp_path: Path) -> None:
     table = packed_table(make_examples([5, 9, 14]))
     with pytest.raises(ShardError, match=r"^shard-00000.arrow row 0: holds more than the capacity of 8 tokens"):
-        write_shard(table, tmp_path, "shard-00000.arrow", 8)
+        write_shard(table, tmp_path, "shard-00000.arrow", 8, IDENTITY)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -193,7 +195,7 @@ def test_write_shard_reports_an_unwritable_directory(tmp_path: Path) -> None:
     table = packed_table(make_examples([5, 9]))
     missing = tmp_path / "no-such-dir"
     with pytest.raises(WriteError, match=rf"^{re.escape(str(missing / 'a.arrow'))}: could not be written \(.*No such file"):
-        write_shard(table, missing, "a.arrow", CAPACITY)
+        write_shard(table, missing, "a.arrow", CAPACITY, IDENTITY)
 
 
 def test_build_rows_refuses_bad_buffers() -> None:

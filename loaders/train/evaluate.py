@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS, collate_rows
 from loaders.remote import locate
-from loaders.shard_reader import Shard, open_shard
+from loaders.shard_reader import Shard, open_build_shard
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,8 @@ def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 
     location = locate(source)
     manifest = location.read_manifest()
     index = 0
-    for path, info in zip(location.local_shards(manifest, None, verify_checksum=True), manifest.shards):
-        shard: Shard = open_shard(path, manifest.capacity, expected=info, num_example_ids=manifest.num_example_ids)
+    for shard_index, path in enumerate(location.local_shards(manifest, None, verify_checksum=True)):
+        shard: Shard = open_build_shard(path, manifest, shard_index)
         for first in range(0, shard.num_rows, batch_rows):
             index += 1
             if (index - 1) % world_size != rank:

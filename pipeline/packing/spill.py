@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -106,9 +105,3 @@ def remove_spill(spill_dir: str) -> None:
     else:
         shutil.rmtree(spill_dir, ignore_errors=True)
 
-
-def remove_leftover_spills(out_dir: str) -> None:
-    """Delete the local spill directories that runs killed before their cleanup left in a build directory."""
-    for name in storage.list_subdirs(out_dir):
-        if name.startswith(SPILL_PREFIX):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)

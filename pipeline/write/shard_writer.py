@@ -48,6 +48,7 @@ from schemas import (
     validate_table,
     write_manifest,
 )
+from schemas.shard_identity import ShardIdentity, with_identity
 
 
 def shard_name(index: int) -> str:
@@ -55,18 +56,22 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
 
 
-def write_shard(table: pa.Table, directory: str | os.PathLike[str], name: str, capacity: int) -> ShardInfo:
+def write_shard(
+    table: pa.Table, directory: str | os.PathLike[str], name: str, capacity: int, identity: ShardIdentity
+) -> ShardInfo:
     """Validate ``table`` and write it as one uncompressed Arrow IPC file, atomically.
 
-    The file is written under a temporary name, fsynced, then renamed, so a reader never
-    sees half a shard. Returns the manifest entry with the file's sha256.
+    The file's schema metadata carries ``identity``, its place in the build. The file is
+    written under a temporary name, fsynced, then renamed, so a reader never sees half a
+    shard. Returns the manifest entry with the file's sha256.
     """
     validate_table(table, capacity, name)
+    schema = with_identity(ROW_SCHEMA, identity)
     with atomic_output(Path(directory) / name) as tmp:
         with pa.OSFile(str(tmp), "wb") as sink:
             # One record batch per shard: the reader maps it as contiguous buffers.
-            with pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
-                writer.write_table(table.combine_chunks(), max_chunksize=table.num_rows)
+            with pa.ipc.new_file(sink, schema) as writer:
+                writer.write_table(table.combine_chunks().replace_schema_metadata(schema.metadata), max_chunksize=table.num_rows)
         return ShardInfo(
             path=name,
             rows=table.num_rows,
@@ -76,13 +81,14 @@ def write_shard(table: pa.Table, directory: str | os.PathLike[str], name: str, c
         )
 
 
-def publish_shard(table: pa.Table, out_dir: str, name: str, capacity: int) -> ShardInfo:
-    """``write_shard`` into a local directory or a URL (``gs://``, ``s3://``): remotely, written
-    locally first, then uploaded under a temporary name and renamed."""
+def publish_shard(table: pa.Table, out_dir: str, capacity: int, identity: ShardIdentity) -> ShardInfo:
+    """``write_shard`` of shard ``identity.index`` into a local directory or a URL (``gs://``,
+    ``s3://``): remotely, written locally first, then uploaded under a temporary name and renamed."""
+    name = shard_name(identity.index)
     if not storage.is_url(out_dir):
-        return write_shard(table, out_dir, name, capacity)
+        return write_shard(table, out_dir, name, capacity, identity)
     with tempfile.TemporaryDirectory() as tmp:
-        info = write_shard(table, tmp, name, capacity)
+        info = write_shard(table, tmp, name, capacity, identity)
         storage.publish(os.path.join(tmp, name), storage.join(out_dir, name))
     return info
 
@@ -167,6 +173,7 @@ class ShardWriter:
     def __init__(self, out_dir: str | os.PathLike[str], inputs: BuildInputs, rows_per_shard: int | None = None) -> None:
         self.out_dir = str(out_dir)
         self.inputs = inputs
+        self.fingerprint = compute_fingerprint(inputs)
         self.capacity = inputs.max_len
         self.rows_per_shard = rows_per_shard or default_rows_per_shard(self.capacity)
         positive_int("rows_per_shard", self.rows_per_shard)
@@ -180,7 +187,9 @@ class ShardWriter:
             )
         storage.make_dirs(self.out_dir)
         self.manifest: Manifest | None = None
-        self._pending: list[pa.Table] = []  # rows not yet in a shard, fewer than rows_per_shard
+        # Rows not yet in a shard, 1 to rows_per_shard once any were written: the last shard is written by
+        # finish(), which knows it is the last.
+        self._pending: list[pa.Table] = []
         self._shards: list[ShardInfo] = []
         self._stats: list[PackingStats] = []
         self._examples = 0  # examples written so far: the id of the next one when ids are not given
@@ -263,16 +272,16 @@ class ShardWriter:
         self._lowest_id = min(self._lowest_id, int(plan.segment_example.min()))
         self._highest_id = max(self._highest_id, int(plan.segment_example.max()))
         self._pending.append(table)
-        if sum(t.num_rows for t in self._pending) >= self.rows_per_shard:
+        if sum(t.num_rows for t in self._pending) > self.rows_per_shard:
             pending = pa.concat_tables(self._pending)
-            full = pending.num_rows - pending.num_rows % self.rows_per_shard
+            full = (pending.num_rows - 1) // self.rows_per_shard * self.rows_per_shard
             for start in range(0, full, self.rows_per_shard):
-                self._write(pending.slice(start, self.rows_per_shard))
-            self._pending = [pending.slice(full)] if full < pending.num_rows else []
+                self._write(pending.slice(start, self.rows_per_shard), last=False)
+            self._pending = [pending.slice(full)]
 
-    def _write(self, table: pa.Table) -> None:
-        name = shard_name(len(self._shards))
-        self._shards.append(publish_shard(table, self.out_dir, name, self.capacity))
+    def _write(self, table: pa.Table, last: bool) -> None:
+        identity = ShardIdentity(self.fingerprint, len(self._shards), last)
+        self._shards.append(publish_shard(table, self.out_dir, self.capacity, identity))
 
     def finish(self, rejected: RejectedRows | None = None) -> Manifest:
         """Write the last shard, then the manifest; returns the manifest. ``rejected`` counts
@@ -281,9 +290,8 @@ class ShardWriter:
             return self.manifest
         if self._rows == 0:
             raise ValueError(f"{self.out_dir}: no rows were written; a build needs at least one row")
-        if self._pending:
-            self._write(pa.concat_tables(self._pending))
-            self._pending = []
+        self._write(pa.concat_tables(self._pending), last=True)
+        self._pending = []
         stats = PackingStats.merged(self._stats)
         count = example_id_count(stats, rejected, self.inputs.dataset)
         if self._lowest_id < 0 or self._highest_id >= count:
