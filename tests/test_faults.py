@@ -11,7 +11,9 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -357,3 +359,46 @@ def test_runs_at_a_url_write_attempt_directories_and_the_first_manifest_wins(dat
     again = build(config(data, url))  # a later run reuses the published build
     assert again.reused and again.manifest.shards == manifest.shards
 
+
+
+@pytest.fixture
+def read_only_dir(tmp_path) -> Iterator[Path]:
+    """An empty directory nothing can be written in: read-only by its mode, or for root a read-only mount."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("running as root without the right to mount a read-only filesystem")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_home_caches_in_a_temporary_directory(data, tmp_path, read_only_dir, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(read_only_dir))
+    monkeypatch.delenv("VARPACK_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    out = tmp_path / "out"
+    assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS, "--no-report"]) == 0, capsys.readouterr().err
+    fallback = tmp_path / "tmp" / f"varpack-cache-{os.getuid()}"
+    notes = [line for line in capsys.readouterr().err.splitlines() if "cache directory" in line]
+    assert notes == [f"varpack: note: cache directory {read_only_dir}/.cache/varpack cannot be used "
+                     f"({os.strerror(errno.EROFS if os.geteuid() == 0 else errno.EACCES)}); caching in {fallback} instead "
+                     "(set VARPACK_CACHE_DIR to keep a cache elsewhere)"]
+    assert fallback.stat().st_mode & 0o777 == 0o700
+    assert_verified(plan_build(config(data, out)).out_dir)
+
+
+def test_a_read_only_out_is_one_line_saying_it_could_not_be_written(data, read_only_dir, capsys):
+    for out in (read_only_dir, read_only_dir / "builds"):
+        assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 1
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"varpack: error: {out}"), line
+        assert ": could not be written (" in line and line.endswith("fix the directory's permissions, then run again")
