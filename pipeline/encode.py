@@ -117,7 +117,9 @@ class Encoder:
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
         table = select_columns(table, self.format.columns, rows.origin)
-        problems = {} if self.format.kind == ExampleKind.CHAT else self._text_problems(table, rows.origin)
+        problems = self._not_objects(table, rows)
+        if self.format.kind != ExampleKind.CHAT:
+            problems = {**self._text_problems(table, rows.origin), **problems}
         rejected, table, source_rows = self._leave_out(problems, table, rows, np.arange(table.num_rows))
         if self.format.is_chat:
             batch, problems = self._encode_chat(self._conversations(table), rows, source_rows)
@@ -176,6 +178,16 @@ class Encoder:
         kept = batch.select(~untrained)
         kept.untrained = (int(untrained.sum()), int(batch.lengths[untrained].sum()))
         return kept
+
+    def _not_objects(self, table: pa.Table, rows: BatchRows) -> dict[int, tuple[Reason, str]]:
+        """Rows read from JSON lines that are not objects (``null``, ``5``), by index: Arrow reads them as rows of nulls."""
+        all_null = np.ones(table.num_rows, dtype=bool)
+        for column in table.columns:
+            all_null &= pc.is_null(column).to_numpy(zero_copy_only=False)
+        candidates = np.flatnonzero(all_null)
+        if not candidates.size:
+            return {}
+        return {int(i): (Reason.NOT_AN_OBJECT, "not a JSON object") for i in candidates[rows.not_an_object(candidates)]}
 
     def _text_problems(self, table: pa.Table, origin: str) -> dict[int, tuple[Reason, str]]:
         """Rows with a null or empty value in a text column (the first problem of each row), by index."""
