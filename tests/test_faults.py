@@ -35,6 +35,7 @@ ARGS = ["--prompt-column", "prompt", "--response-column", "answer", "--max-len",
 # Exit status 130, or an end by SIGINT, which a shell reports as 130 too: the interpreter sometimes ends
 # that way after pack has printed "interrupted" and returned 130.
 INTERRUPTED = (130, -signal.SIGINT)
+INTERRUPTED_LINE = "varpack: interrupted; the next run starts the build again"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -53,13 +54,14 @@ def config(data: Path, out: Path | str, **changes) -> PackConfig:
 class Run:
     """A ``python -m pipeline.pack`` process, its stdout and stderr in files."""
 
-    def __init__(self, data: Path, out: Path, name: str, *extra: str, max_file_bytes: int | None = None):
+    def __init__(self, data: Path, out: Path, name: str, *extra: str, max_file_bytes: int | None = None,
+                 own_group: bool = False):
         self.stdout, self.stderr = out.parent / f"{name}.out", out.parent / f"{name}.err"
         limit = None if max_file_bytes is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes,) * 2)
         with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out), *ARGS, *extra],
-                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr, preexec_fn=limit,
+                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr, preexec_fn=limit, start_new_session=own_group,
             )
 
     def err(self) -> str:
@@ -186,8 +188,31 @@ def test_sigint_exits_130_saying_interrupted_and_leaves_nothing(data, tmp_path):
     run.proc.send_signal(signal.SIGINT)
     assert run.wait() in INTERRUPTED
     lines = run.err().splitlines()
-    assert lines[-1] == "varpack: interrupted; the next run starts the build again", run.err()
+    assert lines[-1] == INTERRUPTED_LINE, run.err()
     assert not any("Traceback" in line for line in lines)
+    assert [p.name for p in out.iterdir()] == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="watches the libraries the process loads through /proc")
+def test_sigint_while_starting_up_is_one_line_and_exits_130(data, tmp_path):
+    out = tmp_path / "out"
+    run = Run(data, out, "starting")
+    maps = Path(f"/proc/{run.proc.pid}/maps")
+    wait_for(lambda: "libarrow" in maps.read_text(), "the run to load pyarrow", timeout=30)  # still importing
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.err()
+    assert run.err().splitlines() == [INTERRUPTED_LINE]
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_ctrl_c_in_a_terminal_stops_a_multi_process_run_in_one_line(data, tmp_path):
+    """A terminal sends Ctrl-C to the whole process group: the workers too, which Beam then reports."""
+    out = tmp_path / "out"
+    run = Run(data, out, "group", "--direct_running_mode=multi_processing", "--direct_num_workers=2", own_group=True)
+    wait_for(lambda: any(out.glob("*/.spill-*/*.arrow")), "the workers to write", timeout=120)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.wait() == 130, run.err()
+    assert run.err().splitlines()[1:] == [INTERRUPTED_LINE], run.err()
     assert [p.name for p in out.iterdir()] == []
 
 
@@ -230,11 +255,13 @@ def test_workers_exit_when_the_main_process_is_killed(data, tmp_path):
     out = tmp_path / "out"
     run = Run(data, out, "multi", "--direct_running_mode=multi_processing", "--direct_num_workers=2")
     wait_for(lambda: any(out.glob("*/.spill-*/*.arrow")), "the workers to write", timeout=120)
+    time.sleep(0.5)  # into the later steps too, which no step of varpack's own starts
     workers = children(run.proc.pid)
+    workers += [worker for shell in workers for worker in children(shell)]  # Beam starts them through a shell
     assert len(workers) >= 2
     run.proc.kill()
     run.wait()
-    wait_for(lambda: not any(alive(w) for w in workers), "the orphaned workers to exit", timeout=10)
+    wait_for(lambda: not any(alive(w) for w in workers), "the orphaned workers to exit", timeout=1)
 
 
 def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
