@@ -4,6 +4,7 @@ commands on a small JSON lines file."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -262,6 +263,30 @@ def test_workers_exit_when_the_main_process_is_killed(data, tmp_path):
     run.proc.kill()
     run.wait()
     wait_for(lambda: not any(alive(w) for w in workers), "the orphaned workers to exit", timeout=1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker process through /proc")
+def test_a_worker_ends_with_the_command_from_its_first_import(tmp_path):
+    """Beam may first give a worker a step with no varpack code of its own to run: importing pipeline
+    is enough for it to end with the command."""
+    command, worker = tmp_path / "command.py", tmp_path / "worker.py"
+    command.write_text("import os, subprocess, sys, time\n"
+                       "os.environ['VARPACK_PACK_PID'] = str(os.getpid())\n"
+                       "subprocess.Popen(f'{sys.executable} {sys.argv[1]}', shell=True)  # through a shell, as Beam does\n"
+                       "time.sleep(60)\n")
+    worker.write_text("import time\nimport pipeline\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    run = subprocess.Popen([sys.executable, str(command), str(worker)], env=ENV, stdout=subprocess.PIPE, text=True)
+    started = []
+    try:
+        assert run.stdout.readline() == "ready\n"
+        started = [w for shell in children(run.pid) for w in [shell, *children(shell)]]
+        run.kill()
+        run.wait()
+        wait_for(lambda: not any(alive(w) for w in started), "the worker to end with the command", timeout=1)
+    finally:
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
