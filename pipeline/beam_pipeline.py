@@ -30,8 +30,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +46,7 @@ from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import spill
+from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
 from pipeline.read.sources import ReadTask
 from pipeline.report import progress
 from pipeline.write.shard_writer import finish_build, publish_shard
@@ -60,40 +59,6 @@ from schemas import (
 from schemas.shard_identity import ShardIdentity
 
 _COUNTERS = "varpack"
-
-
-_parent_watch = threading.Lock()
-
-
-def _ancestors() -> list[int]:
-    """The pids of this process's parent, its parent's parent, ..., as far as /proc tells (the parent alone without it)."""
-    chain, pid = [], os.getppid()
-    while pid > 1 and len(chain) < 8:
-        chain.append(pid)
-        try:
-            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return chain
-
-
-def exit_with_parent(main_pid: int) -> None:
-    """In a worker process that the pack command started, exit as soon as the command's process is gone.
-
-    So a killed run leaves no worker writing shards behind it. Beam starts local workers
-    through a shell, so the command is the worker's parent or grandparent. Runs once per
-    process; does nothing in the command's own process or in workers it did not start (a
-    cluster's).
-    """
-    if main_pid not in _ancestors() or not _parent_watch.acquire(blocking=False):
-        return
-
-    def watch() -> None:
-        while main_pid in _ancestors():
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="varpack-parent-watch", daemon=True).start()
 
 
 class ReadAndEncode(beam.DoFn):
@@ -376,5 +341,9 @@ def run(plan: BuildPlan, shard_dir: str, spill_dir: str) -> None:
         runner = FnApiRunner()
         if options.view_as(DirectOptions).direct_running_mode == "multi_processing":
             quiet = worker_stderr_discarded()
-    with quiet, beam.Pipeline(runner=runner, options=options) as p:
-        build_graph(p, plan, shard_dir, spill_dir)
+    os.environ[PACK_PID_ENV] = str(os.getpid())  # local workers inherit it: see parent_watch.py
+    try:
+        with quiet, beam.Pipeline(runner=runner, options=options) as p:
+            build_graph(p, plan, shard_dir, spill_dir)
+    finally:
+        del os.environ[PACK_PID_ENV]

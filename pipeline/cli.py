@@ -11,10 +11,12 @@ box that has the read side (torch, pyarrow, numpy) but no Apache Beam, datasets 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-EXIT_ERROR, EXIT_USAGE = 1, 2
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 COMMANDS = {
     "pack": ("pipeline.pack", "pack a dataset into content-addressed shards of packed rows"),
@@ -40,6 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     module_name = COMMANDS[command][0]
     try:
+        code = _run(command, module_name, rest)
+    except KeyboardInterrupt:
+        print("varpack: interrupted", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    if argv is None and code == EXIT_INTERRUPTED:
+        exit_process(code)
+    return code
+
+
+def _run(command: str, module_name: str, rest: list[str]) -> int:
+    """Import the command's module and run it (its own main handles Ctrl-C once it runs)."""
+    try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name != module_name:
@@ -49,6 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "install a varpack that has it", file=sys.stderr)
         return EXIT_ERROR
     return module.main(rest, prog=f"varpack {command}")
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process now with ``code``, its output flushed.
+
+    After Ctrl-C, ``sys.exit(130)`` is not enough: CPython ends the process by SIGINT instead
+    when the KeyboardInterrupt, though caught, passed through code it ran with ``PyRun_*`` (some
+    extension modules' imports do).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,13 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pipeline.config import PackConfig
-from pipeline.errors import ConfigError
-from schemas import BadRowPolicy, Manifest, Overflow, PackingAlgorithm, VarpackError, WriteError
+# The project's modules (pyarrow, numpy, Beam behind them) are imported inside the functions, once main()
+# handles Ctrl-C: an interrupt while they load is then one line too.
+if TYPE_CHECKING:
+    from pipeline.config import PackConfig
+    from schemas import Manifest
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -47,6 +50,9 @@ PROG = "python -m pipeline.pack"
 
 
 def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    from pipeline.config import PackConfig
+    from schemas import BadRowPolicy, Overflow, PackingAlgorithm
+
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Pack a dataset into content-addressed shards of packed rows for FlashAttention-2 varlen training. "
@@ -126,6 +132,8 @@ class _QuietBeam(logging.Filter):
     verbose = False
 
     def filter(self, record: logging.LogRecord) -> bool:
+        from schemas import VarpackError
+
         message = record.getMessage()
         if any(noise in message for noise in _BEAM_NOISE):
             return False
@@ -143,6 +151,8 @@ _RUNNER_PATHS = {"DaskRunner": ("apache_beam.runners.dask.dask_runner.DaskRunner
 def _resolve_runner(beam_args: list[str]) -> list[str]:
     """``beam_args`` with a short runner name Beam lacks spelled out as its module path, and a runner
     given by module path imported, so that its own options (``--dask_client_address``) are known."""
+    from pipeline.errors import ConfigError
+
     args = list(beam_args)
     for i, arg in enumerate(args):
         if arg == "--runner" and i + 1 < len(args):
@@ -166,6 +176,8 @@ def _check_beam_args(beam_args: list[str]) -> None:
     """Reject Beam options Beam does not know, and the multi-threading direct runner."""
     if not beam_args:
         return
+    from pipeline.errors import ConfigError
+
     # A value may follow its option as the next word: --direct_num_workers 2.
     takes_value = [i > 0 and beam_args[i - 1].startswith("--") and "=" not in beam_args[i - 1] for i in range(len(beam_args))]
     stray = [a for a, follows_option in zip(beam_args, takes_value) if not a.startswith("-") and not follows_option]
@@ -194,6 +206,8 @@ def _check_beam_args(beam_args: list[str]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> PackConfig:
     """The PackConfig the command line describes; unknown --options become Beam options."""
+    from pipeline.config import PackConfig
+
     args, beam_args = make_parser(prog).parse_known_args(argv)
     beam_args = _resolve_runner(beam_args)
     _check_beam_args(beam_args)
@@ -203,6 +217,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> PackConfi
 def _one_line(err: BaseException) -> str:
     """What went wrong, in one line: the VarpackError behind ``err``, else the last line of a worker's
     traceback, else ``err`` itself."""
+    from schemas import VarpackError
+
     found = VarpackError.behind(err)
     if found is not None:
         message = str(found)
@@ -231,6 +247,31 @@ def _is_interrupt(err: BaseException) -> bool:
     return _interrupted.is_set() or isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in str(err)
 
 
+class _HeldThreadErrors:
+    """A ``threading.excepthook`` that holds the errors of background threads until the run ends.
+
+    Ctrl-C reaches Beam's multi-process workers too, and Beam's threads that watch them then end
+    with errors (a worker exited with return code -2, its control stream broke); after an interrupt
+    those are expected and dropped, otherwise they are printed as Python would have.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[threading.ExceptHookArgs] = []
+        self.original = threading.excepthook
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
+        if not _interrupted.is_set():
+            self.held.append(args)
+
+    def release(self) -> None:
+        """Print the held errors and restore the hook; after an interrupt, stay quiet until the process exits."""
+        if _interrupted.is_set():
+            return
+        threading.excepthook = self.original
+        for args in self.held:
+            self.original(args)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet = _QuietBeam()
@@ -239,10 +280,13 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     _interrupted.clear()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_interrupt)
+    thread_errors = _HeldThreadErrors()
     config = None
     try:
         config = parse_args(argv, prog)
         quiet.verbose = config.verbose
+        if not config.verbose:
+            threading.excepthook = thread_errors
         from pipeline.build import build
         from pipeline.report.summary import format_report
 
@@ -269,6 +313,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        thread_errors.release()
     return 0
 
 
@@ -276,6 +321,7 @@ def write_report_figure(out_dir: str, manifest: Manifest) -> str | None:
     """Write report.png beside the manifest and return its path; without matplotlib, say so once and how to get it."""
     from pipeline.report.figures import missing_matplotlib, write_report
     from pipeline.report.profile import read_profile
+    from schemas import WriteError
 
     missing = missing_matplotlib()
     if missing:
@@ -289,4 +335,9 @@ def write_report_figure(out_dir: str, manifest: Manifest) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        from pipeline.cli import exit_process
+
+        exit_process(code)
+    sys.exit(code)

@@ -14,6 +14,9 @@ import contextlib
 import os
 import re
 import shutil
+import stat
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,8 +32,42 @@ _TEMPORARY_NAME = re.compile(rf"\.(.+?)(?:{re.escape(TEMPORARY_MARK)}[\w-]+|{re.
 
 
 def cache_dir() -> Path:
-    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``: converted tokenizers and copies of remote shards."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "varpack")
+    """``$VARPACK_CACHE_DIR``, else ``~/.cache/varpack``: converted tokenizers, copies of remote shards, verification records.
+
+    When ``$VARPACK_CACHE_DIR`` is unset and ``~/.cache/varpack`` cannot be made or written (a
+    read-only home directory), a directory of this user's under the system's temporary directory
+    is used instead, with one line on stderr saying so.
+    """
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    default = Path.home() / ".cache" / "varpack"
+    try:
+        default.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        problem = err.strerror or str(err)
+    else:
+        if os.access(default, os.W_OK):
+            return default
+        problem = "not writable"
+    return _fallback_cache_dir(default, problem)
+
+
+def _fallback_cache_dir(default: Path, problem: str) -> Path:
+    """This user's own cache directory under the temporary directory, announced once per process."""
+    fallback = Path(tempfile.gettempdir()) / f"varpack-cache-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        fallback.mkdir(mode=0o700)
+    info = fallback.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        fallback = Path(tempfile.mkdtemp(prefix="varpack-cache-"))  # another user's, or not private: a fresh one
+    if fallback not in _announced_fallbacks:
+        _announced_fallbacks.add(fallback)
+        print(f"varpack: note: cache directory {default} cannot be used ({problem}); caching in {fallback} instead "
+              f"(set {CACHE_ENV} to keep a cache elsewhere)", file=sys.stderr)
+    return fallback
+
+
+_announced_fallbacks: set[Path] = set()
 
 
 def temporary_name(path: str | os.PathLike[str]) -> Path:

@@ -131,3 +131,16 @@ def test_parquet_rows_are_named_by_index(tmp_path):
     assert result.manifest.stats.examples == 9 and result.manifest.rejected.by_reason == {"null": 1}
     (record,) = map(json.loads, (tmp_path / "out" / result.out_dir.split("/")[-1] / REJECTED_NAME).read_text().splitlines())
     assert record["where"] == f"{path} row 6" and record["row"] == {"prompt": None, "response": "Answer 6."}
+
+
+def test_lines_that_are_not_objects_are_bad_rows(tmp_path, capsys):
+    good = [json.dumps({"prompt": f"Question {i}?", "response": f"Answer {i}."}) for i in range(8)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(["null", *good[:3], "5", '"text"', *good[3:], "[1, 2]"]) + "\n")
+    config = PackConfig(dataset=str(path), out=str(tmp_path / "out"), progress=False)
+    with pytest.raises(Exception, match=rf"^{path} line 1: not a JSON object; fix or remove it"):
+        build(config)
+    result = build(dataclasses.replace(config, on_bad_row="skip", max_bad_rows=4))
+    assert result.manifest.stats.examples == 8 and result.manifest.rejected.by_reason == {"not_an_object": 4}
+    records = map(json.loads, (tmp_path / "out" / result.out_dir.split("/")[-1] / REJECTED_NAME).read_text().splitlines())
+    assert [r["where"] for r in records] == [f"{path} line {n}" for n in (1, 5, 6, 12)]

@@ -4,6 +4,7 @@ commands on a small JSON lines file."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -11,7 +12,9 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,6 +38,7 @@ ARGS = ["--prompt-column", "prompt", "--response-column", "answer", "--max-len",
 # Exit status 130, or an end by SIGINT, which a shell reports as 130 too: the interpreter sometimes ends
 # that way after pack has printed "interrupted" and returned 130.
 INTERRUPTED = (130, -signal.SIGINT)
+INTERRUPTED_LINE = "varpack: interrupted; the next run starts the build again"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -53,13 +57,14 @@ def config(data: Path, out: Path | str, **changes) -> PackConfig:
 class Run:
     """A ``python -m pipeline.pack`` process, its stdout and stderr in files."""
 
-    def __init__(self, data: Path, out: Path, name: str, *extra: str, max_file_bytes: int | None = None):
+    def __init__(self, data: Path, out: Path, name: str, *extra: str, max_file_bytes: int | None = None,
+                 own_group: bool = False):
         self.stdout, self.stderr = out.parent / f"{name}.out", out.parent / f"{name}.err"
         limit = None if max_file_bytes is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes,) * 2)
         with open(self.stdout, "w") as stdout, open(self.stderr, "w") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out), *ARGS, *extra],
-                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr, preexec_fn=limit,
+                cwd=out.parent, env=ENV, stdout=stdout, stderr=stderr, preexec_fn=limit, start_new_session=own_group,
             )
 
     def err(self) -> str:
@@ -186,8 +191,31 @@ def test_sigint_exits_130_saying_interrupted_and_leaves_nothing(data, tmp_path):
     run.proc.send_signal(signal.SIGINT)
     assert run.wait() in INTERRUPTED
     lines = run.err().splitlines()
-    assert lines[-1] == "varpack: interrupted; the next run starts the build again", run.err()
+    assert lines[-1] == INTERRUPTED_LINE, run.err()
     assert not any("Traceback" in line for line in lines)
+    assert [p.name for p in out.iterdir()] == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="watches the libraries the process loads through /proc")
+def test_sigint_while_starting_up_is_one_line_and_exits_130(data, tmp_path):
+    out = tmp_path / "out"
+    run = Run(data, out, "starting")
+    maps = Path(f"/proc/{run.proc.pid}/maps")
+    wait_for(lambda: "libarrow" in maps.read_text(), "the run to load pyarrow", timeout=30)  # still importing
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.err()
+    assert run.err().splitlines() == [INTERRUPTED_LINE]
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_ctrl_c_in_a_terminal_stops_a_multi_process_run_in_one_line(data, tmp_path):
+    """A terminal sends Ctrl-C to the whole process group: the workers too, which Beam then reports."""
+    out = tmp_path / "out"
+    run = Run(data, out, "group", "--direct_running_mode=multi_processing", "--direct_num_workers=2", own_group=True)
+    wait_for(lambda: any(out.glob("*/.spill-*/*.arrow")), "the workers to write", timeout=120)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.wait() == 130, run.err()
+    assert run.err().splitlines()[1:] == [INTERRUPTED_LINE], run.err()
     assert [p.name for p in out.iterdir()] == []
 
 
@@ -230,11 +258,37 @@ def test_workers_exit_when_the_main_process_is_killed(data, tmp_path):
     out = tmp_path / "out"
     run = Run(data, out, "multi", "--direct_running_mode=multi_processing", "--direct_num_workers=2")
     wait_for(lambda: any(out.glob("*/.spill-*/*.arrow")), "the workers to write", timeout=120)
+    time.sleep(0.5)  # into the later steps too, which no step of varpack's own starts
     workers = children(run.proc.pid)
+    workers += [worker for shell in workers for worker in children(shell)]  # Beam starts them through a shell
     assert len(workers) >= 2
     run.proc.kill()
     run.wait()
-    wait_for(lambda: not any(alive(w) for w in workers), "the orphaned workers to exit", timeout=10)
+    wait_for(lambda: not any(alive(w) for w in workers), "the orphaned workers to exit", timeout=1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker process through /proc")
+def test_a_worker_ends_with_the_command_from_its_first_import(tmp_path):
+    """Beam may first give a worker a step with no varpack code of its own to run: importing pipeline
+    is enough for it to end with the command."""
+    command, worker = tmp_path / "command.py", tmp_path / "worker.py"
+    command.write_text("import os, subprocess, sys, time\n"
+                       "os.environ['VARPACK_PACK_PID'] = str(os.getpid())\n"
+                       "subprocess.Popen(f'{sys.executable} {sys.argv[1]}', shell=True)  # through a shell, as Beam does\n"
+                       "time.sleep(60)\n")
+    worker.write_text("import time\nimport pipeline\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    run = subprocess.Popen([sys.executable, str(command), str(worker)], env=ENV, stdout=subprocess.PIPE, text=True)
+    started = []
+    try:
+        assert run.stdout.readline() == "ready\n"
+        started = [w for shell in children(run.pid) for w in [shell, *children(shell)]]
+        run.kill()
+        run.wait()
+        wait_for(lambda: not any(alive(w) for w in started), "the worker to end with the command", timeout=1)
+    finally:
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
@@ -527,3 +581,46 @@ def test_a_build_of_format_4_whose_shards_carry_no_identity_is_still_read(tmp_pa
     path.write_text(json.dumps(new))
     with pytest.raises(ShardError, match="carries no build identity"):
         PackedIterableDataset(written.path, batch_rows=1)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path) -> Iterator[Path]:
+    """An empty directory nothing can be written in: read-only by its mode, or for root a read-only mount."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("running as root without the right to mount a read-only filesystem")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_home_caches_in_a_temporary_directory(data, tmp_path, read_only_dir, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(read_only_dir))
+    monkeypatch.delenv("VARPACK_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    out = tmp_path / "out"
+    assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS, "--no-report"]) == 0, capsys.readouterr().err
+    fallback = tmp_path / "tmp" / f"varpack-cache-{os.getuid()}"
+    notes = [line for line in capsys.readouterr().err.splitlines() if "cache directory" in line]
+    assert notes == [f"varpack: note: cache directory {read_only_dir}/.cache/varpack cannot be used "
+                     f"({os.strerror(errno.EROFS if os.geteuid() == 0 else errno.EACCES)}); caching in {fallback} instead "
+                     "(set VARPACK_CACHE_DIR to keep a cache elsewhere)"]
+    assert fallback.stat().st_mode & 0o777 == 0o700
+    assert_verified(plan_build(config(data, out)).out_dir)
+
+
+def test_a_read_only_out_is_one_line_saying_it_could_not_be_written(data, read_only_dir, capsys):
+    for out in (read_only_dir, read_only_dir / "builds"):
+        assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 1
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"varpack: error: {out}"), line
+        assert ": could not be written (" in line and line.endswith("fix the directory's permissions, then run again")

@@ -13,10 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline import pack
+from pipeline.report import progress
 from pipeline.build import build
 from pipeline.config import PackConfig
 from pipeline.errors import InputError
-from pipeline.report import progress
 from pipeline.report.summary import format_report
 from schemas import PackingStats
 from tests.test_pipeline_e2e import read_examples, run_cli
@@ -59,6 +60,24 @@ def test_a_lone_surrogate_is_named_by_line_or_row(tmp_path):
     elsewhere.write_text(json.dumps(RECORDS[0]) + '\n{"prompt": "a", "response": "b", "note": "\\udc00"}\n')
     with pytest.raises(InputError, match=rf"^{elsewhere} line 2: holds a lone surrogate"):
         build(config(elsewhere, tmp_path))
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    (b'{"prompt": "caf\xff", "response": "ok"}', "not UTF-8 text (byte 0xff at byte 15 of the line)"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b', "response": "ok"}', "not valid JSON (nested too deeply to read)"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON (nested too deeply to read)"),
+    (b"null", "not a JSON object; fix or remove it, or pass --on-bad-row skip"),
+])
+@pytest.mark.parametrize("at_line", [1, 3])
+def test_a_bad_json_line_is_one_line_naming_the_file_and_line(tmp_path, capsys, bad_line, message, at_line):
+    lines = [json.dumps(r).encode() for r in RECORDS[:4]]
+    lines.insert(at_line - 1, bad_line)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert pack.main(["--dataset", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("varpack: packing")]
+    assert len(errors) == 1 and errors[0].startswith(f"varpack: error: {path} line {at_line}: {message}"), errors
+    assert not list((tmp_path / "out").rglob("*.*"))
 
 
 def test_dictionary_encoded_and_nested_parquet_columns_are_read(tmp_path):

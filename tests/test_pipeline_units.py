@@ -9,10 +9,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.build import plan_build
 from pipeline.config import RUN_SETTINGS, PackConfig
-from pipeline.encode.examples import Encoder, special_affixes
+from pipeline.encode.examples import Encoder, cuts_between_words, encode_ids, special_affixes
 from pipeline.encode.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
 from pipeline.packing.groups import make_layout
@@ -126,6 +128,30 @@ def test_batch_equals_one_example_at_a_time(tokenizer):
     for i in range(table.num_rows):
         (tokens, mask), = split_examples(enc.encode(table.slice(i, 1), BatchRows("t", i)))
         assert np.array_equal(tokens, whole[i][0]) and np.array_equal(mask, whole[i][1])
+
+
+PIECES_ALPHABET = ["a", "bc", "é", "日本", "💡", "1.", " ", "  ", "   ", "\n", " \n ", "\t", "▁", "▁ ", " ▁", "</s>", " <s> "]
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.lists(st.sampled_from(PIECES_ALPHABET), min_size=1, max_size=200).map("".join),
+       piece_chars=st.integers(1, 30))
+def test_a_text_tokenized_in_pieces_gives_the_tokens_of_the_whole(tokenizer, text, piece_chars):
+    backend = tokenizer.backend()
+    ids, lengths = encode_ids(backend, [text, "a b c"], np.dtype(np.int32), piece_chars)
+    assert lengths.tolist() == [len(ids) - 3, 3]
+    assert ids[: lengths[0]].tolist() == backend.encode(text, add_special_tokens=False).ids
+
+
+def test_a_long_text_is_tokenized_in_pieces(tokenizer):
+    """tokenizers' BPE takes more than linear time on one long pre-token (a 20 MB line took minutes):
+    a long text is cut between words, and its example is the same."""
+    words = " ".join(f"word{i % 97}" for i in range(100_000))
+    enc = encoder(tokenizer, ExampleKind.TEXT, ("text",))
+    assert cuts_between_words(tokenizer.backend())  # the default tokenizer (SentencePiece BPE) allows pieces
+    assert enc.piece_chars is not None and len(words) > 4 * enc.piece_chars
+    (tokens, _), = split_examples(enc.encode(pa.table({"text": [words]}), BatchRows("t", 0)))
+    assert tokens[1:-1].tolist() == tokenizer.backend().encode(words, add_special_tokens=False).ids
 
 
 def test_chat_loss_on_assistant_turns_only(tokenizer):

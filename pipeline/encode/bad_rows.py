@@ -29,6 +29,7 @@ REJECTED_NAME = "rejected.jsonl"
 class Reason(StrEnum):
     """Why a row cannot make an example."""
 
+    NOT_AN_OBJECT = "not_an_object"
     NULL = "null"
     EMPTY_TEXT = "empty_text"
     NOT_A_CONVERSATION = "not_a_conversation"

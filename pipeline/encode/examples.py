@@ -19,6 +19,7 @@ example with no trained token within ``--max-len`` is dropped and counted.
 from __future__ import annotations
 
 import array
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -88,15 +89,76 @@ def token_ids(encodings: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]
 ENCODE_CHUNK = 1024
 
 
-def encode_ids(backend, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """``token_ids`` of ``texts`` encoded without special tokens, ENCODE_CHUNK texts at a time."""
+# Texts longer than this are tokenized in pieces of about this many characters where the tokenizer
+# allows it exactly (``cuts_between_words``): tokenizers' BPE costs more than linear time in the
+# length of one pre-token, and a SentencePiece tokenizer's text is one pre-token.
+PIECE_CHARS = 1 << 16
+
+
+def encode_ids(backend, texts: list[str], dtype: np.dtype, piece_chars: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``token_ids`` of ``texts`` encoded without special tokens, ENCODE_CHUNK texts at a time.
+
+    With ``piece_chars``, texts longer than that are cut into pieces between words
+    (``cut_between_words``) and encoded piece by piece; only right for a tokenizer of which
+    ``cuts_between_words`` is true.
+    """
+    pieces, owners = texts, None
+    if piece_chars is not None and any(len(text) > piece_chars for text in texts):
+        cut = [cut_between_words(text, piece_chars) for text in texts]
+        pieces = [piece for text_pieces in cut for piece in text_pieces]
+        owners = np.repeat(np.arange(len(texts)), [len(text_pieces) for text_pieces in cut])
     parts = [
-        token_ids(backend.encode_batch_fast(texts[i : i + ENCODE_CHUNK], add_special_tokens=False), dtype)
-        for i in range(0, len(texts), ENCODE_CHUNK)
+        token_ids(backend.encode_batch_fast(pieces[i : i + ENCODE_CHUNK], add_special_tokens=False), dtype)
+        for i in range(0, len(pieces), ENCODE_CHUNK)
     ]
     if not parts:
         return np.zeros(0, dtype), np.zeros(0, np.int64)
-    return np.concatenate([ids for ids, _ in parts]), np.concatenate([lengths for _, lengths in parts])
+    ids, lengths = np.concatenate([ids for ids, _ in parts]), np.concatenate([lengths for _, lengths in parts])
+    if owners is not None:
+        lengths = np.bincount(owners, weights=lengths, minlength=len(texts)).astype(np.int64)
+    return ids, lengths
+
+
+def cut_between_words(text: str, piece_chars: int) -> list[str]:
+    """``text`` in pieces of at least ``piece_chars`` characters, each after the first starting at a
+    space that follows a character other than a space or ``▁`` (which the space becomes for a
+    SentencePiece tokenizer); a text with no such space stays whole.
+
+    >>> cut_between_words("one two  three four▁ five", 3)
+    ['one', ' two', '  three', ' four▁ five']
+    """
+    pieces, start = [], 0
+    while True:
+        cut = text.find(" ", start + piece_chars)
+        while cut > 0 and text[cut - 1] in " ▁":
+            cut = text.find(" ", cut + 1)
+        if cut < 0:
+            return [*pieces, text[start:]]
+        pieces.append(text[start:cut])
+        start = cut
+
+
+def cuts_between_words(backend) -> bool:
+    """Whether tokenizing pieces of a text cut by ``cut_between_words`` gives exactly the tokens of the whole text.
+
+    True for SentencePiece BPE tokenizers as transformers converts them (Mistral, Llama 2): no
+    normalizer, a Metaspace pre-tokenizer (each piece after the first starts with a space, so it
+    gets no ▁ of its own), a BPE model without dropout with no token holding ▁ after another
+    character, and no added token holding a space. BPE then never merges across such a cut, so
+    each piece merges as it does inside the whole text.
+    """
+    config = json.loads(backend.to_str())
+    pre_tokenizer, model = config.get("pre_tokenizer") or {}, config.get("model") or {}
+    if config.get("normalizer") is not None or pre_tokenizer.get("type") != "Metaspace":
+        return False
+    if model.get("type") != "BPE" or model.get("dropout") is not None:
+        return False
+    if pre_tokenizer.get("replacement") != "▁":
+        return False
+    after_other = re.compile("[^▁]▁")
+    return not any(after_other.search(token) for token in model.get("vocab", {})) and not any(
+        " " in added.get("content", "") for added in config.get("added_tokens", [])
+    )
 
 
 class Encoder:
@@ -113,11 +175,14 @@ class Encoder:
         self.backend = tokenizer.backend()
         self.prefix, self.suffix = special_affixes(tokenizer)
         self.dtype = token_dtype(self.backend.get_vocab_size(with_added_tokens=True))
+        self.piece_chars = PIECE_CHARS if cuts_between_words(self.backend) else None
 
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
         table = select_columns(table, self.format.columns, rows.origin)
-        problems = {} if self.format.kind == ExampleKind.CHAT else self._text_problems(table, rows.origin)
+        problems = self._not_objects(table, rows)
+        if self.format.kind != ExampleKind.CHAT:
+            problems = {**self._text_problems(table, rows.origin), **problems}
         rejected, table, source_rows = self._leave_out(problems, table, rows, np.arange(table.num_rows))
         if self.format.is_chat:
             batch, problems = self._encode_chat(self._conversations(table), rows, source_rows)
@@ -177,6 +242,16 @@ class Encoder:
         kept.untrained = (int(untrained.sum()), int(batch.lengths[untrained].sum()))
         return kept
 
+    def _not_objects(self, table: pa.Table, rows: BatchRows) -> dict[int, tuple[Reason, str]]:
+        """Rows read from JSON lines that are not objects (``null``, ``5``), by index: Arrow reads them as rows of nulls."""
+        all_null = np.ones(table.num_rows, dtype=bool)
+        for column in table.columns:
+            all_null &= pc.is_null(column).to_numpy(zero_copy_only=False)
+        candidates = np.flatnonzero(all_null)
+        if not candidates.size:
+            return {}
+        return {int(i): (Reason.NOT_AN_OBJECT, "not a JSON object") for i in candidates[rows.not_an_object(candidates)]}
+
     def _text_problems(self, table: pa.Table, origin: str) -> dict[int, tuple[Reason, str]]:
         """Rows with a null or empty value in a text column (the first problem of each row), by index."""
         problems: dict[int, tuple[Reason, str]] = {}
@@ -217,7 +292,7 @@ class Encoder:
     def _encode_texts(self, table: pa.Table) -> EncodedBatch:
         n, columns = table.num_rows, len(self.format.columns)
         texts = self._pieces(table)
-        ids, text_lengths = encode_ids(self.backend, texts, self.dtype)
+        ids, text_lengths = encode_ids(self.backend, texts, self.dtype, self.piece_chars)
         # Example i is its pieces (prefix, its texts, suffix) in a row; they are gathered from
         # one buffer holding the prefix, the suffix, then every text's tokens, column by column.
         affixes = np.array(self.prefix + self.suffix, dtype=self.dtype)

@@ -14,10 +14,12 @@ strings are read as strings (``select_columns``).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import io
 import json
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +42,7 @@ TEXT_TYPE = pa.string()
 MESSAGE_FIELDS = ("role", "content", "from", "value")
 MESSAGES_TYPE = pa.list_(pa.struct([(name, pa.string()) for name in MESSAGE_FIELDS]))
 _BLANK = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
+_LEADING_BLANKS = re.compile(rb"[ \t\n\r\x0b\x0c]*")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class BatchRows:
     origin: str
     first_row: int = 0
     line_numbers: Callable[[], np.ndarray] | None = None
+    # JSON lines: which records (counted as ``line_numbers`` counts them) are lines that are not objects, read as null rows.
+    not_objects: Callable[[], np.ndarray] | None = None
 
     def names(self, rows: Sequence[int]) -> list[str]:
         """``FILE line N`` or ``FILE row N`` for each of the batch's ``rows``."""
@@ -65,15 +70,65 @@ class BatchRows:
         """``FILE line N`` or ``FILE row N`` for one row of the batch."""
         return self.names([row])[0]
 
+    def not_an_object(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of the batch's ``rows`` is a JSON line that is not an object (always False for other formats)."""
+        if self.not_objects is None:
+            return np.zeros(len(rows), dtype=bool)
+        return np.isin(self.first_row + np.asarray(rows), self.not_objects())
 
-def record_lines(data: bytes, first_line: int) -> np.ndarray:
-    """The 1-based line number of each record (non-blank line) of JSON-lines ``data`` that starts at ``first_line``."""
+
+def _records(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The line index, first non-blank byte and end of each record (non-blank line) of JSON-lines ``data``."""
     raw = np.frombuffer(data, dtype=np.uint8)
     newlines = np.flatnonzero(raw == ord("\n"))
     starts = np.concatenate(([0], newlines + 1))
     ends = np.concatenate((newlines, [raw.size]))
-    filled = np.concatenate(([0], np.cumsum(~np.isin(raw, _BLANK))))
-    return first_line + np.flatnonzero(filled[ends] > filled[starts])
+    filled = np.flatnonzero(~np.isin(raw, _BLANK))
+    first_filled = np.searchsorted(filled, starts)
+    is_record = first_filled < np.searchsorted(filled, ends)
+    return np.flatnonzero(is_record), filled[first_filled[is_record]], ends[is_record]
+
+
+def record_lines(data: bytes, first_line: int) -> np.ndarray:
+    """The 1-based line number of each record (non-blank line) of JSON-lines ``data`` that starts at ``first_line``.
+
+    >>> record_lines(b'{"a": 1}\\n\\n  \\n{"a": 2}\\n', first_line=1)
+    array([1, 4])
+    """
+    return first_line + _records(data)[0]
+
+
+def not_object_records(data: bytes) -> np.ndarray:
+    """The records of JSON-lines ``data`` (by index) that are valid JSON but not objects: ``null``, ``5``, ``[1]``.
+
+    >>> not_object_records(b'{"a": 1}\\nnull\\n\\n[1, 2]\\n{"a": 2}\\n[1,\\n')
+    array([1, 2])
+    """
+    _, firsts, ends = _records(data)
+    found = [
+        record for record in np.flatnonzero(np.frombuffer(data, dtype=np.uint8)[firsts] != ord("{")).tolist()
+        if _parses(data[firsts[record] : ends[record]])
+    ]
+    return np.array(found, dtype=np.int64)
+
+
+def _parses(line: bytes) -> bool:
+    """Whether ``line`` is one valid JSON value."""
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    return True
+
+
+def _as_empty_objects(data: bytes, records: np.ndarray) -> bytes:
+    """JSON-lines ``data`` with the lines of ``records`` replaced by ``{}``: a row of nulls each, as Arrow reads ``null``."""
+    _, firsts, ends = _records(data)
+    pieces, at = [], 0
+    for record in records.tolist():
+        pieces += [data[at : firsts[record]], b"{}"]
+        at = ends[record]
+    return b"".join([*pieces, data[at:]])
 
 
 def _strip_bom(data: bytes) -> bytes:
@@ -155,7 +210,9 @@ class FileTask:
         """Names for the rows of the batch that starts at row ``first_row`` of the file."""
         if self.format != "jsonl":
             return BatchRows(self.path, first_row)
-        return BatchRows(self.path, first_row - self.first_row, functools.partial(_task_lines, self))
+        return BatchRows(
+            self.path, first_row - self.first_row, functools.partial(_task_lines, self), functools.partial(_task_not_objects, self)
+        )
 
     def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
         """Yield ``(first row in the file, table)`` batches of at most ``batch_size`` rows of ``columns``."""
@@ -208,6 +265,12 @@ def _task_lines(task: FileTask) -> np.ndarray:
     return record_lines(task._bytes(), task.first_line)
 
 
+@functools.lru_cache(maxsize=2)
+def _task_not_objects(task: FileTask) -> np.ndarray:
+    """The records of a JSON-lines task that are not objects: found again only when a row reads as all nulls."""
+    return not_object_records(task._bytes())
+
+
 def _read_arrow(path: str) -> pa.Table:
     """An Arrow IPC file or stream (the format ``datasets`` caches), memory-mapped when local."""
     if storage.is_url(path):
@@ -223,27 +286,61 @@ def _read_arrow(path: str) -> pa.Table:
 
 
 def _read_json_lines(data: bytes, columns: dict[str, pa.DataType], task: FileTask) -> pa.Table:
+    """The rows of JSON-lines ``data``; a line that is not an object (``null``, ``5``) is a row of nulls, which the
+    encoder reports as a bad row (``BatchRows.not_an_object``)."""
     options = pajson.ParseOptions(explicit_schema=pa.schema(columns), unexpected_field_behavior="ignore")
     # A block must hold the longest line; Arrow's row numbers in errors count from the block.
     read_options = pajson.ReadOptions(block_size=max(1 << 20, min(len(data) + 1, 1 << 30)))
-    try:
+
+    def read(data: bytes) -> pa.Table:
         return pajson.read_json(io.BytesIO(data), read_options=read_options, parse_options=options)
+
+    table = None
+    # Arrow reads a null line as a row of nulls, but refuses 5 or [1], and crashes on a first line of null.
+    if _first_byte(data) in (b"{", b""):
+        with contextlib.suppress(pa.ArrowInvalid):
+            table = read(data)
+    try:
+        if table is None:
+            table = read(_as_empty_objects(data, not_object_records(data)))
+        table.validate(full=True)  # Arrow's JSON reader lets bytes that are not UTF-8 into strings
     except pa.ArrowInvalid as err:
         raise _first_bad_json_line(data, columns, task) or InputError(f"{task.path}: {err}") from err
+    return table
+
+
+def _first_byte(data: bytes) -> bytes:
+    """The first byte of ``data`` that is not blank, or b"" when there is none."""
+    start = _LEADING_BLANKS.match(data).end()
+    return data[start : start + 1]
+
+
+def _parse_line(line: bytes, where: str) -> object:
+    """One JSON-lines record, or an InputError naming ``where`` (``FILE line N``) when it is not valid UTF-8 JSON."""
+    try:
+        return json.loads(line)
+    except UnicodeDecodeError as err:
+        raise InputError(f"{where}: not UTF-8 text (byte {line[err.start]:#04x} at byte {err.start} of the line); "
+                         "JSON lines must be UTF-8: fix the line or convert the file") from err
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where}: not valid JSON ({err})") from err
+    except RecursionError as err:
+        raise InputError(f"{where}: not valid JSON (nested too deeply to read)") from err
 
 
 def _first_bad_json_line(data: bytes, columns: dict[str, pa.DataType], task: FileTask) -> InputError | None:
-    """An error naming the first line of JSON lines ``data`` that is not an object with the expected columns."""
+    """An error naming the first line of JSON lines ``data`` that is not valid UTF-8 JSON, or an object
+    without the expected columns (lines that are not objects are bad rows, reported later)."""
     for line_number, line in enumerate(data.split(b"\n"), start=task.first_line):
         if not line.strip():
             continue
         where = f"{task.path} line {line_number}"
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return InputError(f"{where}: not valid JSON ({err})")
+            record = _parse_line(line, where)
+        except InputError as err:
+            return err
         if not isinstance(record, dict):
-            return InputError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
+            continue
         for name, kind in columns.items():
             problem = _value_problem(record.get(name), kind)
             if problem:
@@ -316,17 +413,13 @@ def _count_lines(data: bytes) -> int:
 
 
 def _first_record_keys(path: str, data: bytes) -> tuple[str, ...]:
-    lines = _strip_bom(data).split(b"\n")
-    number = next((n for n, line in enumerate(lines, start=1) if line.strip()), None)
-    if number is None:
-        return ()
-    try:
-        record = json.loads(lines[number - 1])
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{path} line {number}: not valid JSON ({err})") from err
-    if not isinstance(record, dict):
-        raise InputError(f"{path} line {number}: each line must be a JSON object, got {type(record).__name__}")
-    return tuple(record)
+    """The keys of the first object line (lines that are not objects are bad rows, reported later)."""
+    for number, line in enumerate(_strip_bom(data).split(b"\n"), start=1):
+        if line.strip():
+            record = _parse_line(line, f"{path} line {number}")
+            if isinstance(record, dict):
+                return tuple(record)
+    return ()
 
 
 def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTask]]:

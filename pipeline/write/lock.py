@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 
 from pipeline.errors import OutputDirError
+from schemas.io import write_error
 
 POLL_S = 0.2
 
@@ -76,6 +77,8 @@ def _try_lock(path: str, shared: bool) -> int | None:
         fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
     except FileNotFoundError:
         return _NO_LOCK_FILE
+    except OSError as err:  # a read-only or unwritable --out
+        raise write_error(path, err) from err
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -108,7 +111,10 @@ def build_lock(
     OutputDirError naming the owner when the wait times out.
     """
     path = lock_path(build_dir)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as err:
+        raise write_error(os.path.dirname(path), err) from err
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waiting = False
     while (fd := _try_lock(path, shared)) is None:
