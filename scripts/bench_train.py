@@ -48,8 +48,8 @@ step of each of those modes: GPU time by kernel group and the GPU's idle time.
 identical data per step (``padded``'s batch is the packed batch cut back into its examples) and
 writes the loss per step (per trained token, the same average in both) to ``--convergence-csv``.
 
-Without CUDA it runs on the CPU (references on ``sdpa``, varpack's modes on ``varpack_sdpa``
-segments), for a smoke test at tiny sizes. The last line printed is one JSON object.
+Without CUDA it runs on the CPU (float32; references on ``sdpa``, varpack's modes on
+``varpack_segments``), for a smoke test at tiny sizes. The last line printed is one JSON object.
 
     python scripts/bench_train.py --shards flan=shards/flan --shards orcamath=shards/orcamath \
         --out benchmarks/bench_train_h200.json
