@@ -5,7 +5,8 @@
 The texts are generated once and written to a Parquet file (not timed). Then:
 
 - ``encode_batch``: the tokenizers ``Tokenizer.encode_batch`` of the default tokenizer over all
-  prompts and responses, in batches of ``--batch-texts``, texts already in memory;
+  prompts and responses, each joined with its part of ``--prompt-template`` as the pipeline joins
+  them, in batches of ``--batch-texts``, texts already in memory;
 - ``pipeline``: ``python -m pipeline.pack --dataset FILE`` in a fresh process, wall clock from
   start to exit: Python and Beam start-up, hashing, reading, tokenizing, packing, writing;
 - these two alternate ``--repeats`` times and the fastest run of each counts, so that load
@@ -14,7 +15,8 @@ The texts are generated once and written to a Parquet file (not timed). Then:
   fast tokenizer, default batch size, the texts already loaded into a Dataset (run once);
 - the pipeline on 200 examples, as its fixed start-up cost.
 
-Every rate counts the same tokens: those of the texts, without the BOS/EOS the pipeline adds.
+Every rate counts the same tokens: those of the texts with the template's text, without the BOS/EOS
+the pipeline adds.
 The last line is one JSON object.
 """
 
@@ -33,8 +35,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.encode.examples import special_affixes
-from pipeline.encode.tokenizer import load_tokenizer
+from pipeline.read.formats import DEFAULT_PROMPT_TEMPLATE, split_prompt_template
 from pipeline.read.synthetic import BLOCK_EXAMPLES, SHAPES, generate_block
+from pipeline.encode.tokenizer import load_tokenizer
 from schemas import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,11 +61,20 @@ def time_encode_batch(backend, texts: list[str], batch_texts: int) -> tuple[floa
     return time.perf_counter() - started, tokens
 
 
-def time_pipeline(data: Path, out: Path) -> tuple[float, dict]:
+def templated(table: pa.Table, prompt_template: str) -> tuple[list[str], list[str]]:
+    """The prompts and responses as the pipeline tokenizes them: each with its part of the template."""
+    before, between, after = split_prompt_template(prompt_template)
+    prompts = [before + text + between for text in table.column("prompt").to_pylist()]
+    responses = [text + after for text in table.column("response").to_pylist()]
+    return prompts, responses
+
+
+def time_pipeline(data: Path, out: Path, prompt_template: str) -> tuple[float, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out), "--no-progress", "--force"],
+        [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out), "--no-progress", "--force",
+         "--prompt-template", prompt_template],
         check=True, env=env, stdout=subprocess.DEVNULL,
     )
     elapsed = time.perf_counter() - started
@@ -70,13 +82,14 @@ def time_pipeline(data: Path, out: Path) -> tuple[float, dict]:
     return elapsed, read_manifest(build).stats.to_dict()
 
 
-def time_datasets_map(table: pa.Table, tokenizer, cache: Path) -> tuple[float, int]:
+def time_datasets_map(table: pa.Table, prompt_template: str, tokenizer, cache: Path) -> tuple[float, int]:
     import datasets
     from transformers import PreTrainedTokenizerFast
 
     datasets.disable_progress_bars()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend())
-    dataset = datasets.Dataset(table)
+    prompts, responses = templated(table, prompt_template)
+    dataset = datasets.Dataset(pa.table({"prompt": prompts, "response": responses}))
 
     def tokenize(batch):
         return {
@@ -99,6 +112,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=100_000)
     parser.add_argument("--batch-texts", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prompt-template", default=DEFAULT_PROMPT_TEMPLATE)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -109,19 +123,20 @@ def main() -> None:
         tmp = Path(tmp)
         data = tmp / f"{args.dataset}.parquet"
         table = write_texts(args.dataset, args.examples, data)
-        texts = table.column("prompt").to_pylist() + table.column("response").to_pylist()
+        prompts, responses = templated(table, args.prompt_template)
+        texts = prompts + responses
 
         encode_runs, pipeline_runs = [], []
         for _ in range(args.repeats):
             encode_s, text_tokens = time_encode_batch(backend, texts, args.batch_texts)
             encode_runs.append(encode_s)
-            pipeline_s, stats = time_pipeline(data, tmp / "out")
+            pipeline_s, stats = time_pipeline(data, tmp / "out", args.prompt_template)
             pipeline_runs.append(pipeline_s)
         encode_s, pipeline_s = min(encode_runs), min(pipeline_runs)
-        map_s, map_tokens = time_datasets_map(table, tokenizer, tmp)
+        map_s, map_tokens = time_datasets_map(table, args.prompt_template, tokenizer, tmp)
         small = tmp / "small.parquet"
         pq.write_table(table.slice(0, 200), small)
-        startup_s, _ = time_pipeline(small, tmp / "out_small")
+        startup_s, _ = time_pipeline(small, tmp / "out_small", args.prompt_template)
 
     special = len(prefix) + len(suffix)
     assert stats["tokens"] == text_tokens + special * args.examples, (stats["tokens"], text_tokens)
@@ -129,6 +144,7 @@ def main() -> None:
     result = {
         "dataset": args.dataset,
         "examples": args.examples,
+        "prompt_template": args.prompt_template,
         "text_tokens": text_tokens,
         "cpu_count": os.cpu_count(),
         "pipeline_s": [round(s, 2) for s in pipeline_runs],

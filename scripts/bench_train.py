@@ -2,41 +2,57 @@
 
 On the same model (Llama, random init, bf16 weights, FlashAttention-2 kernels) and the same
 examples, at two step sizes (``--rows-per-step`` rows, about 8k real tokens, and
-``--budget-rows`` rows, about 32k), every mode trains on the same examples per cell:
+``--budget-rows`` rows, about 32k), every mode trains on the same examples per cell. The
+references are what a user of ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` runs:
 
 - ``padded``: batches padded to the longest example, with ``attention_mask`` (transformers'
-  ``flash_attention_2``); small steps only (mode 1);
-- ``flatten``: the reference, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``,
-  eager (transformers' ``flash_attention_2``; mode 2, "eager reference");
-- ``flatten_compiled_fa2`` / ``flatten_compiled_varpack``: the same batches with every decoder
-  layer under ``torch.compile(dynamic=True)``, with transformers' ``flash_attention_2`` or
-  varpack's registered ``varpack_fa2``; the faster is the "compiled reference" (mode 2c);
-- ``ours_*``: ``PackedIterableDataset`` batches, eager on exact shapes (``ours_eager``) or with
-  per-layer ``torch.compile`` on exact shapes (``ours_exact_*``, dynamic after the first change),
-  on fixed shapes padded to the worst case (``ours_fixed*``) or to buckets (``ours_buckets*``:
-  ``bucket_shapes=True``, prewarmed so no bucket compiles again); ``_head``: the loss-position
-  LM head (``loaders.train.loss_head``); ``_graphs``: per-layer CUDA graphs (``mode="reduce-overhead"``)
-  on the single worst-case shape; ``_stepgraph``: the whole step (forward, backward, clipping,
-  optimizer) as one CUDA graph per bucketed shape (``loaders.train.step_graph``), every shape of the
-  run captured during the warm-up. The fastest is varpack's best mode.
+  ``flash_attention_2``);
+- ``flatten``: the collator, eager (transformers' ``flash_attention_2``);
+- ``flatten_compiled_fa2`` / ``flatten_compiled_varpack``: every decoder layer under
+  ``torch.compile(dynamic=True)``, with transformers' ``flash_attention_2`` or varpack's
+  registered ``varpack_fa2``;
+- ``flatten_liger``: eager, with Liger's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy
+  (``liger_kernel.transformers.apply_liger_kernel_to_llama``; ``pip install 'varpack[liger]'``);
+- ``flatten_liger_ce_compiled``: Liger's fused linear cross-entropy alone, layers compiled (its
+  other kernels do not trace under ``torch.compile``).
+
+varpack's modes (``ours_*``) take ``PackedIterableDataset`` batches: eager on exact shapes
+(``ours_eager``) or with per-layer ``torch.compile`` on exact shapes (``ours_exact_*``, dynamic
+after the first change), on fixed shapes padded to the worst case (``ours_fixed*``) or to buckets
+(``ours_buckets*``: ``bucket_shapes=True``, prewarmed so no bucket compiles again); ``_head``: the
+loss-position LM head (``loaders.train.loss_head``); ``_graphs``: per-layer CUDA graphs
+(``mode="reduce-overhead"``) on the worst-case shape; ``_stepgraph``: the whole step (forward,
+backward, clipping, optimizer) as one CUDA graph per bucketed shape (``loaders.train.step_graph``), every
+shape of the run captured during the first warm-up; ``_liger``: Liger's RoPE, RMSNorm and SwiGLU
+in eager layers.
+
+The harness: every mode gets its batches through a ``torch.utils.data.DataLoader``
+(``--num-workers`` worker processes, ``pin_memory``, prefetch): the references with the collator
+in the workers, varpack's with ``PackedIterableDataset`` in the workers. Each mode lives in its own
+process (Liger patches transformers' module globals) and keeps its compiled model between
+repetitions; the modes take turns, one at a time on the GPU, ``--repeats`` times. A repetition
+trains the warm-up steps (the first one compiles and captures), then times the timed steps as
+the loop runs, loading included. Throughput counts real (non-pad) tokens; the summary gives the
+median and range over the repetitions; peak memory is the mode's whole run, model and optimizer
+included; ``graphs_compiled_timed`` counts compilations inside the timed window (0 when warm).
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
-``cu_seq_lens``), shuffled and cut into as many steps of equal real tokens. Throughput counts
-real (non-pad) tokens over the timed window; peak memory is that of the whole mode, model and
-optimizer included; warm-up time (compilation included) is that of the warm-up window, and
-``graphs_compiled_timed`` counts compilations inside the timed window (0 when warm). MFU is
-model FLOPs per real token (``FLOP_FORMULA``, the same for every mode of a cell) times
-tokens/s over the dense bf16 peak. Every mode starts from the same initial weights.
-``--profile`` adds one profiled step per mode: GPU time by kernel group and the GPU's idle time.
+``cu_seq_lens``), shuffled and cut into as many steps of equal real tokens. MFU is model FLOPs per
+real token (``FLOP_FORMULA``, the same for every mode of a cell) times tokens/s over the dense
+bf16 peak. Every mode starts from the same initial weights. Each cell compares varpack's best mode
+with the best reference of any kind, by median. ``--profile MODES`` (or ``all``) adds one profiled
+step of each of those modes: GPU time by kernel group and the GPU's idle time.
 
-``--convergence-steps N`` instead trains modes 1 and ``--convergence-mode`` for N steps on
-identical data per step (mode 1's batch is the packed batch cut back into its examples and
-padded) and writes the loss per step (per trained token, the same average in both) to
-``--convergence-csv``. The last line printed is one JSON object.
+``--convergence-steps N`` instead trains ``padded`` and ``--convergence-mode`` for N steps on
+identical data per step (``padded``'s batch is the packed batch cut back into its examples) and
+writes the loss per step (per trained token, the same average in both) to ``--convergence-csv``.
+
+Without CUDA it runs on the CPU (float32; references on ``sdpa``, varpack's modes on
+``varpack_segments``), for a smoke test at tiny sizes. The last line printed is one JSON object.
 
     python scripts/bench_train.py --shards flan=shards/flan --shards orcamath=shards/orcamath \
-        --out benchmarks/bench_train_h200_flan.json
+        --out benchmarks/bench_train_h200.json
 """
 
 from __future__ import annotations
@@ -46,6 +62,8 @@ import csv
 import gc
 import itertools
 import json
+import multiprocessing
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -55,13 +73,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset  # noqa: E402
-from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
+from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.train.loss_head import use_loss_position_head  # noqa: E402
+from loaders.train.step_graph import GraphedStep  # noqa: E402
+from schemas import read_manifest  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     compile_layers,
     count_on_device,
@@ -70,11 +91,10 @@ from loaders.train.models import (  # noqa: E402
     peak_memory_gib,
     prewarm_buckets,
 )
-from loaders.train.step_graph import GraphedStep  # noqa: E402
-from schemas import read_manifest  # noqa: E402
 
 Batch = dict[str, torch.Tensor | int]
-DEVICE = torch.device("cuda")
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 MAX_GRAD_NORM = 1.0
 # NVIDIA H200 SXM, dense bf16 tensor-core peak (datasheet).
 PEAK_BF16_FLOPS = 989.4e12
@@ -84,10 +104,15 @@ FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / 
                 "backward, half the square); the same model FLOPs for every mode, so the loss-position head's "
                 "skipped logits are not credited")
 FA2 = "flash_attention_2"
-DEFAULT_MODES = ("padded,flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_eager,ours_fixed,"
-                 "ours_buckets_head,ours_exact_head,ours_fixed_head_graphs,ours_buckets_head_stepgraph")
-DEFAULT_BUDGET_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,ours_fixed,ours_buckets_head,"
-                        "ours_exact_head,ours_fixed_head_graphs,ours_buckets_head_stepgraph")
+DEFAULT_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,flatten_liger,flatten_liger_ce_compiled,"
+                 "ours_exact_head,ours_buckets_head,ours_buckets_head_stepgraph,ours_eager_head_liger")
+DEFAULT_BUDGET_MODES = DEFAULT_MODES
+# apply_liger_kernel_to_llama's parts for each Mode.liger.
+LIGER_PARTS = {
+    "all": {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
+    "ce": {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True},
+    "kernels": {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": False},
+}
 
 
 @dataclass(frozen=True)
@@ -101,10 +126,17 @@ class Mode:
     loss_head: bool = False
     cuda_graphs: bool = False
     step_graph: bool = False  # the whole step as one CUDA graph per shape (loaders.train.step_graph)
+    liger: str = ""  # Liger kernels: "" none | all | ce (fused linear cross-entropy) | kernels (RoPE, RMSNorm, SwiGLU)
 
     @property
     def attn_implementation(self) -> str:
+        if not CUDA:  # the CPU smoke run: the same split between transformers' kernels and varpack's
+            return "sdpa" if self.attn == "fa2" else attn_implementation_for("sdpa_segments")
         return FA2 if self.attn == "fa2" else attn_implementation_for("flash_attn")
+
+    @property
+    def reference(self) -> bool:
+        return self.data != "packed"
 
 
 MODES = {
@@ -112,7 +144,10 @@ MODES = {
     "flatten": Mode("flatten", "fa2"),
     "flatten_compiled_fa2": Mode("flatten", "fa2", compiled=True),
     "flatten_compiled_varpack": Mode("flatten", compiled=True),
+    "flatten_liger": Mode("flatten", "fa2", liger="all"),
+    "flatten_liger_ce_compiled": Mode("flatten", "fa2", compiled=True, liger="ce"),
     "ours_eager": Mode("packed"),
+    "ours_eager_head_liger": Mode("packed", loss_head=True, liger="kernels"),
     "ours_fixed": Mode("packed", compiled=True, shapes="fixed"),
     "ours_buckets": Mode("packed", compiled=True, shapes="buckets"),
     "ours_fixed_head": Mode("packed", compiled=True, shapes="fixed", loss_head=True),
@@ -141,19 +176,22 @@ class BenchConfig:
     num_layers: int = 28
     num_heads: int = 16
     num_kv_heads: int = 8
-    rows_per_step: int = 2
+    rows_per_step: int = 2  # 0: no small-step cell
     budget_rows: int = 8  # 0: no large-step cell
     modes: str = DEFAULT_MODES
     budget_modes: str = DEFAULT_BUDGET_MODES
-    # Mode 1 splits a step into micro-batches (gradient accumulation) above this many padded tokens.
+    # Mode padded splits a step into micro-batches (gradient accumulation) above this many padded tokens.
     padded_token_cap: int = 49152
     warmup_steps: int = 8
     timed_steps: int = 40
     budget_warmup_steps: int = 6
     budget_timed_steps: int = 16
+    repeats: int = 3
+    num_workers: int = 2  # DataLoader worker processes of every mode
+    prefetch_factor: int = 4
     lr: float = 3e-4
     warmup_lr_steps: int = 20
-    profile: bool = False
+    profile: str = ""  # modes to profile one step of, comma-separated, or "all"
     convergence_steps: int = 0
     convergence_mode: str = "ours_buckets_head"
     convergence_csv: str = ""
@@ -161,8 +199,21 @@ class BenchConfig:
     out: str = ""
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One step size on one shard directory: what every mode of it trains on."""
+
+    source: str
+    rows: int
+    warmup: int
+    timed: int
+    vocab_size: int
+    mean_square_length: float
+
+
 def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
-    """A Llama of the configured size, random init from the seed, bf16, on the GPU."""
+    """A Llama of the configured size, random init from the seed, on the device: bf16 on a GPU, float32 on
+    the CPU (whose bf16 matrix products are far slower)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model_config = LlamaConfig(
@@ -178,7 +229,7 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
     torch.manual_seed(config.seed)
     with DEVICE:
         model = LlamaForCausalLM(model_config)
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16 if CUDA else torch.float32)
     model.config._attn_implementation = attn_implementation
     model.train()
     return model
@@ -191,14 +242,12 @@ def flops_per_token(model, config: BenchConfig, mean_square_length: float) -> fl
     return 6 * matmul_params + 6 * config.num_layers * d_attn * mean_square_length
 
 
-# ---- the steps of each mode ---------------------------------------------------------------
+def synchronize() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
 
 
-def to_device(batch: dict, full_logits: bool = True) -> Batch:
-    """``model_inputs`` on the GPU, tensors pinned and copied without waiting for it, as a DataLoader with
-    pin_memory=True does."""
-    pinned = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return model_inputs(pinned, DEVICE, full_logits)
+# ---- the batches of each mode, through a DataLoader ------------------------------------------
 
 
 @dataclass
@@ -210,20 +259,30 @@ class Step:
     loss_tokens: int
 
 
+def data_loader(dataset, config: BenchConfig, persistent: bool = False, **kwargs) -> DataLoader:
+    """A DataLoader as a user's training loop has one: worker processes, pinned memory, prefetch."""
+    workers = config.num_workers
+    return DataLoader(dataset, num_workers=workers, pin_memory=CUDA, prefetch_factor=config.prefetch_factor if workers else None,
+                      persistent_workers=persistent and workers > 0, **kwargs)
+
+
 def packed_dataset(source: str, config: BenchConfig, batch_rows: int, shapes: str = "exact") -> PackedIterableDataset:
     return PackedIterableDataset(source, batch_rows=batch_rows, shuffle=True, seed=config.seed,
                                  pad_to_fixed_shape=shapes != "exact", bucket_shapes=shapes == "buckets")
 
 
-def packed_steps(source: str, config: BenchConfig, batch_rows: int, mode: Mode) -> Iterator[Step]:
-    """Our modes: PackedIterableDataset batches of ``batch_rows`` rows, epoch after epoch, as the model takes them."""
-    dataset = packed_dataset(source, config, batch_rows, mode.shapes)
-    epoch = 0
-    while True:
-        dataset.set_epoch(epoch)
-        for batch in dataset:
-            yield Step([to_device(batch, full_logits=not mode.loss_head)], batch[NUM_REAL_TOKENS], batch[NUM_LOSS_TOKENS])
-        epoch += 1
+def packed_batches(source: str, config: BenchConfig, batch_rows: int, shapes: str) -> Iterator[dict]:
+    """Our modes: PackedIterableDataset batches of ``batch_rows`` rows through a DataLoader, epoch after epoch."""
+    dataset = packed_dataset(source, config, batch_rows, shapes)
+    loader = data_loader(dataset, config, batch_size=None)
+    for epoch in itertools.count():
+        dataset.set_epoch(epoch)  # read by the workers each epoch starts
+        yield from loader
+
+
+def packed_step(batch: dict, mode: Mode) -> Step:
+    """A loader batch (pinned) on the device as the mode's model takes it."""
+    return Step([model_inputs(batch, DEVICE, full_logits=not mode.loss_head)], batch[NUM_REAL_TOKENS], batch[NUM_LOSS_TOKENS])
 
 
 def examples_of(batches: list[dict]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -240,7 +299,7 @@ def examples_of(batches: list[dict]) -> tuple[list[np.ndarray], list[np.ndarray]
     return tokens, labels
 
 
-def padded_micro_batches(tokens: list[np.ndarray], labels: list[np.ndarray], cap: int) -> list[Batch]:
+def padded_micro_batches(tokens: list[np.ndarray], labels: list[np.ndarray], cap: int) -> list[dict]:
     """Right-padded batches with attention_mask; split in order so that none exceeds ``cap`` padded tokens."""
     batches, start = [], 0
     while start < len(tokens):
@@ -254,36 +313,75 @@ def padded_micro_batches(tokens: list[np.ndarray], labels: list[np.ndarray], cap
         for row, i in enumerate(range(start, end)):
             n = tokens[i].size
             ids[row, :n], lab[row, :n], att[row, :n] = tokens[i], labels[i], 1
-        batches.append(to_device({"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(lab),
-                                  "attention_mask": torch.from_numpy(att)}))
+        batches.append({"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(lab),
+                        "attention_mask": torch.from_numpy(att)})
         start = end
     return batches
 
 
-def baseline_step(data: str, tokens: list[np.ndarray], labels: list[np.ndarray], collator, cap: int) -> Step:
-    """One step of mode 1 (``padded``) or 2 (``flatten``: the collator gets lists, as from datasets)."""
-    if data == "padded":
-        micro = padded_micro_batches(tokens, labels, cap)
-    else:
-        micro = [to_device(collator([{"input_ids": t.tolist(), "labels": y.tolist()} for t, y in zip(tokens, labels)]))]
-    loss = sum(int((x[1:] != -100).sum()) for x in labels)
-    return Step(micro, sum(t.size for t in tokens), loss)
+def loss_tokens_of(micro_batches: list[dict]) -> int:
+    """Labels the model's shifted loss counts: every label but each row's first that is not -100."""
+    return sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in micro_batches)
 
 
-def baseline_steps(data: str, windows: list[list[dict]], config: BenchConfig) -> Iterator[Step]:
-    """The reference modes over exactly the examples of the loader's windows (warm-up, timed):
-    each window's examples shuffled and cut into as many steps of equal real tokens."""
-    from transformers import DataCollatorWithFlattening
+class StepCollator:
+    """The references' ``collate_fn``, run in the DataLoader's workers: a step's examples (lists, as
+    from ``datasets``) to ``(micro_batches, real_tokens, loss_tokens)``."""
 
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-    rng = np.random.default_rng([config.seed, 7])
+    def __init__(self, data: str, padded_token_cap: int):
+        from transformers import DataCollatorWithFlattening
+
+        self.data = data
+        self.padded_token_cap = padded_token_cap
+        self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+
+    def __call__(self, examples: list[dict]) -> tuple[list[dict], int, int]:
+        if self.data == "padded":
+            micro = padded_micro_batches([np.asarray(e["input_ids"]) for e in examples],
+                                         [np.asarray(e["labels"]) for e in examples], self.padded_token_cap)
+        else:
+            micro = [self.flatten(examples)]
+        return micro, sum(len(e["input_ids"]) for e in examples), loss_tokens_of(micro)
+
+
+def reference_plan(windows: list[list[dict]], seed: int) -> tuple[list[dict], list[list[int]]]:
+    """The examples of the loader's windows (warm-up, timed) as the collator takes them, and the
+    steps: each window's examples shuffled and cut into as many steps of equal real tokens."""
+    rng = np.random.default_rng([seed, 7])
+    examples: list[dict] = []
+    steps: list[list[int]] = []
     for window in windows:
         tokens, labels = examples_of(window)
         order = rng.permutation(len(tokens))
         ends = np.cumsum([tokens[i].size for i in order])
         cuts = np.searchsorted(ends, ends[-1] * np.arange(1, len(window)) / len(window)) + 1
-        for step in np.split(order, cuts):
-            yield baseline_step(data, [tokens[i] for i in step], [labels[i] for i in step], collator, config.padded_token_cap)
+        steps += [(len(examples) + step).tolist() for step in np.split(order, cuts)]
+        examples += [{"input_ids": t.tolist(), "labels": y.tolist()} for t, y in zip(tokens, labels)]
+    return examples, steps
+
+
+def reference_loader(mode: Mode, cell: Cell, config: BenchConfig) -> DataLoader:
+    """A reference mode's steps over the cell's windows, collated in the DataLoader's (persistent) workers;
+    each pass over it starts again at the first step."""
+    examples, steps = reference_plan(cell_windows(cell.source, config, cell.rows, cell.warmup, cell.timed), config.seed)
+    return data_loader(examples, config, persistent=True, batch_sampler=steps,
+                       collate_fn=StepCollator(mode.data, config.padded_token_cap))
+
+
+def cell_windows(source: str, config: BenchConfig, rows: int, warmup: int, timed: int) -> list[list[dict]]:
+    """The loader's first ``warmup`` and next ``timed`` batches of ``rows`` rows: the windows every mode trains on."""
+    first = list(itertools.islice(packed_dataset(source, config, rows), warmup + timed))
+    return [first[:warmup], first[warmup:]]
+
+
+def mode_steps(mode: Mode, cell: Cell, config: BenchConfig, references: DataLoader | None) -> Iterator[Step]:
+    """One pass of the mode's steps over the cell's windows, as its DataLoader delivers them
+    (``references``: a reference mode's loader)."""
+    if references is not None:
+        return (Step([model_inputs(batch, DEVICE, full_logits=True) for batch in micro], real, loss)
+                for micro, real, loss in references)
+    batches = packed_batches(cell.source, config, cell.rows, mode.shapes)
+    return (packed_step(batch, mode) for batch in itertools.islice(batches, cell.warmup + cell.timed))
 
 
 # ---- training ----------------------------------------------------------------------------
@@ -291,7 +389,7 @@ def baseline_steps(data: str, windows: list[list[dict]], config: BenchConfig) ->
 
 def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: GraphedStep | None = None) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, then one optimizer step; the loss
-    (per trained token, averaged over the whole step) stays on the GPU. With ``graphed``, the
+    (per trained token, averaged over the whole step) stays on the device. With ``graphed``, the
     step (one micro-batch) is a CUDA graph replay."""
     if graphed is not None:
         (batch,) = step.micro_batches
@@ -314,30 +412,33 @@ def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: Gra
 
 
 def make_optimizer(model, config: BenchConfig, mode: Mode):
-    """Fused AdamW; captured steps need it capturable, with the learning rate a tensor the schedule fills."""
+    """AdamW (fused on CUDA); captured steps need it capturable, with the learning rate a tensor the schedule fills."""
     if mode.step_graph:
         optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
                                       fused=True, capturable=True)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=CUDA)
     return optimizer, linear_warmup(optimizer, config.warmup_lr_steps)
 
 
 def free_gpu() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if CUDA:
+        torch.cuda.empty_cache()
 
 
 def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
     """A fresh model from the shared initial weights, set up as ``mode`` runs it."""
-    torch._dynamo.reset()  # each mode compiles afresh and starts with the whole recompile budget
     model = make_model(config, vocab_size, mode.attn_implementation)
+    if mode.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model, **LIGER_PARTS[mode.liger])
     if mode.loss_head:
         use_loss_position_head(model)
     if mode.compiled:
         # The reference compiles with dynamic shapes, its batches differ in length; ours start static.
-        compile_layers(model, dynamic=True if mode.data == "flatten" else None,
+        compile_layers(model, dynamic=True if mode.reference else None,
                        mode="reduce-overhead" if mode.cuda_graphs else None)
     return model
 
@@ -347,164 +448,241 @@ def kernel_group(name: str) -> str:
     return next((group for group, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
 
 
-def profile_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: GraphedStep | None = None) -> dict:
-    """GPU milliseconds of one step by kernel group, and the GPU's idle time within the step's wall time."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        train_step(model, optimizer, scheduler, step, mode, graphed)
-        torch.cuda.synchronize()
-    wall_ms = 1000 * (time.perf_counter() - start)
-    groups: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            groups[kernel_group(event.name)] += event.time_range.elapsed_us() / 1000
-    busy = sum(groups.values())
-    return {"wall_ms_profiled": wall_ms, "gpu_busy_ms": busy, "gpu_idle_ms": max(0.0, wall_ms - busy),
-            "gpu_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
-
-
 def graphs_compiled() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def measure(name: str, steps: Iterator[Step], warmup: int, timed: int, config: BenchConfig, vocab_size: int,
-            mean_square_length: float, shape_steps: Iterator[Step] | None = None) -> dict:
-    """Train ``warmup`` then ``timed`` steps; real tokens/s over the timed ones, peak memory of all.
-    ``shape_steps``: the same steps again, for a step-graph mode to capture their shapes during the warm-up."""
-    mode = MODES[name]
-    free_gpu()
-    model = prepare_model(mode, config, vocab_size)
-    optimizer, scheduler = make_optimizer(model, config, mode)
-    graphed = GraphedStep(model, optimizer, MAX_GRAD_NORM) if mode.step_graph else None
-    start = time.perf_counter()
-    if mode.shapes == "buckets":
-        first = next(steps)
-        prewarm_buckets(model, first.micro_batches[0])
-        steps = itertools.chain([first], steps)
-    for i, step in enumerate(itertools.islice(steps, warmup)):
-        train_step(model, optimizer, scheduler, step, mode, graphed)
-        if graphed is not None and i == 0:
-            # Every shape of the run captured ahead, as a run would capture an epoch's shapes at its start:
-            # from a second pass over the same (seeded) batches, so the timed window still loads its own.
-            graphed.prepare(s.micro_batches[0] for s in itertools.islice(shape_steps or (), warmup + timed))
-    torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - start
-    compiled_before = graphs_compiled()
-    captured_before = len(graphed.graphs) if graphed is not None else 0
-    real = trained = 0
-    losses = []
-    start = time.perf_counter()
-    timed_steps = list(itertools.islice(steps, timed + config.profile))
-    for step in timed_steps[:timed]:
-        losses.append(train_step(model, optimizer, scheduler, step, mode, graphed))
-        real += step.real_tokens
-        trained += step.loss_tokens
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    tokens_per_s = real / elapsed
-    per_token = flops_per_token(model, config, mean_square_length)
-    result = {
-        "mode": name,
-        **asdict(mode),
-        "attn_implementation": mode.attn_implementation,
-        "tokens_per_s": tokens_per_s,
-        "peak_mem_gib": peak_memory_gib(),
-        "real_tokens_per_step": real / timed,
-        "loss_tokens_per_step": trained / timed,
-        "step_ms": 1000 * elapsed / timed,
-        "warmup_s": warmup_s,
-        "graphs_compiled_timed": graphs_compiled() - compiled_before,
-        "step_graphs": len(graphed.graphs) if graphed is not None else None,
-        "step_graphs_captured_timed": len(graphed.graphs) - captured_before if graphed is not None else None,
-        "flops_per_token": per_token,
-        "mfu": per_token * tokens_per_s / PEAK_BF16_FLOPS,
-        "mean_loss_timed": float(torch.stack(losses).mean()),
-    }
-    if config.profile:
-        result["profile"] = profile_step(model, optimizer, scheduler, timed_steps[-1], mode, graphed)
-    print(json.dumps(result), flush=True)
-    del model, optimizer, scheduler, graphed
-    free_gpu()
-    return result
+class ModeRun:
+    """One mode on one cell: its model, optimizer and compiled code kept between repetitions."""
 
+    def __init__(self, name: str, cell: Cell, config: BenchConfig):
+        self.name, self.mode, self.cell, self.config = name, MODES[name], cell, config
+        self.model = prepare_model(self.mode, config, cell.vocab_size)
+        self.optimizer, self.scheduler = make_optimizer(self.model, config, self.mode)
+        self.graphed = GraphedStep(self.model, self.optimizer, MAX_GRAD_NORM) if self.mode.step_graph else None
+        self.references = reference_loader(self.mode, cell, config) if self.mode.reference else None
+        self.repetitions = 0
 
-def measure_guarded(name: str, *args) -> dict:
-    """``measure``, with a failure (a compile error, out of memory) reported in the JSON instead of ending the run."""
-    try:
-        return measure(name, *args)
-    except Exception as err:  # reported in the JSON; the other modes still run
-        result = {"mode": name, "error": repr(err)[:1000]}
-        print(json.dumps(result), flush=True)
-        free_gpu()
+    def _warm_up(self, steps: Iterator[Step]) -> float:
+        """Train the warm-up steps; the first time, compile (and prewarm, capture) what the run needs."""
+        start = time.perf_counter()
+        if self.repetitions == 0 and self.mode.shapes == "buckets":
+            first = next(steps)
+            prewarm_buckets(self.model, first.micro_batches[0])
+            steps = itertools.chain([first], steps)
+        for i, step in enumerate(itertools.islice(steps, self.cell.warmup)):
+            self.train(step)
+            if self.graphed is not None and self.repetitions == 0 and i == 0:
+                # Every shape of the run captured ahead, as a run would capture an epoch's shapes at its start:
+                # from a pass over the same (seeded) batches in this process.
+                batches = itertools.islice(packed_dataset(self.cell.source, self.config, self.cell.rows, self.mode.shapes),
+                                           self.cell.warmup + self.cell.timed)
+                self.graphed.prepare(packed_step(batch, self.mode).micro_batches[0] for batch in batches)
+        synchronize()
+        return time.perf_counter() - start
+
+    def train(self, step: Step) -> torch.Tensor:
+        return train_step(self.model, self.optimizer, self.scheduler, step, self.mode, self.graphed)
+
+    def repetition(self) -> dict:
+        """One repetition: the warm-up steps, then the timed steps as the DataLoader delivers them."""
+        steps = mode_steps(self.mode, self.cell, self.config, self.references)
+        warmup_s = self._warm_up(steps)
+        compiled_before = graphs_compiled()
+        captured_before = len(self.graphed.graphs) if self.graphed is not None else 0
+        real = trained = 0
+        losses = []
+        start = time.perf_counter()
+        for step in itertools.islice(steps, self.cell.timed):
+            losses.append(self.train(step))
+            real += step.real_tokens
+            trained += step.loss_tokens
+        synchronize()
+        elapsed = time.perf_counter() - start
+        del steps  # a packed loader's workers end here, after the timed window (the references' persist)
+        tokens_per_s = real / elapsed
+        per_token = flops_per_token(self.model, self.config, self.cell.mean_square_length)
+        result = {
+            "mode": self.name,
+            "repetition": self.repetitions,
+            "tokens_per_s": tokens_per_s,
+            "peak_mem_gib": peak_memory_gib(),
+            "real_tokens_per_step": real / self.cell.timed,
+            "loss_tokens_per_step": trained / self.cell.timed,
+            "step_ms": 1000 * elapsed / self.cell.timed,
+            "warmup_s": warmup_s,
+            "graphs_compiled_timed": graphs_compiled() - compiled_before,
+            "step_graphs": len(self.graphed.graphs) if self.graphed is not None else None,
+            "step_graphs_captured_timed": len(self.graphed.graphs) - captured_before if self.graphed is not None else None,
+            "flops_per_token": per_token,
+            "mfu": per_token * tokens_per_s / PEAK_BF16_FLOPS,
+            "mean_loss_timed": float(torch.stack(losses).float().mean()),
+        }
+        self.repetitions += 1
+        free_gpu()  # the other modes' turns need the cached memory
         return result
 
+    def profile(self) -> dict:
+        """GPU milliseconds of one step (the timed window's first) by kernel group, and the GPU's idle
+        time within the step's wall time."""
+        steps = mode_steps(self.mode, self.cell, self.config, self.references)
+        self._warm_up(steps)
+        step = next(steps)
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            self.train(step)
+            synchronize()
+        wall_ms = 1000 * (time.perf_counter() - start)
+        del steps
+        groups: dict[str, float] = defaultdict(float)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                groups[kernel_group(event.name)] += event.time_range.elapsed_us() / 1000
+        busy = sum(groups.values())
+        free_gpu()
+        return {"wall_ms_profiled": wall_ms, "gpu_busy_ms": busy, "gpu_idle_ms": max(0.0, wall_ms - busy),
+                "gpu_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
 
-def bench_cell(source: str, config: BenchConfig, rows: int, warmup: int, timed: int, modes: list[str], vocab_size: int) -> dict:
-    """Every mode at ``rows`` rows per step on the same examples; ratios against both references."""
-    first = list(itertools.islice(packed_dataset(source, config, rows), warmup + timed))
-    windows = [first[:warmup], first[warmup:]]
-    tokens, _ = examples_of(windows[1])
-    lengths = np.array([t.size for t in tokens], dtype=np.float64)
-    mean_square_length = float((lengths**2).sum() / lengths.sum())
-    results = {}
-    for name in modes:
-        mode = MODES[name]
-        steps = packed_steps(source, config, rows, mode) if mode.data == "packed" else baseline_steps(mode.data, windows, config)
-        shape_steps = packed_steps(source, config, rows, mode) if mode.step_graph else None
-        results[name] = measure_guarded(name, steps, warmup, timed, config, vocab_size, mean_square_length, shape_steps)
-    ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
+
+def serve_mode(conn, name: str, cell: Cell, config: BenchConfig) -> None:
+    """A mode's own process: builds the mode, then answers ``repetition`` and ``profile`` until ``stop``.
+    A failure (a compile error, out of memory) is answered as ``{"error": ...}`` and ends the mode."""
+    run = None
+    while (command := conn.recv()) != "stop":
+        try:
+            if run is None:
+                run = ModeRun(name, cell, config)
+            conn.send(getattr(run, command)())
+        except Exception as err:  # reported in the JSON; the other modes still run
+            conn.send({"error": repr(err)[:1000]})
+            break
+    conn.close()
+
+
+class ModeProcess:
+    """The main process's handle on a mode's process (spawned: each has its own CUDA context,
+    compile caches and transformers module globals, which Liger patches)."""
+
+    def __init__(self, name: str, cell: Cell, config: BenchConfig):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        # Not a daemon: its DataLoader starts worker processes of its own.
+        self.process = context.Process(target=serve_mode, args=(child, name, cell, config), daemon=False)
+        self.process.start()
+        child.close()
+        self.failed = False
+
+    def ask(self, command: str) -> dict:
+        if self.failed:
+            return {"error": "failed earlier"}
+        try:
+            self.conn.send(command)
+            answer = self.conn.recv()
+        except (EOFError, OSError) as err:  # the process died (a crash in a kernel, killed for memory)
+            answer = {"error": f"mode process ended: {err!r}"}
+        self.failed = "error" in answer
+        return answer
+
+    def close(self) -> None:
+        if not self.failed:
+            self.conn.send("stop")
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def summarize(runs: list[dict]) -> dict:
+    """A mode's repetitions: median and range of throughput, step time and MFU; its peak memory."""
+    ok = [r for r in runs if "tokens_per_s" in r]
+    if not ok:
+        return {"error": next((r["error"] for r in runs if "error" in r), "no repetition ran")}
+    summary: dict = {}
+    for key in ("tokens_per_s", "step_ms", "mfu"):
+        values = [r[key] for r in ok]
+        summary[key] = statistics.median(values)
+        summary[f"{key}_range"] = [min(values), max(values)]
+    summary["peak_mem_gib"] = max(r["peak_mem_gib"] for r in ok)
+    summary["warmup_s_first"] = ok[0]["warmup_s"]
+    summary["graphs_compiled_timed"] = sum(r["graphs_compiled_timed"] for r in ok)
+    summary["repetitions"] = len(ok)
+    if len(ok) < len(runs):
+        summary["error"] = next(r["error"] for r in runs if "error" in r)
+    return summary
+
+
+def bench_cell(cell: Cell, config: BenchConfig, modes: list[str]) -> dict:
+    """Every mode on the cell's examples, taking turns ``repeats`` times; varpack's best against the best reference."""
+    processes = {name: ModeProcess(name, cell, config) for name in modes}
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
+    profiles = {}
+    try:
+        for _ in range(config.repeats):
+            for name in modes:
+                result = processes[name].ask("repetition")
+                print(json.dumps({"cell_rows": cell.rows, "mode": name, **result}), flush=True)
+                runs[name].append(result)
+        profiled = modes if config.profile == "all" else [name for name in config.profile.split(",") if name in modes]
+        profiles = {name: processes[name].ask("profile") for name in profiled}
+    finally:
+        for process in processes.values():
+            process.close()
+    summaries = {name: {**asdict(MODES[name]), "attn_implementation": MODES[name].attn_implementation,
+                        **summarize(runs[name]), "runs": runs[name], **({"profile": profiles[name]} if name in profiles else {})}
+                 for name in modes}
+    ok = {k: v for k, v in summaries.items() if "tokens_per_s" in v}
     fastest = lambda names: max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None  # noqa: E731
-    reference_compiled = fastest([k for k in ok if MODES[k].data == "flatten" and MODES[k].compiled])
-    best = fastest([k for k in ok if MODES[k].data == "packed"])
-    cell = {"rows_per_step": rows, "mean_square_length": mean_square_length, "modes": results,
-            "reference_eager": "flatten" if "flatten" in ok else None, "reference_compiled": reference_compiled,
-            "best_ours": best}
-    for key in ("reference_eager", "reference_compiled"):
-        ref = cell[key]
-        if ref is None:
-            continue
-        tag = key.removeprefix("reference_")
-        for name, result in ok.items():
-            result[f"speed_vs_{tag}_reference"] = result["tokens_per_s"] / ok[ref]["tokens_per_s"]
-            result[f"mem_vs_{tag}_reference"] = result["peak_mem_gib"] / ok[ref]["peak_mem_gib"]
+    reference = fastest([k for k in ok if MODES[k].reference])
+    best = fastest([k for k in ok if not MODES[k].reference])
+    cell_result = {"rows_per_step": cell.rows, "mean_square_length": cell.mean_square_length, "repeats": config.repeats,
+                   "best_reference": reference, "best_ours": best, "modes": summaries}
+    if reference is not None:
+        ref = ok[reference]
+        for result in ok.values():
+            result["speed_vs_best_reference"] = result["tokens_per_s"] / ref["tokens_per_s"]
+            result["mem_vs_best_reference"] = result["peak_mem_gib"] / ref["peak_mem_gib"] if ref["peak_mem_gib"] else None
         if best is not None:
-            cell[f"best_speed_vs_{tag}_reference"] = ok[best][f"speed_vs_{tag}_reference"]
-            cell[f"best_mem_vs_{tag}_reference"] = ok[best][f"mem_vs_{tag}_reference"]
-    return cell
+            ours = ok[best]
+            cell_result["best_speed_vs_best_reference"] = ours["speed_vs_best_reference"]
+            # The worst and best case over the repetitions: slowest of ours against fastest reference and back.
+            cell_result["best_speed_vs_best_reference_range"] = [ours["tokens_per_s_range"][0] / ref["tokens_per_s_range"][1],
+                                                                 ours["tokens_per_s_range"][1] / ref["tokens_per_s_range"][0]]
+            cell_result["best_mem_vs_best_reference"] = ours["mem_vs_best_reference"]
+            cell_result["best_mfu"] = ours["mfu"]
+            cell_result["best_reference_mfu"] = ref["mfu"]
+    return cell_result
 
 
-def bench_dataset(source: str, config: BenchConfig) -> dict:
-    """Both step sizes on one shard directory."""
+def make_cell(source: str, config: BenchConfig, rows: int, warmup: int, timed: int) -> Cell:
     manifest = read_manifest(source)
     if manifest.stats.examples_split:
         raise ValueError(f"{source}: {manifest.stats.examples_split} examples are split across rows; the reference "
                          "modes need whole examples: rebuild with a max_len of at least the longest example")
-    vocab_size = manifest.inputs.tokenizer.vocab_size
-    cells = {"small": bench_cell(source, config, config.rows_per_step, config.warmup_steps, config.timed_steps,
-                                 config.modes.split(","), vocab_size)}
+    tokens, _ = examples_of(cell_windows(source, config, rows, warmup, timed)[1])
+    lengths = np.array([t.size for t in tokens], dtype=np.float64)
+    return Cell(source, rows, warmup, timed, manifest.inputs.tokenizer.vocab_size, float((lengths**2).sum() / lengths.sum()))
+
+
+def dataset_cells(source: str, config: BenchConfig) -> dict[str, tuple[int, int, int, list[str]]]:
+    """The cells of one shard directory: rows, warm-up and timed steps, and modes of each step size."""
+    cells = {}
+    if config.rows_per_step:
+        cells["small"] = (config.rows_per_step, config.warmup_steps, config.timed_steps, config.modes.split(","))
     if config.budget_rows:
-        cells["large"] = bench_cell(source, config, config.budget_rows, config.budget_warmup_steps,
-                                    config.budget_timed_steps, config.budget_modes.split(","), vocab_size)
-    return {
-        "dataset": manifest.inputs.dataset.id,
-        "tokenizer": manifest.inputs.tokenizer.name,
-        "capacity": manifest.capacity,
-        "fill": manifest.stats.fill,
-        "cells": cells,
-    }
+        cells["large"] = (config.budget_rows, config.budget_warmup_steps, config.budget_timed_steps, config.budget_modes.split(","))
+    return cells
 
 
 def unpack_to_padded(step: Step, cap: int) -> Step:
-    """Mode 1's version of a packed step: the same examples, cut out by cu_seq_lens and padded."""
+    """Mode padded's version of a packed step: the same examples, cut out by cu_seq_lens and padded."""
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in step.micro_batches[0].items()}
     cpu[NUM_REAL_TOKENS] = step.real_tokens
     tokens, labels = examples_of([cpu])
-    return Step(padded_micro_batches(tokens, labels, cap), step.real_tokens, step.loss_tokens)
+    micro = [model_inputs(batch, DEVICE, full_logits=True) for batch in padded_micro_batches(tokens, labels, cap)]
+    return Step(micro, step.real_tokens, step.loss_tokens)
 
 
 def convergence(source: str, config: BenchConfig) -> dict:
-    """Modes 1 and ``convergence_mode`` for ``convergence_steps`` on identical data per step; loss per step to CSV."""
+    """``padded`` and ``convergence_mode`` for ``convergence_steps`` on identical data per step; loss per step to CSV."""
     manifest = read_manifest(source)
     vocab_size = manifest.inputs.tokenizer.vocab_size
     rows: list[dict] = []
@@ -515,8 +693,8 @@ def convergence(source: str, config: BenchConfig) -> dict:
         model = prepare_model(mode, config, vocab_size)
         optimizer, scheduler = make_optimizer(model, config, mode)
         graphed = GraphedStep(model, optimizer, MAX_GRAD_NORM) if mode.step_graph else None
-        # Mode 1 trains on the examples of ours' batches; its model never sees the counts.
-        steps = packed_steps(source, config, config.rows_per_step, ours)
+        # Mode padded trains on the examples of ours' batches; its model never sees the counts.
+        steps = (packed_step(batch, ours) for batch in packed_batches(source, config, config.rows_per_step, ours.shapes))
         if mode.shapes == "buckets":
             first = next(steps)
             prewarm_buckets(model, first.micro_batches[0])
@@ -528,7 +706,7 @@ def convergence(source: str, config: BenchConfig) -> dict:
                 step = unpack_to_padded(step, config.padded_token_cap)
             losses.append(train_step(model, optimizer, scheduler, step, mode, graphed))
             tokens.append(step.real_tokens)
-        torch.cuda.synchronize()
+        synchronize()
         elapsed = time.perf_counter() - start
         values = torch.stack(losses).float().cpu().tolist()
         rows += [{"mode": label, "step": i + 1, "loss": v, "real_tokens": n} for i, (v, n) in enumerate(zip(values, tokens))]
@@ -536,7 +714,7 @@ def convergence(source: str, config: BenchConfig) -> dict:
                           "mean_loss_last20": float(np.mean(values[-20:])),
                           "peak_mem_gib": peak_memory_gib()}
         print(json.dumps({"convergence": label, **summary[label]}), flush=True)
-        del model, optimizer, scheduler, graphed
+        del model, optimizer, scheduler, graphed, steps
     if config.convergence_csv:
         Path(config.convergence_csv).parent.mkdir(parents=True, exist_ok=True)
         with open(config.convergence_csv, "w", newline="") as f:
@@ -554,6 +732,14 @@ def convergence(source: str, config: BenchConfig) -> dict:
     }
 
 
+def headline(result: dict) -> dict:
+    """Per dataset and cell: varpack's best mode against the best reference (medians), memory and MFU."""
+    keys = ("best_reference", "best_ours", "best_speed_vs_best_reference", "best_speed_vs_best_reference_range",
+            "best_mem_vs_best_reference", "best_mfu", "best_reference_mfu")
+    return {f"{name}/{size}": {k: cell.get(k) for k in keys}
+            for name, dataset in result.get("datasets", {}).items() for size, cell in dataset["cells"].items()}
+
+
 def parse_args(argv: list[str] | None) -> BenchConfig:
     defaults = BenchConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -566,26 +752,43 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
             parser.add_argument(flag, action="store_true")
         else:
             parser.add_argument(flag, type=type(value), default=value)
-    return BenchConfig(**vars(parser.parse_args(argv)))
+    config = BenchConfig(**vars(parser.parse_args(argv)))
+    for modes in (config.modes, config.budget_modes):
+        unknown = sorted(set(modes.split(",")) - set(MODES))
+        if unknown:
+            parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_train.py needs a CUDA GPU")
     sources = dict(item.split("=", 1) for item in config.shards)
     import transformers
 
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "config": asdict(config), "peak_bf16_flops": PEAK_BF16_FLOPS, "flop_formula": FLOP_FORMULA}
+    meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__,
+            "transformers": transformers.__version__, "config": asdict(config), "peak_bf16_flops": PEAK_BF16_FLOPS,
+            "flop_formula": FLOP_FORMULA}
     if config.convergence_steps:
         result = {**meta, "convergence": convergence(next(iter(sources.values())), config)}
     else:
-        result = {**meta, "datasets": {name: bench_dataset(src, config) for name, src in sources.items()}}
+        result = {**meta, "datasets": {}}
+        for name, source in sources.items():
+            manifest = read_manifest(source)
+            dataset = result["datasets"][name] = {
+                "dataset": manifest.inputs.dataset.id, "tokenizer": manifest.inputs.tokenizer.name,
+                "capacity": manifest.capacity, "fill": manifest.stats.fill, "cells": {}}
+            for size, (rows, warmup, timed, modes) in dataset_cells(source, config).items():
+                dataset["cells"][size] = bench_cell(make_cell(source, config, rows, warmup, timed), config, modes)
+                write_out(config, result)  # what has run so far survives a later failure
+        result["headline"] = headline(result)
+    write_out(config, result)
+    print(json.dumps(result))
+
+
+def write_out(config: BenchConfig, result: dict) -> None:
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
         Path(config.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

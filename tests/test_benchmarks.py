@@ -1,0 +1,70 @@
+"""Every benchmark under scripts/ runs at its smallest size and ends with one JSON line holding its anchor.
+
+A benchmark that no longer runs (a renamed function, a changed default, a failing assertion)
+fails here instead of on the day someone needs its numbers. These are smoke runs: the figures
+are not checked, only that the comparison against the anchor was made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# script, its smallest arguments, the anchor fields its last JSON line must hold.
+BENCHES = [
+    ("bench_eval.py", ["--examples", "8", "--capacity", "128", "--batch-rows", "2", "--padded-batch", "4"],
+     ["padded_tokens_per_s", "packed_vs_padded"]),
+    ("bench_interop.py", ["--examples", "200", "--capacity", "512"], ["load_dataset_s", "speedup"]),
+    ("bench_loader.py", ["--examples", "300", "--capacity", "1024", "--batch-rows", "2", "--rows-per-shard", "16",
+                         "--epochs", "1"], ["flatten_collator_tokens_per_s", "ratio"]),
+    ("bench_memory.py", ["--small", "50", "--factor", "2"], ["raw_encode_batch_tokens_per_s", "pipeline_vs_encode_batch_small"]),
+    ("bench_pack.py", ["--examples", "2000", "--repeats", "1", "--slow-repeats", "1"], ["sequential_fill", "speedup_vs_sequential"]),
+    ("bench_pack_groups.py", ["--examples", "2000", "--groups", "1", "2"], ["results"]),
+    ("bench_pipeline.py", ["--examples", "100", "--repeats", "1"], ["encode_batch_tokens_per_s", "ratio"]),
+    ("bench_verify.py", ["--examples", "300", "--sizes-gb", "0.001"], ["sizes"]),
+]
+
+
+def run_bench(script: str, args: list[str], tmp_path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "VARPACK_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("script", "args", "anchors"), BENCHES, ids=[b[0] for b in BENCHES])
+def test_bench_runs_and_reports_its_anchor(script: str, args: list[str], anchors: list[str], tmp_path: Path) -> None:
+    result = run_bench(script, args, tmp_path)
+    missing = [key for key in anchors if key not in result]
+    assert not missing, f"{script}'s last JSON line lacks {missing}: {sorted(result)}"
+
+
+def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: Path) -> None:
+    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions) on a
+    tiny Llama on the CPU: the eager reference against varpack's eager mode."""
+    from pipeline.build import build
+    from pipeline.config import PackConfig
+
+    packed = build(PackConfig(dataset="synthetic-flan", num_examples=120, max_len=1024, overflow="drop",
+                              out=str(tmp_path / "shards"), progress=False), log=lambda _: None)
+    result = run_bench("bench_train.py", [
+        "--shards", f"flan={packed.out_dir}", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
+        "--num-heads", "2", "--num-kv-heads", "1", "--rows-per-step", "1", "--budget-rows", "0",
+        "--warmup-steps", "1", "--timed-steps", "1", "--repeats", "2", "--num-workers", "1", "--modes", "flatten,ours_eager",
+    ], tmp_path)
+    cell = result["headline"]["flan/small"]
+    assert (cell["best_reference"], cell["best_ours"]) == ("flatten", "ours_eager")
+    assert cell["best_speed_vs_best_reference"] > 0
+    modes = result["datasets"]["flan"]["cells"]["small"]["modes"]
+    assert [run["repetition"] for run in modes["ours_eager"]["runs"]] == [0, 1]
+    # Same examples in every mode: the same real tokens per step.
+    assert modes["flatten"]["runs"][0]["real_tokens_per_step"] == modes["ours_eager"]["runs"][0]["real_tokens_per_step"]
