@@ -180,7 +180,7 @@ class PackedIterableDataset(IterableDataset):
         if verify_checksum and location.is_local:
             verify_build(manifest, self._paths)
         self.loss_weighting = make_loss_weighting(
-            loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
+            loss_reduction, example_weights, manifest.example_id_count, location.source,
             [open_shard(path, self.capacity, expected=info) for path, info in zip(self._paths, manifest.shards)]
             if loss_reduction == LossReduction.SEQUENCE else (),
         )

@@ -42,13 +42,16 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class EncodedBatch:
     """Examples as one flat buffer: example ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``.
 
-    ``rejected`` lists the batch's rows left out under ``--on-bad-row skip``; ``untrained``
-    counts the examples and tokens ``--overflow truncate`` left with nothing to train on.
+    ``rows`` gives each example's row within the batch (rows left out have no example; None:
+    one example per row). ``rejected`` lists the batch's rows left out under ``--on-bad-row
+    skip``; ``untrained`` counts the examples and tokens ``--overflow truncate`` left with
+    nothing to train on.
     """
 
     lengths: np.ndarray  # int64 [examples]
     tokens: np.ndarray  # [sum(lengths)]: uint16 when the vocabulary fits, else int32 (see token_dtype)
     loss_mask: np.ndarray  # uint8 [sum(lengths)]
+    rows: np.ndarray | None = None  # int64 [examples], ascending
     rejected: list[BadRow] = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
 
@@ -56,10 +59,17 @@ class EncodedBatch:
     def starts(self) -> np.ndarray:
         return np.cumsum(self.lengths) - self.lengths
 
+    @property
+    def example_rows(self) -> np.ndarray:
+        """Each example's row within the batch."""
+        return np.arange(self.lengths.size, dtype=np.int64) if self.rows is None else self.rows
+
     def select(self, keep: np.ndarray) -> EncodedBatch:
         """The examples where boolean ``keep`` is true."""
         index = gather_index(self.starts[keep], self.lengths[keep])
-        return EncodedBatch(self.lengths[keep], self.tokens[index], self.loss_mask[index], self.rejected, self.untrained)
+        return EncodedBatch(
+            self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected, self.untrained
+        )
 
 
 def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
@@ -139,6 +149,7 @@ class Encoder:
                     f"{rows.name(source_rows[i])}: {int(batch.lengths[i])} tokens, more than --max-len {self.max_len}; "
                     "pass --overflow split, truncate or drop"
                 )
+        batch.rows = source_rows
         if self.overflow == Overflow.TRUNCATE:
             batch = self._drop_untrained(batch)
         batch.rejected = rejected

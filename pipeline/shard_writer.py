@@ -261,6 +261,7 @@ class ShardWriter:
         self._shards: list[ShardInfo] = []
         self._stats: list[PackingStats] = []
         self._examples = 0  # examples written so far: the id of the next one when ids are not given
+        self._example_id_count = 0  # every example id written so far is below it
         self._rows = 0
 
     def write_row(
@@ -327,6 +328,8 @@ class ShardWriter:
         """Build the rows of ``plan``, keep them, and write every full shard."""
         self._stats.append(plan.stats)
         self._examples += plan.stats.examples
+        highest = int(plan.segment_example.max()) if plan.segment_example.size else -1
+        self._example_id_count = max(self._example_id_count, self._examples, highest + 1)
         if plan.num_rows == 0:
             return
         try:
@@ -357,6 +360,7 @@ class ShardWriter:
             self._write(pa.concat_tables(self._pending))
             self._pending = []
         stats = PackingStats.merged(self._stats)
+        stats.num_example_ids = self._example_id_count
         self.manifest = finish_build(self.out_dir, self.inputs, self.rows_per_shard, self._shards, stats, rejected)
         return self.manifest
 

@@ -25,7 +25,7 @@ FORMAT_NAME = "varpack.shards"
 # 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained.
 # 3: shards_digest. Version 1 and 2 manifests, which lack them, are still read.
 # 4: inputs.loss_masking is one of LossMasking's values (a free string before).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -183,6 +183,9 @@ class PackingStats:
     # Examples that --overflow truncate left with no trained token, dropped before packing.
     examples_untrained: int = 0
     tokens_untrained: int = 0
+    # Example ids lie in [0, num_example_ids): a pipeline build's ids are source row numbers, so
+    # this counts the source rows read, those left out included (format 5).
+    num_example_ids: int = 0
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
 
@@ -248,6 +251,14 @@ class Manifest:
     @property
     def num_tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
+
+    @property
+    def example_id_count(self) -> int:
+        """How many example ids the build has room for: every id is below it, one weight per id.
+
+        Before format 5, ids were numbered over the examples kept, so there were ``stats.examples``.
+        """
+        return self.stats.num_example_ids if self.format_version >= 5 else self.stats.examples
 
     def to_dict(self) -> dict[str, Any]:
         shards = [dataclasses.asdict(s) for s in self.shards]
@@ -391,6 +402,7 @@ def _holds(value: Any, schema: dict[str, Any]) -> bool:
 # Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.
 ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
 ADDED_IN_VERSION_3 = {"": ("shards_digest",)}
+ADDED_IN_VERSION_5 = {"stats": ("num_example_ids",)}
 
 
 def _check_across_fields(data: dict[str, Any], source: str) -> None:
@@ -405,7 +417,7 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
             raise ManifestError(f"{source}: shards[{i}] holds more rows or tokens than rows_per_shard and capacity allow")
     if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
         raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
-    for version, added in ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3)):
+    for version, added in ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3), (5, ADDED_IN_VERSION_5)):
         if data["format_version"] < version:
             continue
         for where, names in added.items():

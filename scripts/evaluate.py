@@ -3,7 +3,7 @@
     python -m pipeline.pack --dataset data/ --split validation --out shards/   # pack the split once
     python scripts/evaluate.py --model runs/a/checkpoint-1000 --shards shards/DIR --out eval.jsonl
 
-Writes one JSON line per example to --out, by example id in source order (``example_id``,
+Writes one JSON line per example to --out, by example id (its source row number) in source order (``example_id``,
 ``target_tokens``, ``loss``, ``perplexity``; null for an example with no target token), and
 prints the summary as the last line: mean token loss, token perplexity, mean per-example loss.
 """

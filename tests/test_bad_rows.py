@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from loaders import PackedIterableDataset
 from pipeline.bad_rows import REJECTED_NAME
 from pipeline.build import build, plan_build
 from pipeline.chat import conversation
@@ -87,10 +88,17 @@ def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
     )
     examples = read_examples(build_dir)
     ends = np.cumsum(expected.lengths)
-    assert len(examples) == len(good)
-    for i, (end, n) in enumerate(zip(ends.tolist(), expected.lengths.tolist())):
-        assert np.array_equal(examples[i][0], expected.tokens[end - n : end])
-        assert np.array_equal(examples[i][1], expected.loss_mask[end - n : end])
+    # An example's id is its source row number: ids skip the rows left out.
+    source_rows = [row for row, (_, _, reason) in enumerate(ROWS) if reason is None]
+    assert sorted(examples) == source_rows and manifest.stats.num_example_ids == len(ROWS)
+    for row, end, n in zip(source_rows, ends.tolist(), expected.lengths.tolist()):
+        assert np.array_equal(examples[row][0], expected.tokens[end - n : end])
+        assert np.array_equal(examples[row][1], expected.loss_mask[end - n : end])
+    # One weight per source row: the input's own column lines up; an array over the kept examples does not.
+    PackedIterableDataset(build_dir, example_weights=np.ones(len(ROWS)))
+    refused = f"example_weights holds {len(source_rows)} values, the build has {len(ROWS)} example ids"
+    with pytest.raises(ValueError, match=refused):
+        PackedIterableDataset(build_dir, example_weights=np.ones(len(source_rows)))
 
 
 def test_the_policy_is_part_of_the_fingerprint(chats):

@@ -394,13 +394,16 @@ def test_chat_data_needs_a_template(tmp_path, tokenizer):
 # --- layout and routing --------------------------------------------------------------------
 
 
-def test_layout_numbers_examples_in_source_order_and_limits():
-    layout = make_layout([((1, 0), 5), ((0, 1), 3), ((0, 0), 4)], limit=10, examples_per_group=4)
+def test_layout_numbers_rows_in_source_order_and_limits():
+    # (examples, rows read): batch (0, 1) left a row out; its rows are numbered all the same.
+    layout = make_layout([((1, 0), (5, 5)), ((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=10, examples_per_group=4)
     assert layout.keys == ((0, 0), (0, 1), (1, 0))
-    assert layout.first_ids.tolist() == [0, 4, 7] and layout.kept.tolist() == [4, 3, 3]
-    assert layout.num_groups == 3 and layout.groups.tolist() == [0, 1, 2]
+    assert layout.first_rows.tolist() == [0, 4, 7] and layout.kept_rows.tolist() == [4, 3, 3]
+    assert layout.num_groups == 3 and layout.groups.tolist() == [0, 1, 2] and layout.num_example_ids == 10
     with pytest.raises(InputError, match="no examples"):
-        make_layout([((0, 0), 0)], limit=None)
+        make_layout([((0, 0), (0, 0))], limit=None)
+    with pytest.raises(InputError, match="no examples"):
+        make_layout([((0, 0), (0, 3))], limit=None)
 
 
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
@@ -412,15 +415,15 @@ def test_routing_places_every_token_once(overflow, tmp_path):
         lengths = rng.integers(1, 150, n)
         tokens = rng.integers(0, 30000, int(lengths.sum())).astype(np.int32)
         batches[key] = (lengths, tokens, (tokens % 2).astype(np.uint8))
-    layout = make_layout([(k, v[0].size) for k, v in batches.items()], limit=None, examples_per_group=50)
+    layout = make_layout([(k, (v[0].size, v[0].size)) for k, v in batches.items()], limit=None, examples_per_group=50)
     index = layout.index()
     from pipeline.encode import EncodedBatch
 
     grouped = {}
     for key, (lengths, tokens, mask) in batches.items():
         first, kept, group = index[key]
-        spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}")
-        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.path))
+        spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}", lengths.size)
+        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.rows[:kept], spilled.path))
     plan_dir = str(tmp_path / "plans")
     groups = [
         pack_group(g, b[::-1], capacity, overflow, "best_fit_decreasing", 0, rows_per_shard, plan_dir)  # any arrival order
