@@ -10,6 +10,7 @@ failed run removes what it wrote, but never a finished build (one with a manifes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import re
 import sys
@@ -22,7 +23,9 @@ from pathlib import Path
 from pipeline import spill, storage
 from pipeline.bad_rows import REJECTED_NAME
 from pipeline.build_lock import build_lock
+from pipeline.chat_templates import resolve_chat_template
 from pipeline.config import PackConfig
+from pipeline.encode import Encoder
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.formats import ExampleFormat, resolve_format
 from pipeline.sources import Source, resolve_source
@@ -74,18 +77,6 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def _chat_template(config: PackConfig, tokenizer: LoadedTokenizer) -> str | None:
-    """``--chat-template`` (a file or the template itself), else the tokenizer's."""
-    if config.chat_template is None:
-        return tokenizer.chat_template
-    if "{" not in config.chat_template:
-        path = Path(config.chat_template)
-        if not path.is_file():
-            raise ConfigError(f"--chat-template {config.chat_template}: no such file (or pass the Jinja template itself)")
-        return path.read_text(encoding="utf-8")
-    return config.chat_template
-
-
 def plan_build(config: PackConfig) -> BuildPlan:
     """Resolve the dataset and tokenizer and compute the fingerprint; reads the data's bytes once to hash them."""
     config.validate()
@@ -94,15 +85,21 @@ def plan_build(config: PackConfig) -> BuildPlan:
         raise InputError(f"{config.dataset}: holds no examples")
     tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token)
     example_format = resolve_format(
-        config, source.columns, config.dataset, source.default_format, _chat_template(config, tokenizer)
+        config, source.columns, config.dataset, source.default_format,
+        resolve_chat_template(config.chat_template, tokenizer.chat_template),
     )
     if not example_format.is_chat and not tokenizer.suffix_ids:
         raise ConfigError(
             f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "
             "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>')"
         )
+    tokenizer_inputs = tokenizer.inputs()
+    if example_format.is_chat:
+        # What the data ends turns with, which may not be the tokenizer's EOS (Llama 3: <|eot_id|>).
+        end = Encoder(tokenizer, example_format, config.max_len, config.overflow).chat_end_token()
+        tokenizer_inputs = dataclasses.replace(tokenizer_inputs, eos_token_id=end)
     inputs = config.build_inputs(
-        source.inputs, tokenizer.inputs(), example_format.template, example_format.loss_masking, package_version()
+        source.inputs, tokenizer_inputs, example_format.template, example_format.loss_masking, package_version()
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")
@@ -312,5 +309,6 @@ def _temp_location(beam_args: tuple[str, ...]) -> str | None:
 def _layout(plan: BuildPlan) -> str:
     """How each example is laid out and which special tokens go around it."""
     if plan.example_format.is_chat:
-        return plan.example_format.describe()
+        end = plan.inputs.tokenizer.eos_token_id
+        return f"{plan.example_format.describe()} (turns end with {plan.tokenizer.backend().id_to_token(end)} ({end}))"
     return f"{plan.example_format.describe()} ({plan.tokenizer.describe_affixes()})"

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from pipeline.bad_rows import BadRow, Reason, RowProblem
 from pipeline.chat import conversation
-from pipeline.errors import InputError
+from pipeline.errors import ConfigError, InputError
 from pipeline.formats import ExampleFormat, split_prompt_template
 from pipeline.readers import BatchRows, select_columns
 from pipeline.ranges import gather_index
@@ -36,6 +36,16 @@ from pipeline.tokenizer import LoadedTokenizer
 from schemas import BadRowPolicy, ExampleKind, Overflow
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# A special marker as chat templates write them: <|im_start|>, <|eot_id|>, <start_of_turn>, </s>;
+# not Llama 2's <<SYS>>, which is text.
+_MARKER = re.compile(r"(?<!<)(?:<\|[^<>|\s]{1,64}\|>|</?[A-Za-z_][A-Za-z0-9_]{0,63}>)(?!>)")
+# The conversation a chat template is checked on before anything is read.
+PROBE_CHAT = (
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Again"},
+    {"role": "assistant", "content": "Sure"},
+)
 
 
 @dataclass
@@ -272,6 +282,45 @@ class Encoder:
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
         return EncodedBatch(lengths, tokens, loss_mask), problems
+
+    def chat_end_token(self) -> int:
+        """The special token the chat template ends assistant turns with, checked on PROBE_CHAT.
+
+        Raises ConfigError, before any data is read, when a marker the template writes
+        (``<|im_start|>``) is not a single added token of the tokenizer, or when an assistant
+        turn does not end with a special token (whitespace after it aside): examples would
+        then hold the marker as ordinary text, and the model would not learn to stop.
+        """
+        where = f"--chat-template with tokenizer {self.tokenizer.name}"
+        try:
+            text, spans = self._render(list(PROBE_CHAT), BatchRows(where), 0)
+        except RowProblem as problem:
+            raise ConfigError(f"{where}: a plain user/assistant conversation is refused ({problem.message})") from problem
+        added = self.backend.get_added_tokens_decoder()
+        added_contents = {token.content for token in added.values()}
+        for marker in dict.fromkeys(_MARKER.findall(text)):
+            if marker not in added_contents:
+                pieces = len(self.backend.encode(marker, add_special_tokens=False).ids)
+                raise ConfigError(
+                    f"{where}: the template writes {marker!r}, which is not a special token of the tokenizer (it would be "
+                    f"packed as {pieces} ordinary tokens); use the model's own tokenizer, or add it with --special-tokens"
+                )
+        special = {i for i, token in added.items() if token.special}
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        starts = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        ends = []
+        for start, end in spans:
+            inside = [t for t, at in zip(encoding.ids, starts.tolist()) if start <= at < end]
+            while inside and not self.backend.decode([inside[-1]], skip_special_tokens=False).strip():
+                inside.pop()
+            if not inside or inside[-1] not in special:
+                raise ConfigError(
+                    f"{where}: assistant turns end with {text[start:end][-20:]!r}, not with a special token of the "
+                    "tokenizer, so the model would not learn to stop; use a template that ends them with the "
+                    "tokenizer's end-of-turn token (e.g. --chat-template chatml), or add it with --special-tokens"
+                )
+            ends.append(inside[-1])
+        return ends[-1]
 
     def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add."""

@@ -151,7 +151,7 @@ def resolve_format(
     if (chosen.kind == ExampleKind.CHAT or as_chat) and not chat_template:
         raise InputError(
             f"{where}: {'--as-chat' if as_chat else 'chat data'} needs a chat template and the tokenizer has none; "
-            "pass --chat-template (a Jinja template, or a file holding one)"
+            "pass --chat-template (chatml, llama3, mistral, gemma, a Jinja template, or a file holding one)"
         )
     template = config.prompt_template or chosen.prompt_template
     split_prompt_template(template)

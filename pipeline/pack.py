@@ -83,8 +83,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--messages-column", help="column of chat messages ([{role, content}, ...] or ShareGPT's [{from, value}, ...]); "
                                    "loss on assistant turns")
     add("--text-column", help="column of plain text; loss on every token")
-    add("--chat-template", help="Jinja chat template, or a file holding one (default: the tokenizer's; "
-                                "Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
+    add("--chat-template", help="chatml, llama3, mistral or gemma, a Jinja chat template, or a file holding one "
+                                "(default: the tokenizer's; Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
     add("--prompt-template",
         help="how a prompt and its response are joined, holding {prompt} then {response}; \\n is a newline "
              "(default: '{prompt}\\n\\n{response}')")

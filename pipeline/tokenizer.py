@@ -22,22 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import hub
+from pipeline.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
 from pipeline.config import DEFAULT_TOKENIZER
 from pipeline.errors import ConfigError, InputError
 from schemas import TokenizerInputs, WriteError, atomic_output, cache_dir, file_sha256
 
 DEFAULT_TOKENIZER_FILE = "tokenizer.model.v1"  # in mistral_common/data, Apache-2.0
-# The chat template of Mistral-7B-Instruct-v0.1, used with the default tokenizer, which has none.
-MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
-)
-
-
 MISTRAL_V01_TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     # Mistral expects <s> before every sequence and </s> only where the data puts it.

@@ -21,7 +21,8 @@ from pipeline.spill import spill
 from pipeline.routing import GroupBatch, ShardPlan, assemble_shard, pack_group
 from pipeline.sources import resolve_source
 from pipeline.synthetic import SHAPES, generate_block
-from pipeline.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
+from pipeline.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+from pipeline.tokenizer import load_tokenizer
 from schemas import ExampleKind, PackingStats, validate_table
 
 BOS, EOS = 1, 2
@@ -315,7 +316,7 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "response_column": {"prompt_column": "prompt", "response_column": "answer"},
         "messages_column": {"messages_column": "messages"},
         "text_column": {"text_column": "prompt"},
-        "chat_template": {"messages_column": "messages", "chat_template": "{{ messages[0]['content'] }}"},
+        "chat_template": {"messages_column": "messages", "chat_template": "{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}"},
         "prompt_template": {"prompt_template": "Q: {prompt} A: {response}"},
         "as_chat": {"as_chat": True},
         "bos_token": {"bos_token": "none"},
