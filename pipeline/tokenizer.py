@@ -381,6 +381,32 @@ def _from_directory(path: Path) -> LoadedTokenizer:
     return _from_transformers(str(path))
 
 
+def holds_tokenizer(directory: Path) -> bool:
+    """Whether a directory (a model's, say) holds a tokenizer: transformers' files or a tokenizer model file."""
+    return directory.is_dir() and any(
+        p.name in ("tokenizer.json", "tokenizer_config.json") or (p.is_file() and model_file_kind(p) is not None)
+        for p in directory.iterdir()
+    )
+
+
+def matches_recorded(spec: str, recorded: TokenizerInputs) -> bool:
+    """Whether the tokenizer ``spec`` names is, by content, the one a build recorded (``inputs.tokenizer``).
+
+    It matches as it loads, or with the BOS and EOS the build recorded applied, as
+    ``--bos-token`` / ``--eos-token`` did when packing.
+    """
+    loaded = _load(spec)
+    if loaded.content_hash == recorded.content_hash:
+        return True
+    backend = loaded.backend()
+    bos = NO_TOKEN if recorded.bos_token_id is None else backend.id_to_token(recorded.bos_token_id)
+    eos = None if recorded.eos_token_id is None else backend.id_to_token(recorded.eos_token_id)
+    try:
+        return loaded.with_special_tokens(bos, eos).content_hash == recorded.content_hash
+    except ConfigError:
+        return False
+
+
 def load_tokenizer(spec: str = DEFAULT_TOKENIZER, bos_token: str | None = None, eos_token: str | None = None) -> LoadedTokenizer:
     """Load the tokenizer named by ``spec`` (the default, a tokenizer file, a directory or a Hub id),
     with ``--bos-token`` / ``--eos-token`` applied."""

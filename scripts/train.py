@@ -53,7 +53,7 @@ from loaders.training import (  # noqa: E402
     peak_memory_gib,
     prewarm_buckets,
 )
-from schemas import VarpackError  # noqa: E402
+from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -85,6 +85,7 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     resume: bool = False
     seed: int = 0
+    allow_tokenizer_mismatch: bool = False  # train although --model's tokenizer differs from the shards'
 
 
 # ---- model, data, logs, checkpoints: shared by both loops -----------------------------------
@@ -127,6 +128,21 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
     model.config.use_cache = False
     return model
+
+
+def check_model_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
+    """Refuse a --model directory whose tokenizer is not, by content, the one the shards were built with."""
+    from pipeline.tokenizer import holds_tokenizer, matches_recorded
+
+    model_dir = Path(config.model)
+    if not config.model or config.allow_tokenizer_mismatch or not holds_tokenizer(model_dir):
+        return
+    if not matches_recorded(str(model_dir), recorded):
+        raise ValueError(
+            f"--model {config.model}: its tokenizer differs from the one the shards were built with ({recorded.name}, "
+            f"content {recorded.content_hash[:12]}), so token ids would mean other text; pack with --tokenizer "
+            f"{config.model}, or pass --allow-tokenizer-mismatch"
+        )
 
 
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
@@ -212,6 +228,7 @@ def train_plain(config: TrainConfig) -> None:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
+    check_model_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     checkpoint = latest_checkpoint(out) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
@@ -335,6 +352,7 @@ def train_hf(config: TrainConfig) -> None:
         use_cpu=not torch.cuda.is_available(),
     )
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
+    check_model_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
     if not config.full_logits:
@@ -382,6 +400,8 @@ OPTION_HELP = {
     "save_every": "checkpoint every N steps; 0 saves only at the end",
     "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
     "seed": "seed of the model init and the loader's shuffle",
+    "allow_tokenizer_mismatch": "train although the tokenizer in the --model directory differs from the one the shards "
+                                "were built with",
 }
 CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction)}
 
@@ -422,8 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"config": asdict(config)}), flush=True)
     try:
         (train_hf if config.trainer == "hf" else train_plain)(config)
-    except VarpackError as err:
-        raise SystemExit(f"train.py: error: {err}") from None
+    except (VarpackError, OSError, ValueError) as err:
+        raise SystemExit(f"train.py: error: {str(err).splitlines()[0]}") from None
 
 
 if __name__ == "__main__":

@@ -316,7 +316,7 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "response_column": {"prompt_column": "prompt", "response_column": "answer"},
         "messages_column": {"messages_column": "messages"},
         "text_column": {"text_column": "prompt"},
-        "chat_template": {"messages_column": "messages", "chat_template": "{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}"},
+        "chat_template": {"messages_column": "messages", "chat_template": "{% for m in messages %}{{ m.content + eos_token }}{% endfor %}"},
         "prompt_template": {"prompt_template": "Q: {prompt} A: {response}"},
         "as_chat": {"as_chat": True},
         "bos_token": {"bos_token": "none"},

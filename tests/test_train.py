@@ -122,3 +122,34 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, 
     assert sorted(two) == [1, 2, 3, 4]
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+def test_a_model_whose_tokenizer_differs_from_the_shards_is_refused(tmp_path, capsys):
+    """The vocabulary check alone lets a model of another tokenizer train: the tokenizers' content is compared."""
+    from tests.test_chat_templates import byte_level_directory
+    from tiny_model import tiny_llama
+
+    from pipeline.build import build
+    from pipeline.config import PackConfig
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"It is {i} plus {i}."}) + "\n" for i in range(20)))
+    built_with = byte_level_directory(tmp_path / "built_with", ["<|endoftext|>"])
+    other = byte_level_directory(tmp_path / "other", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    result = build(PackConfig(dataset=str(data), out=str(tmp_path / "out"), tokenizer=str(built_with), max_len=64,
+                              progress=False))
+    model_dir = tmp_path / "model"
+    tiny_llama(512, 64).save_pretrained(model_dir)
+    main = load_script().main
+    common = ["--shards", result.out_dir, "--model", str(model_dir), "--attn", "sdpa", "--precision", "fp32",
+              "--max-steps", "1"]
+    (model_dir / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--out", str(tmp_path / "refused")])
+    message = str(refused.value)
+    assert message.startswith(f"train.py: error: --model {model_dir}: its tokenizer differs from the one the shards")
+    assert message.count("\n") == 0 and "--allow-tokenizer-mismatch" in message
+    main([*common, "--out", str(tmp_path / "allowed"), "--allow-tokenizer-mismatch"])
+    (model_dir / "tokenizer.json").write_bytes((built_with / "tokenizer.json").read_bytes())
+    main([*common, "--out", str(tmp_path / "same")])
+    assert sorted(losses(tmp_path / "same")) == sorted(losses(tmp_path / "allowed")) == [1]
