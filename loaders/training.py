@@ -1,6 +1,6 @@
 """Model-side helpers for training on packed batches: loading a causal LM, regional compilation,
 bucket prewarming, the batch keys a model takes, counts on the device without a sync, the warm-up
-schedule, peak GPU memory.
+schedule, peak memory.
 
 ``scripts/`` (train, bench_train, evaluate), ``loaders.hf_trainer`` and ``loaders.check`` use them.
 Imports only torch at module import; transformers is imported to load a model.
@@ -79,5 +79,9 @@ def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.
 
 
 def peak_memory_gib() -> float:
-    """The most GPU memory allocated so far, in GiB (0 without CUDA)."""
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    """The most GPU memory allocated so far, in GiB; without CUDA, the process's peak resident memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

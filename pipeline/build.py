@@ -83,7 +83,7 @@ def plan_build(config: PackConfig) -> BuildPlan:
     source = resolve_source(config)
     if source.known_examples == 0:
         raise InputError(f"{config.dataset}: holds no examples")
-    tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token)
+    tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.special_tokens)
     example_format = resolve_format(
         config, source.columns, config.dataset, source.default_format,
         resolve_chat_template(config.chat_template, tokenizer.chat_template),
@@ -91,7 +91,8 @@ def plan_build(config: PackConfig) -> BuildPlan:
     if not example_format.is_chat and not tokenizer.suffix_ids:
         raise ConfigError(
             f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "
-            "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>')"
+            "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>'), or add one "
+            "with --special-tokens '<|endoftext|>'"
         )
     tokenizer_inputs = tokenizer.inputs()
     if example_format.is_chat:
@@ -252,7 +253,7 @@ def build(config: PackConfig, log: Callable[[str], None] = _log_to_stderr) -> Bu
     """
     started = time.perf_counter()
     plan = plan_build(config)
-    for note in plan.source.notes:
+    for note in plan.source.notes + plan.tokenizer.notes:
         log(note)
     local = not storage.is_url(plan.out_dir)
     if local and not config.force:

@@ -64,6 +64,10 @@ class PackConfig:
     # Special tokens around each prompt/response or text example; None: the tokenizer's own.
     bos_token: str | None = None
     eos_token: str | None = None
+    # Chat data: drop assistant turns before the first user turn and a user turn after the last assistant turn.
+    drop_dangling_turns: bool = False
+    # Special tokens to add to the tokenizer (a tiktoken ranks file has none), each one token.
+    special_tokens: tuple[str, ...] = ()
     train_on_prompt: bool = False
     on_bad_row: str = BadRowPolicy.ERROR
     # Under --on-bad-row skip: a count of bad rows (an int), or a fraction of the rows read (a float

@@ -8,7 +8,8 @@
 - plain text: ``[bos] text [eos]``, mask 1 on every token that can be predicted (not BOS).
 - chat: the messages (``{role, content}`` or ShareGPT's ``{from, value}``, see ``chat.py``)
   rendered with the chat template and tokenized whole; mask 1 on the characters each assistant
-  turn adds (its content and the template's end-of-turn tokens).
+  turn adds (its content and the template's end-of-turn token, not the whitespace after it).
+  The example ends with the last turn's end-of-turn token, which must be a special token.
 
 Rows that cannot make an example (null or empty text, broken conversations, no tokens) stop the
 batch with an error naming the first one, or under ``--on-bad-row skip`` are left out and
@@ -27,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.bad_rows import BadRow, Reason, RowProblem
-from pipeline.chat import conversation
+from pipeline.chat import as_read, conversation
 from pipeline.errors import ConfigError, InputError
 from pipeline.formats import ExampleFormat, split_prompt_template
 from pipeline.readers import BatchRows, select_columns
@@ -55,7 +56,7 @@ class EncodedBatch:
     ``rows`` gives each example's row within the batch (rows left out have no example; None:
     one example per row). ``rejected`` lists the batch's rows left out under ``--on-bad-row
     skip``; ``untrained`` counts the examples and tokens ``--overflow truncate`` left with
-    nothing to train on.
+    nothing to train on; ``trimmed`` counts the conversations ``--drop-dangling-turns`` shortened.
     """
 
     lengths: np.ndarray  # int64 [examples]
@@ -64,6 +65,7 @@ class EncodedBatch:
     rows: np.ndarray | None = None  # int64 [examples], ascending
     rejected: list[BadRow] = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
+    trimmed: int = 0
 
     @property
     def starts(self) -> np.ndarray:
@@ -78,7 +80,8 @@ class EncodedBatch:
         """The examples where boolean ``keep`` is true."""
         index = gather_index(self.starts[keep], self.lengths[keep])
         return EncodedBatch(
-            self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected, self.untrained
+            self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
+            self.untrained, self.trimmed,
         )
 
 
@@ -177,6 +180,8 @@ class Encoder:
         if self.on_bad_row == BadRowPolicy.ERROR:
             raise BadRow(rows.name(source_rows[indices[0]]), *problems[indices[0]], {}).error()
         values = table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        if self.format.kind == ExampleKind.CHAT:
+            values = [{column: as_read(value) for column, value in row.items()} for row in values]
         names = rows.names(source_rows[indices])
         bad_rows = [BadRow(where, *problems[i], row) for i, where, row in zip(indices, names, values)]
         keep = np.ones(table.num_rows, dtype=bool)
@@ -257,13 +262,15 @@ class Encoder:
     ) -> tuple[EncodedBatch, dict[int, tuple[Reason, str]]]:
         """The conversations rendered and tokenized, and those that could not be (by index)."""
         label = "/".join(self.format.columns)
-        rendered, spans, problems = [], [], {}
+        rendered, spans, problems, trimmed = [], [], {}, 0
         for i, value in enumerate(conversations):
             try:
-                text, assistant = self._render(conversation(value), rows, int(source_rows[i]))
+                messages = conversation(value, self.format.drop_dangling_turns)
+                text, assistant = self._render(messages, rows, int(source_rows[i]))
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
                 continue
+            trimmed += len(messages) < len(value)
             rendered.append(text)
             spans.append(assistant)
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
@@ -281,7 +288,7 @@ class Encoder:
                 mask = (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
-        return EncodedBatch(lengths, tokens, loss_mask), problems
+        return EncodedBatch(lengths, tokens, loss_mask, trimmed=trimmed), problems
 
     def chat_end_token(self) -> int:
         """The special token the chat template ends assistant turns with, checked on PROBE_CHAT.
@@ -323,12 +330,22 @@ class Encoder:
         return ends[-1]
 
     def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
-        """The chat rendered as text, and the character spans the assistant turns add."""
-        template = self.format.chat_template
-        if _GENERATION_TAG.search(template):
+        """The chat rendered as text, and the character spans the assistant turns add, each up to its
+        end-of-turn token: whitespace the template writes after it is not trained on, and after the
+        last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``)."""
+        if _GENERATION_TAG.search(self.format.chat_template):
             text, indices = self._apply_template(messages, with_generation_spans=True)
-            return text, [(int(a), int(b)) for a, b in indices]
-        text, _ = self._apply_template(messages)
+            spans = [(int(a), int(b)) for a, b in indices]
+        else:
+            text, _ = self._apply_template(messages)
+            spans = self._assistant_spans(messages, text, rows, row)
+        spans = [(start, start + len(text[start:end].rstrip())) for start, end in spans]
+        if spans and not text[spans[-1][1] :].strip():
+            text = text[: spans[-1][1]]
+        return text, spans
+
+    def _assistant_spans(self, messages: list[dict[str, str]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
+        """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it turn by turn."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -341,7 +358,7 @@ class Encoder:
                     "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
                 )
             spans.append((len(before), len(through)))
-        return text, spans
+        return spans
 
     def _apply_template(
         self, messages: list, add_generation_prompt: bool = False, with_generation_spans: bool = False

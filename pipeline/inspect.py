@@ -27,7 +27,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
-from pipeline.report import aligned, describe_overflow, describe_rejected, examples_per_row, plural
+from pipeline.report import aligned, describe_overflow, describe_rejected, describe_trimmed, examples_per_row, plural
 from schemas import MANIFEST_NAME, Manifest, ManifestError, ShardError, ShardInfo, VarpackError, list_parts, validate_table
 
 EXIT_ERROR = 1
@@ -124,9 +124,11 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
                  f"({_size(sum(s.bytes for s in manifest.shards))})"),
         ("tokens", f"{stats.tokens:,} packed"),
         ("fill", f"{100 * stats.fill:.3f}%"),
-        ("examples", f"{stats.examples:,} in {plural(stats.segments, 'segment')}; {mean:.2f} per row, {low} to {high}"),
+        ("examples", f"{stats.examples:,} in {plural(stats.segments, 'segment')}; {mean:.2f} per row, {low} to {high}; "
+                     f"ids below {manifest.example_id_count:,} (source rows)"),
         ("overflow", describe_overflow(stats)),
         ("bad rows", bad_rows),
+        *([("trimmed", describe_trimmed(stats))] if stats.conversations_trimmed else []),
     ]
     return aligned(lines)
 

@@ -36,7 +36,7 @@ class SpilledBatch:
     """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]``
     tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
 
-    ``rejected`` and ``untrained`` are the batch's bad rows and untrained counts (see EncodedBatch).
+    ``rejected``, ``untrained`` and ``trimmed`` are the batch's bad rows, untrained and trimmed counts (see EncodedBatch).
     """
 
     path: str
@@ -45,6 +45,7 @@ class SpilledBatch:
     rows_read: int
     rejected: list = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
+    trimmed: int = 0
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -62,7 +63,9 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str, rows_read: int) -> Spi
     storage.write_scratch(path, lambda local: _write(table, local))
     release_freed_memory()
     rows = batch.example_rows.astype(np.int32)
-    return SpilledBatch(path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained)
+    return SpilledBatch(
+        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.trimmed
+    )
 
 
 def _libc_malloc_trim():

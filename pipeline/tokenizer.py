@@ -67,6 +67,8 @@ class LoadedTokenizer:
     content_hash: str
     prefix_ids: tuple[int, ...] = ()
     suffix_ids: tuple[int, ...] = ()
+    # What a run should be told about how the tokenizer was made (a guessed split pattern).
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def from_backend(
@@ -95,6 +97,20 @@ class LoadedTokenizer:
         loaded = replace(self, content_hash=digest.hexdigest())
         _BACKENDS[loaded.content_hash] = backend
         return loaded
+
+    def with_added_special_tokens(self, tokens: tuple[str, ...]) -> LoadedTokenizer:
+        """This tokenizer with ``--special-tokens`` added: each one token, after the vocabulary, in order.
+
+        BOS and EOS not known before are then found among them by their usual names.
+        """
+        if not tokens:
+            return self
+        from tokenizers import AddedToken, Tokenizer
+
+        backend = Tokenizer.from_str(self.serialized)
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokens])
+        added = LoadedTokenizer.from_backend(self.name, backend, self.bos_token, self.eos_token, self.chat_template)
+        return replace(added, notes=self.notes)
 
     def with_special_tokens(self, bos_token: str | None, eos_token: str | None) -> LoadedTokenizer:
         """This tokenizer with ``--bos-token`` / ``--eos-token`` applied (None: keep; ``none`` BOS: no BOS)."""
@@ -292,15 +308,59 @@ def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any
         _save_converted(tokenizer, target)
 
 
-def _convert_tiktoken(ranks_file: Path, target: Path) -> None:
+@dataclass(frozen=True)
+class TiktokenEncoding:
+    """What a tiktoken ranks file does not hold: the split pattern and the special tokens with their ids.
+
+    They come from a JSON file beside the ranks file, named after it (``qwen.tiktoken.json``;
+    ``tokenizer.model.json`` beside a Llama 3 ``tokenizer.model``), holding ``pat_str`` and
+    ``special_tokens``, the arguments tiktoken's own encodings are defined by::
+
+        {"pat_str": "(?i:'s|'t|...)|\\s+", "special_tokens": {"<|endoftext|>": 151643, "<|im_start|>": 151644}}
+
+    Without it the pattern is a guess (transformers' default, that of cl100k_base and Llama 3).
+    """
+
+    pat_str: str | None = None
+    special_tokens: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def beside(cls, ranks_file: Path) -> tuple[TiktokenEncoding, Path | None]:
+        """The encoding the JSON file beside ``ranks_file`` describes, and that file; empty and None without one."""
+        path = ranks_file.with_name(ranks_file.name + ".json")
+        if not path.is_file():
+            return cls(), None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            specials = data.get("special_tokens", {})
+            pattern = data.get("pat_str")
+            if not isinstance(specials, dict) or not all(isinstance(i, int) and i >= 0 for i in specials.values()):
+                raise ValueError("special_tokens must map each token to its id")
+            if pattern is not None and not isinstance(pattern, str):
+                raise ValueError("pat_str must be a regular expression")
+        except (ValueError, AttributeError) as err:
+            raise InputError(f"{path}: {_first_line(err)}; expected {{\"pat_str\": ..., \"special_tokens\": {{TOKEN: ID}}}}") from err
+        return cls(pattern, tuple(sorted(specials.items(), key=lambda item: item[1]))), path
+
+
+def _convert_tiktoken(ranks_file: Path, target: Path, encoding: TiktokenEncoding) -> None:
     """Convert a tiktoken BPE ranks file with transformers' TikTokenConverter and save it under ``target``.
 
-    A ranks file holds no split pattern and no special tokens: the converter's pattern (the one
-    of cl100k_base and Llama 3) is used, and special tokens are those the data or options name.
+    The special tokens get the ids ``encoding`` gives them; ids it skips between the ranks and
+    them are held by ``<|unused_ID|>`` special tokens, so that every id is the model's.
     """
+    from tokenizers import AddedToken
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    _save_converted(TikTokenConverter(vocab_file=str(ranks_file)).converted(), target)
+    options = {"pattern": encoding.pat_str} if encoding.pat_str else {}
+    converted = TikTokenConverter(vocab_file=str(ranks_file), **options).converted()
+    for token, token_id in encoding.special_tokens:
+        size = converted.get_vocab_size(with_added_tokens=True)
+        if token_id < size:
+            raise InputError(f"{ranks_file}: special token {token!r} has id {token_id}, which an earlier token holds")
+        unused = [AddedToken(f"<|unused_{i}|>", special=True, normalized=False) for i in range(size, token_id)]
+        converted.add_special_tokens([*unused, AddedToken(token, special=True, normalized=False)])
+    _save_converted(converted, target)
 
 
 def _check_sentencepiece(model_file: Path) -> None:
@@ -314,18 +374,31 @@ def _check_sentencepiece(model_file: Path) -> None:
 
 
 def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
-    """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content."""
-    target = cache_dir() / "tokenizers" / f"{kind}-{file_sha256(model_file)[:16]}"
+    """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content
+    (a tiktoken file's with the JSON beside it, see TiktokenEncoding)."""
+    key = file_sha256(model_file)
+    encoding, described_by = TiktokenEncoding.beside(model_file) if kind == TIKTOKEN else (TiktokenEncoding(), None)
+    if described_by is not None:
+        key = hashlib.sha256((key + file_sha256(described_by)).encode()).hexdigest()
+    target = cache_dir() / "tokenizers" / f"{kind}-{key[:16]}"
     if not (target / "tokenizer.json").is_file():
         if kind == SENTENCEPIECE:
             _check_sentencepiece(model_file)
             _convert_sentencepiece(model_file, target)
         else:
             try:
-                _convert_tiktoken(model_file, target)
+                _convert_tiktoken(model_file, target, encoding)
             except ValueError as err:  # tiktoken's message names the line it cannot parse
                 raise InputError(f"tokenizer {model_file}: not a tiktoken BPE file ({_first_line(err)}); {CONVERT_HINT}") from err
-    return _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
+    loaded = _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
+    if kind == TIKTOKEN and encoding.pat_str is None:
+        guess = (
+            f"tokenizer {model_file}: a tiktoken ranks file holds no split pattern, so cl100k_base's is a guess, and "
+            "text splits differently where the model's own pattern differs (Qwen's, o200k's); put its pat_str in "
+            f"{model_file.name}.json beside it"
+        )
+        loaded = replace(loaded, notes=(guess,))
+    return loaded
 
 
 def load_default_tokenizer() -> LoadedTokenizer:
@@ -389,6 +462,18 @@ def holds_tokenizer(directory: Path) -> bool:
     )
 
 
+def check_model_tokenizer(model: str, recorded: TokenizerInputs) -> None:
+    """Raise ConfigError when the ``--model`` directory holds a tokenizer that is not, by content, the
+    one the shards were built with (``inputs.tokenizer``); a model without one passes."""
+    if not holds_tokenizer(Path(model)) or matches_recorded(model, recorded):
+        return
+    raise ConfigError(
+        f"--model {model}: its tokenizer differs from the one the shards were built with ({recorded.name}, content "
+        f"{recorded.content_hash[:12]}), so token ids would mean other text; pack with --tokenizer {model}, or pass "
+        "--allow-tokenizer-mismatch"
+    )
+
+
 def matches_recorded(spec: str, recorded: TokenizerInputs) -> bool:
     """Whether the tokenizer ``spec`` names is, by content, the one a build recorded (``inputs.tokenizer``).
 
@@ -407,10 +492,15 @@ def matches_recorded(spec: str, recorded: TokenizerInputs) -> bool:
         return False
 
 
-def load_tokenizer(spec: str = DEFAULT_TOKENIZER, bos_token: str | None = None, eos_token: str | None = None) -> LoadedTokenizer:
+def load_tokenizer(
+    spec: str = DEFAULT_TOKENIZER,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    special_tokens: tuple[str, ...] = (),
+) -> LoadedTokenizer:
     """Load the tokenizer named by ``spec`` (the default, a tokenizer file, a directory or a Hub id),
-    with ``--bos-token`` / ``--eos-token`` applied."""
-    return _load(spec).with_special_tokens(bos_token, eos_token)
+    with ``--special-tokens`` added and ``--bos-token`` / ``--eos-token`` applied."""
+    return _load(spec).with_added_special_tokens(special_tokens).with_special_tokens(bos_token, eos_token)
 
 
 def _load(spec: str) -> LoadedTokenizer:

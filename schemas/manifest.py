@@ -186,6 +186,8 @@ class PackingStats:
     # Example ids lie in [0, num_example_ids): a pipeline build's ids are source row numbers, so
     # this counts the source rows read, those left out included (format 5).
     num_example_ids: int = 0
+    # Conversations --drop-dangling-turns shortened (format 5).
+    conversations_trimmed: int = 0
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
 
@@ -402,7 +404,7 @@ def _holds(value: Any, schema: dict[str, Any]) -> bool:
 # Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.
 ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
 ADDED_IN_VERSION_3 = {"": ("shards_digest",)}
-ADDED_IN_VERSION_5 = {"stats": ("num_example_ids",)}
+ADDED_IN_VERSION_5 = {"stats": ("num_example_ids", "conversations_trimmed")}
 
 
 def _check_across_fields(data: dict[str, Any], source: str) -> None:

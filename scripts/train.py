@@ -14,7 +14,8 @@ attention mask) with their real-token and loss-token counts as Python ints, so a
 on the GPU to count them. The loss is averaged per trained token over each optimizer step, in both
 loops, and computed by ``loaders.loss_head`` at labelled positions only (``--full-logits``: the
 model's own LM head over every token).
-Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak GPU memory.
+Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak memory
+(GPU memory allocated; on CPU the process's peak resident memory).
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
 """
 
@@ -130,19 +131,12 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     return model
 
 
-def check_model_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
+def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
     """Refuse a --model directory whose tokenizer is not, by content, the one the shards were built with."""
-    from pipeline.tokenizer import holds_tokenizer, matches_recorded
+    if config.model and not config.allow_tokenizer_mismatch:
+        from pipeline.tokenizer import check_model_tokenizer
 
-    model_dir = Path(config.model)
-    if not config.model or config.allow_tokenizer_mismatch or not holds_tokenizer(model_dir):
-        return
-    if not matches_recorded(str(model_dir), recorded):
-        raise ValueError(
-            f"--model {config.model}: its tokenizer differs from the one the shards were built with ({recorded.name}, "
-            f"content {recorded.content_hash[:12]}), so token ids would mean other text; pack with --tokenizer "
-            f"{config.model}, or pass --allow-tokenizer-mismatch"
-        )
+        check_model_tokenizer(config.model, recorded)
 
 
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
@@ -228,7 +222,7 @@ def train_plain(config: TrainConfig) -> None:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
-    check_model_tokenizer(config, dataset.manifest.inputs.tokenizer)
+    check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     checkpoint = latest_checkpoint(out) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
@@ -352,7 +346,7 @@ def train_hf(config: TrainConfig) -> None:
         use_cpu=not torch.cuda.is_available(),
     )
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
-    check_model_tokenizer(config, dataset.manifest.inputs.tokenizer)
+    check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
     if not config.full_logits:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pipeline.build import build
 from pipeline.chat_templates import CHAT_TEMPLATES
 from pipeline.config import PackConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError
 from pipeline.pack import main
 from pipeline.tokenizer import load_tokenizer
 from tests.test_pipeline_e2e import read_examples
@@ -106,3 +106,49 @@ def test_llama3_builds_record_the_end_of_turn_token_they_use(tmp_path, chats, ca
     assert all(eos not in tokens for tokens, _ in examples.values())
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["inputs"]["tokenizer"]["eos_token_id"] == eot
+
+
+def test_tiktoken_with_added_special_tokens_and_a_named_template_ends_every_example_with_its_end_token(
+    tmp_path, chats, capsys
+):
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--tokenizer", str(ranks), "--chat-template", "chatml",
+            "--special-tokens", "<|endoftext|>,<|im_start|>,<|im_end|>", "--max-len", "256", "--no-progress"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "holds no split pattern, so cl100k_base's is a guess" in captured.err
+    tokenizer = load_tokenizer(str(ranks), special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    im_start, im_end = tokenizer.token_id("<|im_start|>"), tokenizer.token_id("<|im_end|>")
+    assert (im_start, im_end) == (262, 263)  # after the 261 ranks and <|endoftext|>
+    assert f"turns end with <|im_end|> ({im_end})" in captured.out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    examples = read_examples(out_dir)
+    assert sorted(examples) == list(range(len(CHATS)))
+    backend = tokenizer.backend()
+    for i, (tokens, mask) in examples.items():
+        assert tokens[-1] == im_end and mask[-1] == 1
+        turns = sum(1 for turn in CHATS[i] if turn["role"] == "assistant")
+        assert list(tokens).count(im_start) == 2 * turns and list(tokens).count(im_end) == 2 * turns
+        trained = backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+        assert trained == "".join(turn["content"] + "<|im_end|>" for turn in CHATS[i] if turn["role"] == "assistant")
+
+
+def test_a_json_beside_the_ranks_file_gives_the_split_pattern_and_the_special_tokens_ids(tmp_path):
+    """Tokens and ids as tiktoken itself encodes with the same ranks, pattern and special tokens."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    specials = {"<|endoftext|>": 300, "<|im_start|>": 301, "<|im_end|>": 302}
+    (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"pat_str": pattern, "special_tokens": specials}))
+    reference = tiktoken.Encoding("tiny", pat_str=pattern, mergeable_ranks=load_tiktoken_bpe(str(ranks)),
+                                  special_tokens=specials)
+    tokenizer = load_tokenizer(str(ranks))
+    assert tokenizer.notes == () and tokenizer.eos_token == "<|endoftext|>"
+    text = "<|im_start|>user\nWhat is 12345 plus 678?<|im_end|>\n<|im_start|>assistant\nIt is 13023.<|im_end|>"
+    assert tokenizer.backend().encode(text, add_special_tokens=False).ids == reference.encode(text, allowed_special="all")
+    assert tokenizer.token_id("<|im_end|>") == 302 and tokenizer.backend().id_to_token(270) == "<|unused_270|>"
+    (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"special_tokens": {"<|endoftext|>": 3}}))
+    with pytest.raises(InputError, match="special token '<|endoftext|>' has id 3, which an earlier token holds"):
+        load_tokenizer(str(ranks))

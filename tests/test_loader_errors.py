@@ -87,6 +87,10 @@ def test_unexpected_fingerprint_or_tokenizer(build):
     PackedIterableDataset(
         build.path, expected_fingerprint=build.manifest.fingerprint, expected_tokenizer_hash=inputs.tokenizer.content_hash
     )
+    # What `varpack inspect` prints (12 characters) will do; fewer could match another tokenizer by chance.
+    PackedIterableDataset(build.path, expected_tokenizer_hash=inputs.tokenizer.content_hash[:12])
+    with pytest.raises(ManifestError, match="the full hash, or its first 12 characters or more"):
+        PackedIterableDataset(build.path, expected_tokenizer_hash=inputs.tokenizer.content_hash[:6])
 
 
 def test_empty_build(build):

@@ -321,6 +321,8 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "as_chat": {"as_chat": True},
         "bos_token": {"bos_token": "none"},
         "eos_token": {"eos_token": "<unk>"},
+        "special_tokens": {"special_tokens": ("<|im_end|>",)},
+        "drop_dangling_turns": {"messages_column": "messages", "drop_dangling_turns": True},
         "train_on_prompt": {"train_on_prompt": True},
         "on_bad_row": {"on_bad_row": "skip"},
         "rows_per_shard": {"rows_per_shard": 7},

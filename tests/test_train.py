@@ -153,3 +153,5 @@ def test_a_model_whose_tokenizer_differs_from_the_shards_is_refused(tmp_path, ca
     (model_dir / "tokenizer.json").write_bytes((built_with / "tokenizer.json").read_bytes())
     main([*common, "--out", str(tmp_path / "same")])
     assert sorted(losses(tmp_path / "same")) == sorted(losses(tmp_path / "allowed")) == [1]
+    (record,) = map(json.loads, (tmp_path / "same" / "log.jsonl").read_text().splitlines())
+    assert record["peak_mem_gib"] > 0  # on CPU, the peak resident memory
