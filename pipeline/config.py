@@ -44,7 +44,7 @@ class PackConfig:
     split: str | None = None
     # Hub datasets: the commit (or branch or tag) to read; None: the main branch's commit now.
     revision: str | None = None
-    # None: every example (synthetic datasets: 100,000).
+    # The first N source rows; None: every row (synthetic datasets: 100,000).
     num_examples: int | None = None
     overflow: str = Overflow.SPLIT
     packing: str = PackingAlgorithm.BEST_FIT_DECREASING

@@ -112,7 +112,7 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
                         f"written {manifest.created_at})"),
         ("dataset", ", ".join([dataset.id, f"split {dataset.split}"]
                               + ([f"revision {dataset.revision}"] if dataset.revision else [])
-                              + ([f"first {dataset.num_examples:,} examples"] if dataset.num_examples else [])
+                              + ([f"first {dataset.num_examples:,} rows"] if dataset.num_examples else [])
                               + [f"content {dataset.content_hash[:12]}"])),
         ("tokenizer", f"{tokenizer.name} (vocabulary {tokenizer.vocab_size:,}, content {tokenizer.content_hash[:12]})"),
         ("template", inputs.template),

@@ -68,7 +68,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--split", help="dataset split (default: train; gsm8k embeds only test)")
     add("--revision", help="Hub datasets: the commit, branch or tag to read (default: the main branch's "
                             "current commit, recorded in the manifest)")
-    add("--num-examples", type=int, help="pack only the first N examples (synthetic datasets: generate N, default 100000)")
+    add("--num-examples", type=int,
+        help="pack only the first N rows of the dataset (synthetic datasets: generate N, default 100000)")
     add("--overflow", choices=[e.value for e in Overflow], default=default.overflow,
         help="what to do with examples longer than --max-len (default: %(default)s)")
     add("--packing", choices=[e.value for e in PackingAlgorithm], default=default.packing,
