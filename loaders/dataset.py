@@ -45,7 +45,8 @@ def check_manifest(
     tokenizer_hash = manifest.inputs.tokenizer.content_hash
     # The 12 characters `varpack inspect` prints will do.
     if expected_tokenizer_hash is not None and not (
-        len(expected_tokenizer_hash) >= MIN_HASH_PREFIX and tokenizer_hash.startswith(expected_tokenizer_hash)
+        tokenizer_hash == expected_tokenizer_hash
+        or (len(expected_tokenizer_hash) >= MIN_HASH_PREFIX and tokenizer_hash.startswith(expected_tokenizer_hash))
     ):
         raise ManifestError(
             f"{source}: tokenizer content hash {tokenizer_hash} ({manifest.inputs.tokenizer.name}) differs from "
