@@ -13,15 +13,25 @@ import torch
 from loaders.collate import COUNT_KEYS
 
 
-def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded."""
+def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf_file: str | None = None) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded.
+
+    ``gguf_file`` names a GGUF file in ``name`` (``--gguf-file``): its weights are dequantized, and
+    the model saves as a plain safetensors checkpoint.
+    """
     from transformers import AutoModelForCausalLM
 
+    options = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype, **options)
     except (OSError, ValueError) as err:
         raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
-                         "with save_pretrained or a Hub id reachable from here") from None
+                         "with save_pretrained (or holding the --gguf-file), or a Hub id reachable from here") from None
+    if gguf_file:
+        # The weights are dequantized already; transformers refuses to save a model that keeps its GGUF quantizer.
+        setattr(model, "hf_quantizer", None)
+        del model.config.quantization_config
+    return model
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:

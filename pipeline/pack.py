@@ -62,8 +62,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--out", default=default.out,
         help="parent directory (or gs://, s3:// URL) of DATASET-FINGERPRINT/ (default: %(default)s)")
     add("--tokenizer", default=default.tokenizer,
-        help="a Hugging Face Hub id, a local directory, a tokenizer.json, a SentencePiece tokenizer.model or a tiktoken "
-             "ranks file (.tiktoken, or Llama 3's tokenizer.model) (default: the embedded %(default)s)")
+        help="a Hugging Face Hub id, a local directory, a tokenizer.json, a GGUF file, a SentencePiece tokenizer.model or "
+             "a tiktoken ranks file (.tiktoken, or Llama 3's tokenizer.model) (default: the embedded %(default)s)")
     add("--max-len", type=int, default=default.max_len, help="row capacity in tokens (default: %(default)s)")
     add("--split", help="dataset split (default: train; gsm8k embeds only test)")
     add("--revision", help="Hub datasets: the commit, branch or tag to read (default: the main branch's "

