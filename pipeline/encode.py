@@ -295,8 +295,8 @@ class Encoder:
 
         Raises ConfigError, before any data is read, when a marker the template writes
         (``<|im_start|>``) is not a single added token of the tokenizer, or when an assistant
-        turn does not end with a special token (whitespace after it aside): examples would
-        then hold the marker as ordinary text, and the model would not learn to stop.
+        turn does not end with a special token: examples would then hold the marker as
+        ordinary text, and the model would not learn to stop.
         """
         where = f"--chat-template with tokenizer {self.tokenizer.name}"
         try:
@@ -315,19 +315,18 @@ class Encoder:
         special = {i for i, token in added.items() if token.special}
         encoding = self.backend.encode(text, add_special_tokens=False)
         starts = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-        ends = []
+        ids = np.array(encoding.ids, dtype=np.int64)
+        if not spans:
+            raise ConfigError(f"{where}: the template marks no assistant turn with {{% generation %}}, so nothing is trained")
         for start, end in spans:
-            inside = [t for t, at in zip(encoding.ids, starts.tolist()) if start <= at < end]
-            while inside and not self.backend.decode([inside[-1]], skip_special_tokens=False).strip():
-                inside.pop()
-            if not inside or inside[-1] not in special:
+            inside = ids[(starts >= start) & (starts < end)]
+            if not inside.size or int(inside[-1]) not in special:
                 raise ConfigError(
                     f"{where}: assistant turns end with {text[start:end][-20:]!r}, not with a special token of the "
                     "tokenizer, so the model would not learn to stop; use a template that ends them with the "
                     "tokenizer's end-of-turn token (e.g. --chat-template chatml), or add it with --special-tokens"
                 )
-            ends.append(inside[-1])
-        return ends[-1]
+        return int(inside[-1])
 
     def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add, each up to its
