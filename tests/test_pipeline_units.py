@@ -394,6 +394,15 @@ def test_chat_data_needs_a_template(tmp_path, tokenizer):
         plan_build(PackConfig(dataset=str(data), tokenizer=str(bare)))
 
 
+def test_examples_keep_their_row_when_rows_before_them_are_left_out(tokenizer):
+    """A null row (--on-bad-row skip) and an example truncation leaves untrained take no id from the rows after them."""
+    fmt = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("prompt", "response"))
+    encoder = Encoder(tokenizer, fmt, 16, "truncate", "skip")
+    table = pa.table({"prompt": ["Hi", None, "word " * 40, "Bye"], "response": ["a", "b", "c", "d"]})
+    batch = encoder.encode(table, BatchRows("t"))
+    assert batch.example_rows.tolist() == [0, 3] and batch.untrained[0] == 1 and len(batch.rejected) == 1
+
+
 # --- layout and routing --------------------------------------------------------------------
 
 
