@@ -11,6 +11,7 @@ alone, without importing transformers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -308,6 +309,10 @@ def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any
         _save_converted(tokenizer, target)
 
 
+# A possessive quantifier: ?+ *+ ++ {m,n}+ (not the + after \p{L}).
+_POSSESSIVE = re.compile(r"([?*+]|\{\d+(?:,\d*)?\})\+")
+
+
 @dataclass(frozen=True)
 class TiktokenEncoding:
     """What a tiktoken ranks file does not hold: the split pattern and the special tokens with their ids.
@@ -318,11 +323,31 @@ class TiktokenEncoding:
 
         {"pat_str": "(?i:'s|'t|...)|\\s+", "special_tokens": {"<|endoftext|>": 151643, "<|im_start|>": 151644}}
 
-    Without it the pattern is a guess (transformers' default, that of cl100k_base and Llama 3).
+    tiktoken's own encodings (``cl100k_base.tiktoken``, ``o200k_base.tiktoken``, ...) are known
+    by their content and need no JSON. Otherwise the pattern is a guess (transformers' default,
+    that of cl100k_base and Llama 3).
     """
 
     pat_str: str | None = None
     special_tokens: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, ranks_file: Path) -> tuple[TiktokenEncoding, Path | None]:
+        """The encoding of ``ranks_file``: the JSON beside it, else tiktoken's own encoding of that content
+        (empty when neither), and the JSON file read (or None)."""
+        encoding, described_by = cls.beside(ranks_file)
+        if described_by is None:
+            encoding = tiktoken_encodings().get(file_sha256(ranks_file), encoding)
+        return encoding, described_by
+
+    @property
+    def split_pattern(self) -> str | None:
+        """``pat_str`` for the tokenizers library, whose regex engine (Oniguruma) reads tiktoken's
+        possessive quantifiers (``?+``, ``++``, ``{1,3}+``) otherwise: as greedy ones, which split alike."""
+        return None if self.pat_str is None else _POSSESSIVE.sub(r"\1", self.pat_str)
+
+    def to_json(self) -> str:
+        return json.dumps({"pat_str": self.pat_str, "special_tokens": dict(self.special_tokens)}, sort_keys=True)
 
     @classmethod
     def beside(cls, ranks_file: Path) -> tuple[TiktokenEncoding, Path | None]:
@@ -343,6 +368,40 @@ class TiktokenEncoding:
         return cls(pattern, tuple(sorted(specials.items(), key=lambda item: item[1]))), path
 
 
+@functools.cache
+def tiktoken_encodings() -> dict[str, TiktokenEncoding]:
+    """tiktoken's own encodings (cl100k_base, o200k_base, ...) by the sha256 of their ranks file.
+
+    tiktoken defines each one by a function that downloads its ranks file and checks its hash;
+    each is run here with a loader that downloads nothing and notes the hash it expects.
+    """
+    from tiktoken_ext import openai_public
+
+    expected: list[str] = []
+
+    def note_hash(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        if expected_hash:
+            expected.append(expected_hash)
+        return {}
+
+    def no_data_gym(*args: Any, **kwargs: Any) -> dict[bytes, int]:
+        return {}  # gpt2's vocab.bpe and encoder.json are no ranks file
+
+    loaders = (openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks)
+    openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = note_hash, no_data_gym
+    known: dict[str, TiktokenEncoding] = {}
+    try:
+        for make in openai_public.ENCODING_CONSTRUCTORS.values():
+            expected.clear()
+            definition = make()
+            for sha256 in expected[-1:]:
+                specials = tuple(sorted(definition["special_tokens"].items(), key=lambda item: item[1]))
+                known.setdefault(sha256, TiktokenEncoding(definition["pat_str"], specials))
+    finally:
+        openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = loaders
+    return known
+
+
 def _convert_tiktoken(ranks_file: Path, target: Path, encoding: TiktokenEncoding) -> None:
     """Convert a tiktoken BPE ranks file with transformers' TikTokenConverter and save it under ``target``.
 
@@ -352,7 +411,7 @@ def _convert_tiktoken(ranks_file: Path, target: Path, encoding: TiktokenEncoding
     from tokenizers import AddedToken
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    options = {"pattern": encoding.pat_str} if encoding.pat_str else {}
+    options = {"pattern": encoding.split_pattern} if encoding.pat_str else {}
     converted = TikTokenConverter(vocab_file=str(ranks_file), **options).converted()
     for token, token_id in encoding.special_tokens:
         size = converted.get_vocab_size(with_added_tokens=True)
@@ -377,9 +436,9 @@ def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
     """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content
     (a tiktoken file's with the JSON beside it, see TiktokenEncoding)."""
     key = file_sha256(model_file)
-    encoding, described_by = TiktokenEncoding.beside(model_file) if kind == TIKTOKEN else (TiktokenEncoding(), None)
-    if described_by is not None:
-        key = hashlib.sha256((key + file_sha256(described_by)).encode()).hexdigest()
+    encoding, described_by = TiktokenEncoding.of(model_file) if kind == TIKTOKEN else (TiktokenEncoding(), None)
+    if encoding != TiktokenEncoding():
+        key = hashlib.sha256((key + encoding.to_json()).encode()).hexdigest()
     target = cache_dir() / "tokenizers" / f"{kind}-{key[:16]}"
     if not (target / "tokenizer.json").is_file():
         if kind == SENTENCEPIECE:

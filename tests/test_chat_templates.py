@@ -152,3 +152,24 @@ def test_a_json_beside_the_ranks_file_gives_the_split_pattern_and_the_special_to
     (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"special_tokens": {"<|endoftext|>": 3}}))
     with pytest.raises(InputError, match="special token '<|endoftext|>' has id 3, which an earlier token holds"):
         load_tokenizer(str(ranks))
+
+
+def test_tiktokens_possessive_patterns_split_as_tiktoken_does(tmp_path):
+    """cl100k_base's and o200k_base's patterns (possessive quantifiers) given beside a ranks file split text
+    as tiktoken does; tiktoken's own ranks files are known by content, with their special tokens."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    from pipeline.tokenizer import tiktoken_encodings
+
+    known = {encoding.special_tokens[0]: encoding for encoding in tiktoken_encodings().values()}
+    assert ("<|endoftext|>", 100257) in known and ("<|endoftext|>", 199999) in known
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    texts = ["What is 1234567 plus 89?  It's 1234656.\n\n", "  two  spaces\ttab\r\nCRLF  \n", "Hindi हिन्दी, Khmer ខ្មែរ!"]
+    for encoding in (known[("<|endoftext|>", 100257)], known[("<|endoftext|>", 199999)]):
+        (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"pat_str": encoding.pat_str}))
+        reference = tiktoken.Encoding("tiny", pat_str=encoding.pat_str, mergeable_ranks=load_tiktoken_bpe(str(ranks)),
+                                      special_tokens={})
+        backend = load_tokenizer(str(ranks)).backend()
+        for text in texts:
+            assert backend.encode(text, add_special_tokens=False).ids == reference.encode(text), text
