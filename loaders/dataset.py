@@ -29,6 +29,8 @@ from schemas import Manifest, ManifestError, positive_int
 
 # Shards one shuffle window spans, by default: the window's rows come from about this many shards.
 DEFAULT_SHUFFLE_WINDOW_SHARDS = 4
+# The shortest prefix of a tokenizer content hash that expected_tokenizer_hash may give.
+MIN_HASH_PREFIX = 12
 
 
 def check_manifest(
@@ -41,11 +43,15 @@ def check_manifest(
             "shards were built from other inputs; point at the right build or rebuild it"
         )
     tokenizer_hash = manifest.inputs.tokenizer.content_hash
-    if expected_tokenizer_hash is not None and tokenizer_hash != expected_tokenizer_hash:
+    # The 12 characters `varpack inspect` prints will do.
+    if expected_tokenizer_hash is not None and not (
+        tokenizer_hash == expected_tokenizer_hash
+        or (len(expected_tokenizer_hash) >= MIN_HASH_PREFIX and tokenizer_hash.startswith(expected_tokenizer_hash))
+    ):
         raise ManifestError(
             f"{source}: tokenizer content hash {tokenizer_hash} ({manifest.inputs.tokenizer.name}) differs from "
-            f"the expected {expected_tokenizer_hash}: the shards hold another tokenizer's ids; rebuild them with "
-            "the model's tokenizer"
+            f"the expected {expected_tokenizer_hash} (the full hash, or its first {MIN_HASH_PREFIX} characters or "
+            "more): the shards hold another tokenizer's ids; rebuild them with the model's tokenizer"
         )
     if manifest.num_rows == 0:
         raise ManifestError(f"{source}: the build holds no rows, so there is nothing to train on; check the input data")
@@ -185,7 +191,7 @@ class PackedIterableDataset(IterableDataset):
         if verify_checksum and location.is_local:
             verify_build(manifest, self._paths)
         self.loss_weighting = make_loss_weighting(
-            loss_reduction, example_weights, manifest.inputs.dataset.num_examples, location.source,
+            loss_reduction, example_weights, manifest.num_example_ids, location.source,
             [open_build_shard(path, manifest, index) for index, path in enumerate(self._paths)]
             if loss_reduction == LossReduction.SEQUENCE else (),
         )

@@ -55,7 +55,7 @@ class LossWeighting:
     """How a batch's target tokens are weighed: ``reduction`` and optional per-example weights."""
 
     reduction: str = LossReduction.TOKEN
-    example_weights: np.ndarray | None = None  # float64 [num_examples], indexed by example id
+    example_weights: np.ndarray | None = None  # float64 [example id count], indexed by example id
     example_targets: np.ndarray | None = None  # "sequence": int64 targets of each example id, all chunks
 
     def __post_init__(self) -> None:
@@ -82,9 +82,12 @@ def example_target_counts(shards: Sequence[Shard]) -> np.ndarray:
     return np.bincount(examples, weights=targets, minlength=int(examples.max()) + 1).astype(np.int64)
 
 
-def make_loss_weighting(reduction: str, example_weights, num_examples: int | None, source: str,
+def make_loss_weighting(reduction: str, example_weights, num_example_ids: int, source: str,
                         shards: Sequence[Shard] = ()) -> LossWeighting:
-    """A checked LossWeighting: ``example_weights`` must give one finite, non-negative weight per example.
+    """A checked LossWeighting: ``example_weights`` must give one finite, non-negative weight per example id.
+
+    Example ids are source row numbers, so there is one weight per source row read
+    (``Manifest.num_example_ids``), rows the build left out included.
 
     Under ``"sequence"`` the examples' target counts are read from ``shards`` (every shard of the build).
     """
@@ -92,10 +95,10 @@ def make_loss_weighting(reduction: str, example_weights, num_examples: int | Non
     if example_weights is None:
         return LossWeighting(reduction, None, targets)
     weights = np.asarray(example_weights, dtype=np.float64)
-    if weights.ndim != 1 or (num_examples is not None and weights.size != num_examples):
+    if weights.ndim != 1 or weights.size != num_example_ids:
         raise ValueError(
-            f"{source}: example_weights holds {weights.size} values, the build has {num_examples} examples; "
-            "give one weight per example, in the order of the input data (example id)"
+            f"{source}: example_weights holds {weights.size} values, the build has {num_example_ids} example ids "
+            "(source rows, those left out included); give one weight per source row, in input order"
         )
     bad = np.flatnonzero(~np.isfinite(weights) | (weights < 0))
     if bad.size:

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 
 from pipeline import storage
@@ -84,7 +85,7 @@ class ReadAndEncode(beam.DoFn):
         self.encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row)
         self.known_examples = plan.source.known_examples
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
-        self.bad_rows, self.first_bad_row = 0, None
+        self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
 
     def teardown(self):
@@ -107,50 +108,54 @@ class ReadAndEncode(beam.DoFn):
 
     def _finish(self, task_index: int, part: int, rows: int, encoding: Future):
         batch = encoding.result()
+        self.rows_read += rows
         self._count_bad_rows(batch.rejected)
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
         progress.advance("examples tokenized", rows, self.known_examples, "ex")
-        return (task_index, part), spill(batch, self.spill_dir, f"{task_index:06d}-{part:06d}")
+        return (task_index, part), spill(batch, self.spill_dir, f"{task_index:06d}-{part:06d}", rows)
 
     def _count_bad_rows(self, rejected: list[BadRow]) -> None:
-        """Stop early once this worker alone has met more bad rows than the whole build may hold."""
+        """Stop early once this worker alone has met more bad rows than the whole build may hold (in the rows it read)."""
         if not rejected:
             return
         self.bad_rows += len(rejected)
         self.first_bad_row = self.first_bad_row or rejected[0]
         if self.bad_row_limit is not None and self.bad_rows > self.bad_row_limit:
-            raise bound_error(self.bad_rows, None, self.plan.config.max_bad_rows, self.first_bad_row)
+            raise bound_error(self.bad_rows, self.rows_read, self.plan.config.max_bad_rows, self.first_bad_row)
 
 
 @dataclass(frozen=True)
 class Filtered:
-    """What reading and encoding left out: bad rows by reason, and examples truncation left untrained."""
+    """What reading and encoding left out: bad rows by reason, examples truncation left untrained, and
+    conversations --drop-dangling-turns shortened."""
 
     rejected: RejectedRows
     untrained_examples: int
     untrained_tokens: int
+    conversations_trimmed: int = 0
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int]]], out_dir: str, max_bad_rows: int | float
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int], int]], out_dir: str, max_bad_rows: int | float
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
-    ``notes`` holds, for each batch, its key, its examples kept, its bad rows and its untrained counts.
+    ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained
+    counts and its trimmed conversations.
     """
     notes = sorted(notes, key=lambda note: note[0])
-    bad_rows = [row for _, _, rejected, _ in notes for row in rejected]
-    rows_read = sum(kept for _, kept, _, _ in notes) + len(bad_rows)
+    bad_rows = [row for _, _, rejected, _, _ in notes for row in rejected]
+    rows_read = sum(rows for _, rows, _, _, _ in notes)
     if bad_rows and bound_exceeded(len(bad_rows), rows_read, max_bad_rows):
         raise bound_error(len(bad_rows), rows_read, max_bad_rows, bad_rows[0])
     write_rejected(bad_rows, out_dir)
-    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u in notes))] or [0, 0]
-    return Filtered(summarize(bad_rows), untrained[0], untrained[1])
+    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _ in notes))] or [0, 0]
+    return Filtered(summarize(bad_rows), untrained[0], untrained[1], sum(trimmed for *_, trimmed in notes))
 
 
-def placements(counts: list[tuple[BatchKey, int]], limit: int | None, examples_per_group: int):
-    """``(batch key, (first id, examples kept, group))`` for every batch, from all batches' example counts."""
+def placements(counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int):
+    """``(batch key, (first row, rows kept, group))`` for every batch, from all batches' (examples, rows read)."""
     layout = make_layout(counts, limit, examples_per_group)
     yield from layout.index().items()
 
@@ -158,9 +163,10 @@ def placements(counts: list[tuple[BatchKey, int]], limit: int | None, examples_p
 def assign_group(key: BatchKey, joined: dict):
     """A batch's kept lengths keyed by its packing group: ``(group, GroupBatch)``."""
     (batch,), (placement,) = joined["batch"], joined["placement"]
-    first_id, kept, group = placement
+    first_row, kept_rows, group = placement
+    kept = int(np.searchsorted(batch.rows, kept_rows))
     if kept:
-        yield group, GroupBatch(key, first_id, batch.lengths[:kept], batch.path)
+        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path)
 
 
 def first_shard(groups: list[PackedGroup], group: int) -> int:
@@ -207,13 +213,15 @@ class WriteShard(beam.DoFn):
 def write_build_manifest(joined: dict, out_dir: str, shard_prefix: str, inputs: BuildInputs, rows_per_shard: int) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path.
 
-    ``joined`` holds every shard written, every packed group and what reading left out;
+    ``joined`` holds every shard written, every packed group, every batch's placement and what reading left out;
     ``shard_prefix`` is where the shards are, relative to ``out_dir``: "" or an attempt directory's "NAME/".
     """
     groups = sorted((g for part in joined["groups"] for g in part), key=lambda g: g.group)
     filtered: Filtered = joined["filtered"][0]
     stats = PackingStats.merged([g.stats for g in groups])
     stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
+    stats.conversations_trimmed = filtered.conversations_trimmed
+    stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
     if stats.rows == 0:
         raise InputError(
             f"nothing to write: all {stats.examples} examples were dropped as longer than --max-len {inputs.max_len}; "
@@ -252,9 +260,9 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, spill_dir, main_pid))
     )
     filtered = _gather(
-        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.lengths.size, b.rejected, b.untrained))
+        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained, b.trimmed))
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
-    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, batch.lengths.size))
+    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (
         {"counts": _gather("Counts", counts), "filtered": filtered}
@@ -291,7 +299,12 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     shard_prefix = shard_dir[len(out_dir) :].strip("/")
     shard_prefix = shard_prefix and shard_prefix + "/"
     (
-        {"shards": _gather("Shards", shards), "groups": _gather("AllGroups", groups), "filtered": filtered}
+        {
+            "shards": _gather("Shards", shards),
+            "groups": _gather("AllGroups", groups),
+            "placed": _gather("Placed", placed),
+            "filtered": filtered,
+        }
         | "JoinForManifest" >> beam.CoGroupByKey()
         | "WriteManifest"
         >> beam.MapTuple(lambda _, joined: write_build_manifest(joined, out_dir, shard_prefix, inputs, rows_per_shard))

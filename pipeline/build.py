@@ -12,6 +12,7 @@ never a finished build (one with a manifest).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -26,7 +27,9 @@ from pipeline import storage
 from pipeline.build_plan import BuildPlan
 from pipeline.config import PackConfig
 from pipeline.encode.bad_rows import REJECTED_NAME
-from pipeline.encode.tokenizer import LoadedTokenizer, load_tokenizer
+from pipeline.encode.chat_templates import resolve_chat_template
+from pipeline.encode.examples import Encoder
+from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError, InputError, OutputDirError
 from pipeline.packing import spill
 from pipeline.read.formats import resolve_format
@@ -72,35 +75,30 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def _chat_template(config: PackConfig, tokenizer: LoadedTokenizer) -> str | None:
-    """``--chat-template`` (a file or the template itself), else the tokenizer's."""
-    if config.chat_template is None:
-        return tokenizer.chat_template
-    if "{" not in config.chat_template:
-        path = Path(config.chat_template)
-        if not path.is_file():
-            raise ConfigError(f"--chat-template {config.chat_template}: no such file (or pass the Jinja template itself)")
-        return path.read_text(encoding="utf-8")
-    return config.chat_template
-
-
 def plan_build(config: PackConfig) -> BuildPlan:
     """Resolve the dataset and tokenizer and compute the fingerprint; reads the data's bytes once to hash them."""
     config.validate()
     source = resolve_source(config)
     if source.known_examples == 0:
         raise InputError(f"{config.dataset}: holds no examples")
-    tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token)
+    tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.special_tokens)
     example_format = resolve_format(
-        config, source.columns, config.dataset, source.default_format, _chat_template(config, tokenizer)
+        config, source.columns, config.dataset, source.default_format,
+        resolve_chat_template(config.chat_template, tokenizer.chat_template),
     )
     if not example_format.is_chat and not tokenizer.suffix_ids:
         raise ConfigError(
             f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "
-            "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>')"
+            "would not learn to stop; pass --eos-token TOKEN (e.g. --eos-token '</s>' or '<|endoftext|>'), or add one "
+            "with --special-tokens '<|endoftext|>'"
         )
+    tokenizer_inputs = tokenizer.inputs()
+    if example_format.is_chat:
+        # What the data ends turns with, which may not be the tokenizer's EOS (Llama 3: <|eot_id|>).
+        end = Encoder(tokenizer, example_format, config.max_len, config.overflow).chat_end_token()
+        tokenizer_inputs = dataclasses.replace(tokenizer_inputs, eos_token_id=end)
     inputs = config.build_inputs(
-        source.inputs, tokenizer.inputs(), example_format.template, example_format.loss_masking, package_version()
+        source.inputs, tokenizer_inputs, example_format.template, example_format.loss_masking, package_version()
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")
@@ -276,7 +274,7 @@ def build(
     """
     started = time.perf_counter()
     plan = plan_build(config)
-    for note in plan.source.notes:
+    for note in plan.source.notes + plan.tokenizer.notes:
         log(note)
     local = not storage.is_url(plan.out_dir)
     if local and not config.force:
@@ -363,5 +361,6 @@ def _temp_location(beam_args: tuple[str, ...]) -> str | None:
 def _layout(plan: BuildPlan) -> str:
     """How each example is laid out and which special tokens go around it."""
     if plan.example_format.is_chat:
-        return plan.example_format.describe()
+        end = plan.inputs.tokenizer.eos_token_id
+        return f"{plan.example_format.describe()} (turns end with {plan.tokenizer.backend().id_to_token(end)} ({end}))"
     return f"{plan.example_format.describe()} ({plan.tokenizer.describe_affixes()})"

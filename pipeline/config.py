@@ -52,7 +52,7 @@ class PackConfig:
     split: str | None = None
     # Hub datasets: the commit (or branch or tag) to read; None: the main branch's commit now.
     revision: str | None = None
-    # None: every example (synthetic datasets: 100,000).
+    # The first N source rows; None: every row (synthetic datasets: 100,000).
     num_examples: int | None = None
     overflow: str = Overflow.SPLIT
     packing: str = PackingAlgorithm.BEST_FIT_DECREASING
@@ -72,6 +72,10 @@ class PackConfig:
     # Special tokens around each prompt/response or text example; None: the tokenizer's own.
     bos_token: str | None = None
     eos_token: str | None = None
+    # Chat data: drop assistant turns before the first user turn and a user turn after the last assistant turn.
+    drop_dangling_turns: bool = False
+    # Special tokens to add to the tokenizer (a tiktoken ranks file has none), each one token.
+    special_tokens: tuple[str, ...] = ()
     train_on_prompt: bool = False
     on_bad_row: str = BadRowPolicy.ERROR
     # Under --on-bad-row skip: a count of bad rows (an int), or a fraction of the rows read (a float

@@ -26,7 +26,7 @@ from pipeline import storage
 from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
 from pipeline.report.profile import read_profile, read_shard_table
-from pipeline.report.summary import aligned, describe_overflow, describe_rejected, examples_per_row, plural
+from pipeline.report.summary import aligned, describe_overflow, describe_rejected, describe_trimmed, examples_per_row, plural
 from schemas import MANIFEST_NAME, Manifest, ManifestError, VarpackError
 
 EXIT_ERROR = 1
@@ -96,7 +96,7 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
                         f"written {manifest.created_at})"),
         ("dataset", ", ".join([dataset.id, f"split {dataset.split}"]
                               + ([f"revision {dataset.revision}"] if dataset.revision else [])
-                              + ([f"first {dataset.num_examples:,} examples"] if dataset.num_examples else [])
+                              + ([f"first {dataset.num_examples:,} rows"] if dataset.num_examples else [])
                               + [f"content {dataset.content_hash[:12]}"])),
         ("tokenizer", f"{tokenizer.name} (vocabulary {tokenizer.vocab_size:,}, content {tokenizer.content_hash[:12]})"),
         ("template", inputs.template),
@@ -108,9 +108,11 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
                  f"({_size(sum(s.bytes for s in manifest.shards))})"),
         ("tokens", f"{stats.tokens:,} packed"),
         ("fill", f"{100 * stats.fill:.3f}%"),
-        ("examples", f"{stats.examples:,} in {plural(stats.segments, 'segment')}; {mean:.2f} per row, {low} to {high}"),
+        ("examples", f"{stats.examples:,} in {plural(stats.segments, 'segment')}; {mean:.2f} per row, {low} to {high}; "
+                     f"ids below {manifest.num_example_ids:,} (source rows)"),
         ("overflow", describe_overflow(stats)),
         ("bad rows", bad_rows),
+        *([("trimmed", describe_trimmed(stats))] if stats.conversations_trimmed else []),
     ]
     return aligned(lines)
 

@@ -68,12 +68,14 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--out", default=default.out,
         help="parent directory (or gs://, s3:// URL) of DATASET-FINGERPRINT/ (default: %(default)s)")
     add("--tokenizer", default=default.tokenizer,
-        help="a Hugging Face Hub id, a local directory or tokenizer.json (default: the embedded %(default)s)")
+        help="a Hugging Face Hub id, a local directory, a tokenizer.json, a GGUF file, a SentencePiece tokenizer.model or "
+             "a tiktoken ranks file (.tiktoken, or Llama 3's tokenizer.model) (default: the embedded %(default)s)")
     add("--max-len", type=int, default=default.max_len, help="row capacity in tokens (default: %(default)s)")
     add("--split", help="dataset split (default: train; gsm8k embeds only test)")
     add("--revision", help="Hub datasets: the commit, branch or tag to read (default: the main branch's "
                             "current commit, recorded in the manifest)")
-    add("--num-examples", type=int, help="pack only the first N examples (synthetic datasets: generate N, default 100000)")
+    add("--num-examples", type=int,
+        help="pack only the first N rows of the dataset (synthetic datasets: generate N, default 100000)")
     add("--overflow", choices=[e.value for e in Overflow], default=default.overflow,
         help="what to do with examples longer than --max-len (default: %(default)s)")
     add("--packing", choices=[e.value for e in PackingAlgorithm], default=default.packing,
@@ -89,8 +91,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--messages-column", help="column of chat messages ([{role, content}, ...] or ShareGPT's [{from, value}, ...]); "
                                    "loss on assistant turns")
     add("--text-column", help="column of plain text; loss on every token")
-    add("--chat-template", help="Jinja chat template, or a file holding one (default: the tokenizer's; "
-                                "Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
+    add("--chat-template", help="chatml, llama3, mistral or gemma, a Jinja chat template, or a file holding one "
+                                "(default: the tokenizer's; Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
     add("--prompt-template",
         help="how a prompt and its response are joined, holding {prompt} then {response}; \\n is a newline "
              "(default: '{prompt}\\n\\n{response}')")
@@ -100,6 +102,14 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
                             "(default: what the tokenizer adds before a sequence)")
     add("--eos-token", help="token after each prompt/response or text example (default: the tokenizer's EOS, "
                             "from its config, post-processor or special tokens)")
+    add("--special-tokens", type=_token_list, default=default.special_tokens, metavar="TOKEN,TOKEN,...",
+        help="special tokens to add to the tokenizer, each then one token, e.g. '<|endoftext|>,<|im_start|>,<|im_end|>' "
+             "for a tiktoken ranks file, which holds none (ids follow the vocabulary; for a model's own ids put them "
+             "in NAME.tiktoken.json beside the file)")
+    add("--drop-dangling-turns", action="store_true",
+        help="chat data: drop assistant turns before the first user turn and a user turn after the last assistant turn "
+             "(conversations split from longer ones), as FastChat does, instead of rejecting such rows; counted in the "
+             "report and the manifest")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
     add("--on-bad-row", choices=[e.value for e in BadRowPolicy], default=default.on_bad_row,
         help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "
@@ -212,6 +222,14 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> PackConfi
     beam_args = _resolve_runner(beam_args)
     _check_beam_args(beam_args)
     return PackConfig(**vars(args), beam_args=tuple(beam_args))
+
+
+def _token_list(value: str) -> tuple[str, ...]:
+    """``--special-tokens``: comma-separated tokens."""
+    tokens = tuple(token.strip() for token in value.split(",") if token.strip())
+    if not tokens:
+        raise argparse.ArgumentTypeError("give the tokens separated by commas, e.g. '<|im_start|>,<|im_end|>'")
+    return tokens
 
 
 def _one_line(err: BaseException) -> str:

@@ -23,7 +23,6 @@ from schemas.manifest import (
     ShardInfo,
     TokenizerInputs,
     compute_fingerprint,
-    example_id_count,
     validate_manifest,
 )
 from schemas.row import ROW_COLUMNS, ROW_SCHEMA, list_parts, validate_table
@@ -57,7 +56,6 @@ __all__ = [
     "atomic_write",
     "cache_dir",
     "compute_fingerprint",
-    "example_id_count",
     "file_sha256",
     "one_of",
     "positive_int",

@@ -25,7 +25,8 @@ FORMAT_NAME = "varpack.shards"
 # 2: inputs.on_bad_row, rejected, stats.examples_untrained/tokens_untrained.
 # 3: shards_digest. Version 1 and 2 manifests, which lack them, are still read.
 # 4: inputs.loss_masking is one of LossMasking's values (a free string before).
-# 5: manifest_digest; every shard carries its identity in its Arrow schema metadata (shard_identity.py).
+# 5: manifest_digest; every shard carries its identity in its Arrow schema metadata (shard_identity.py);
+#    example ids are source row numbers, below stats.num_example_ids; stats.conversations_trimmed.
 FORMAT_VERSION = 5
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
@@ -194,6 +195,11 @@ class PackingStats:
     # Examples that --overflow truncate left with no trained token, dropped before packing.
     examples_untrained: int = 0
     tokens_untrained: int = 0
+    # Example ids lie in [0, num_example_ids): a pipeline build's ids are source row numbers, so
+    # this counts the source rows read, those left out included (format 5).
+    num_example_ids: int = 0
+    # Conversations --drop-dangling-turns shortened (format 5).
+    conversations_trimmed: int = 0
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
 
@@ -232,18 +238,6 @@ class RejectedRows:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
-def example_id_count(stats: PackingStats, rejected: RejectedRows | None, dataset: DatasetInputs) -> int:
-    """How many example ids a build numbers: every id lies in ``[0, example_id_count)``.
-
-    Ids number the source examples the build read: those packed (``stats.examples``), those
-    truncation left untrained and the rows ``--on-bad-row skip`` left out, so the bound holds
-    whether ids count the kept examples or the source rows; or ``dataset.num_examples`` when a
-    writer declared more.
-    """
-    read = stats.examples + stats.examples_untrained + (rejected.rows if rejected else 0)
-    return max(read, dataset.num_examples or 0)
-
-
 @dataclass
 class Manifest:
     """The complete description of one build.
@@ -278,8 +272,10 @@ class Manifest:
 
     @property
     def num_example_ids(self) -> int:
-        """Every example id of the build lies in ``[0, num_example_ids)`` (see ``example_id_count``)."""
-        return example_id_count(self.stats, self.rejected, self.inputs.dataset)
+        """How many example ids the build has room for: every id lies in ``[0, num_example_ids)``, one
+        weight per id. From format 5 ids are source row numbers and the build records the count; before,
+        ids were numbered over the examples kept, so there were ``stats.examples``."""
+        return self.stats.num_example_ids if self.format_version >= 5 else self.stats.examples
 
     def to_dict(self) -> dict[str, Any]:
         shards = [dataclasses.asdict(s) for s in self.shards]
@@ -430,7 +426,7 @@ def _holds(value: Any, schema: dict[str, Any]) -> bool:
 # Fields required from format version 2 on, by the object that holds them; a version 1 manifest has none.
 ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
 ADDED_IN_VERSION_3 = {"": ("shards_digest",)}
-ADDED_IN_VERSION_5 = {"": ("manifest_digest",)}
+ADDED_IN_VERSION_5 = {"": ("manifest_digest",), "stats": ("num_example_ids", "conversations_trimmed")}
 
 
 def _check_across_fields(data: dict[str, Any], source: str) -> None:

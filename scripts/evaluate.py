@@ -3,7 +3,7 @@
     python -m pipeline.pack --dataset data/ --split validation --out shards/   # pack the split once
     python scripts/evaluate.py --model runs/a/checkpoint-1000 --shards shards/DIR --out eval.jsonl
 
-Writes one JSON line per example to --out, by example id in source order (``example_id``,
+Writes one JSON line per example to --out, by example id (its source row number) in source order (``example_id``,
 ``target_tokens``, ``loss``, ``perplexity``; null for an example with no target token), and
 prints the summary as the last line: mean token loss, token perplexity, mean per-example loss.
 """
@@ -35,6 +35,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attn", default="auto", help="attention backend, as in train.py (default: auto)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="weights' dtype (default: auto, bfloat16 on CUDA and float32 on CPU)")
+    parser.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                        help="evaluate although the tokenizer in the --model directory differs from the shards'")
     return parser
 
 
@@ -43,7 +45,11 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        locate(args.shards).read_manifest()  # a bad --shards fails before the model loads
+        manifest = locate(args.shards).read_manifest()  # a bad --shards fails before the model loads
+        if not args.allow_tokenizer_mismatch:
+            from pipeline.encode.tokenizer import check_model_tokenizer
+
+            check_model_tokenizer(args.model, manifest.inputs.tokenizer)
         model = load_causal_lm(args.model, attn_implementation_for(args.attn), dtype).to(device)
         model.config.use_cache = False  # with sdpa, a cache makes transformers ignore the packing
         result = evaluate_packed(model, args.shards, batch_rows=args.batch_rows)

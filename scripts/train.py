@@ -14,7 +14,8 @@ attention mask) with their real-token and loss-token counts as Python ints, so a
 on the GPU to count them. The loss is averaged per trained token over each optimizer step, in both
 loops, and computed by ``loaders.train.loss_head`` at labelled positions only (``--full-logits``: the
 model's own LM head over every token).
-Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak GPU memory.
+Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak memory
+(GPU memory allocated; on CPU the process's peak resident memory).
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
 """
 
@@ -53,7 +54,7 @@ from loaders.train.models import (  # noqa: E402
     prewarm_buckets,
 )
 from loaders.train.step_graph import GraphedStep  # noqa: E402
-from schemas import VarpackError  # noqa: E402
+from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -64,6 +65,7 @@ class TrainConfig:
 
     shards: str = "shards"
     model: str = ""  # Hub id or local directory: fine-tune its weights
+    gguf_file: str = ""  # a GGUF file in --model to load the weights from
     random_init: str = ""  # "llama", "llama:key=value,...", or a Hub id / directory whose config is used
     trainer: str = "plain"  # plain | hf
     attn: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_segments | sdpa | a transformers implementation
@@ -85,6 +87,7 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     resume: bool = False
     seed: int = 0
+    allow_tokenizer_mismatch: bool = False  # train although --model's tokenizer differs from the shards'
 
 
 # ---- model, data, logs, checkpoints: shared by both loops -----------------------------------
@@ -110,7 +113,8 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if checkpoint is not None or config.model:
-        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32)
+        gguf_file = None if checkpoint is not None else config.gguf_file or None
+        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32, gguf_file)
     elif config.random_init:
         name, overrides = parse_random_init(config.random_init)
         if name in CONFIG_MAPPING:
@@ -127,6 +131,14 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
     model.config.use_cache = False
     return model
+
+
+def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
+    """Refuse a --model directory whose tokenizer is not, by content, the one the shards were built with."""
+    if config.model and not config.allow_tokenizer_mismatch:
+        from pipeline.encode.tokenizer import check_model_tokenizer
+
+        check_model_tokenizer(str(Path(config.model) / config.gguf_file) if config.gguf_file else config.model, recorded)
 
 
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
@@ -212,6 +224,7 @@ def train_plain(config: TrainConfig) -> None:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
+    check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     checkpoint = latest_checkpoint(out) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
@@ -335,6 +348,7 @@ def train_hf(config: TrainConfig) -> None:
         use_cpu=not torch.cuda.is_available(),
     )
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
+    check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
     if not config.full_logits:
@@ -357,6 +371,8 @@ def train_hf(config: TrainConfig) -> None:
 OPTION_HELP = {
     "shards": "shard directory or manifest (local, or an fsspec URL such as s3://)",
     "model": "Hub id or local directory whose weights are fine-tuned",
+    "gguf_file": "GGUF file in the --model directory to take the weights from (dequantized; checkpoints are saved as "
+                 "plain safetensors)",
     "random_init": "random init from a config: a model type with overrides (llama:hidden_size=512,...) "
                    "or a Hub id / directory whose config is used",
     "trainer": "training loop: plain (PyTorch) or hf (Hugging Face Trainer)",
@@ -382,6 +398,8 @@ OPTION_HELP = {
     "save_every": "checkpoint every N steps; 0 saves only at the end",
     "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
     "seed": "seed of the model init and the loader's shuffle",
+    "allow_tokenizer_mismatch": "train although the tokenizer in the --model directory differs from the one the shards "
+                                "were built with",
 }
 CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction)}
 
@@ -422,8 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"config": asdict(config)}), flush=True)
     try:
         (train_hf if config.trainer == "hf" else train_plain)(config)
-    except VarpackError as err:
-        raise SystemExit(f"train.py: error: {err}") from None
+    except (VarpackError, OSError, ValueError) as err:
+        raise SystemExit(f"train.py: error: {str(err).splitlines()[0]}") from None
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from loaders import PackedIterableDataset
+from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
-from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.encode.chat import conversation
 from pipeline.encode.examples import Encoder
 from pipeline.pack import main
@@ -78,7 +79,7 @@ def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
     assert re.search(r"rejected +8 rows \(2 empty_turn, 1 no_assistant_turn, 1 null, .*\), listed in rejected.jsonl", report)
     records = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
     assert [(r["where"], r["reason"]) for r in records] == [(f"{chats} line {line}", reason) for line, reason in bad]
-    assert records[0]["row"]["conversations"][0] == {"role": None, "content": None, "from": "gpt", "value": "I speak first"}
+    assert records[0]["row"] == {"conversations": ROWS[3][1]}  # the row as the file holds it
     good = [[{"role": t.get("role") or {"human": "user", "gpt": "assistant"}[t["from"]], "content": t.get("content") or t["value"]}
              for t in value] for _, value, reason in ROWS if reason is None]
     plan = plan_build(PackConfig(dataset=str(chats)))
@@ -87,10 +88,17 @@ def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
     )
     examples = read_examples(build_dir)
     ends = np.cumsum(expected.lengths)
-    assert len(examples) == len(good)
-    for i, (end, n) in enumerate(zip(ends.tolist(), expected.lengths.tolist())):
-        assert np.array_equal(examples[i][0], expected.tokens[end - n : end])
-        assert np.array_equal(examples[i][1], expected.loss_mask[end - n : end])
+    # An example's id is its source row number: ids skip the rows left out.
+    source_rows = [row for row, (_, _, reason) in enumerate(ROWS) if reason is None]
+    assert sorted(examples) == source_rows and manifest.stats.num_example_ids == len(ROWS)
+    for row, end, n in zip(source_rows, ends.tolist(), expected.lengths.tolist()):
+        assert np.array_equal(examples[row][0], expected.tokens[end - n : end])
+        assert np.array_equal(examples[row][1], expected.loss_mask[end - n : end])
+    # One weight per source row: the input's own column lines up; an array over the kept examples does not.
+    PackedIterableDataset(build_dir, example_weights=np.ones(len(ROWS)))
+    refused = f"example_weights holds {len(source_rows)} values, the build has {len(ROWS)} example ids"
+    with pytest.raises(ValueError, match=refused):
+        PackedIterableDataset(build_dir, example_weights=np.ones(len(source_rows)))
 
 
 def test_the_policy_is_part_of_the_fingerprint(chats):
@@ -104,8 +112,8 @@ def test_error_names_the_first_bad_line(chats, tmp_path, capsys):
     assert main(["--dataset", str(chats), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == (
-        f"varpack: error: {chats} line 5: 'conversations': the conversation starts with an assistant turn; "
-        "fix or remove it, or pass --on-bad-row skip to leave such rows out"
+        f"varpack: error: {chats} line 5: 'conversations': the conversation starts with an assistant turn; pass "
+        "--drop-dangling-turns to drop such turns; fix or remove it, or pass --on-bad-row skip to leave such rows out"
     )
     assert not list((tmp_path / "out").rglob("*.*"))
 
@@ -116,6 +124,7 @@ def test_too_many_bad_rows_stop_the_run(chats, tmp_path, capsys, bound):
     assert main([*args, "--no-progress"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("varpack: error:")]
     assert len(errors) == 1 and f"more than --max-bad-rows {bound} (first: {chats} line 5:" in errors[0], errors
+    assert f"error: 8 of {len(ROWS)} rows read are bad" in errors[0]
     assert not list(tmp_path.rglob(MANIFEST_NAME)) and not list(tmp_path.rglob(REJECTED_NAME))
 
 
@@ -144,3 +153,34 @@ def test_lines_that_are_not_objects_are_bad_rows(tmp_path, capsys):
     assert result.manifest.stats.examples == 8 and result.manifest.rejected.by_reason == {"not_an_object": 4}
     records = map(json.loads, (tmp_path / "out" / result.out_dir.split("/")[-1] / REJECTED_NAME).read_text().splitlines())
     assert [r["where"] for r in records] == [f"{path} line {n}" for n in (1, 5, 6, 12)]
+
+
+def test_dangling_turns_are_refused_or_dropped_and_counted(tmp_path, capsys):
+    """ShareGPT conversations split from longer ones start with the assistant or end with the user."""
+    split = [
+        sharegpt(("gpt", "...and that is all."), ("human", "Thanks! Another?"), ("gpt", "Sure.")),
+        sharegpt(("human", "Hi"), ("gpt", "Hello!"), ("human", "And then?")),
+        sharegpt(("system", "Be brief"), ("chatgpt", "(cut)"), ("human", "Hi"), ("model", "Yo")),
+        GOOD[0],
+    ]
+    path = tmp_path / "split.jsonl"
+    path.write_text("".join(json.dumps({"conversations": value}) + "\n" for value in split))
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
+    args = ["--dataset", str(path), "--chat-template", template, "--no-progress", "--max-len", "256"]
+    assert main([*args, "--out", str(tmp_path / "refused")]) == 1
+    assert f"{path} line 1: 'conversations': the conversation starts with an assistant turn" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "skipped"), "--on-bad-row", "skip", "--max-bad-rows", "3"]) == 0
+    (skipped,) = (tmp_path / "skipped").iterdir()
+    assert read_manifest(skipped).rejected.by_reason == {"ends_with_user": 1, "starts_with_assistant": 2}
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "dropped"), "--drop-dangling-turns"]) == 0
+    assert re.search(r"trimmed +3 conversations without their leading assistant or trailing user turns", capsys.readouterr().out)
+    (dropped,) = (tmp_path / "dropped").iterdir()
+    manifest = read_manifest(dropped)
+    assert manifest.stats.conversations_trimmed == 3 and manifest.rejected.rows == 0
+    plan = plan_build(PackConfig(dataset=str(path), chat_template=template, drop_dangling_turns=True))
+    backend = plan.tokenizer.backend()
+    texts = {i: backend.decode(tokens.tolist(), skip_special_tokens=False) for i, (tokens, _) in read_examples(dropped).items()}
+    assert texts[0] == "user: Thanks! Another?</s>assistant: Sure.</s>"
+    assert texts[1] == "user: Hi</s>assistant: Hello!</s>"
+    assert texts[2] == "system: Be brief</s>user: Hi</s>assistant: Yo</s>"

@@ -12,6 +12,7 @@ import pytest
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
+from loaders.dataset import check_manifest
 from loaders.verify import verify_build
 from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
 from schemas.verified import record_path
@@ -111,6 +112,14 @@ def test_unexpected_fingerprint_or_tokenizer(build):
     PackedIterableDataset(
         build.path, expected_fingerprint=build.manifest.fingerprint, expected_tokenizer_hash=inputs.tokenizer.content_hash
     )
+    # What `varpack inspect` prints (12 characters) will do; fewer could match another tokenizer by chance.
+    full = "0f" * 32
+    real = dataclasses.replace(
+        build.manifest, inputs=dataclasses.replace(inputs, tokenizer=dataclasses.replace(inputs.tokenizer, content_hash=full))
+    )
+    check_manifest(real, "build", None, full[:12])
+    with pytest.raises(ManifestError, match="the full hash, or its first 12 characters or more"):
+        check_manifest(real, "build", None, full[:6])
 
 
 def test_empty_build(build):

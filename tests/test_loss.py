@@ -171,7 +171,7 @@ def test_a_split_example_weighs_one_example(tmp_path):
 def test_bad_reduction_or_weights_are_refused(shards):
     with pytest.raises(ValueError, match="loss_reduction must be one of token, sequence"):
         PackedIterableDataset(shards.path, loss_reduction="mean")
-    with pytest.raises(ValueError, match=f"example_weights holds 3 values, the build has {NUM_EXAMPLES} examples"):
+    with pytest.raises(ValueError, match=f"example_weights holds 3 values, the build has {NUM_EXAMPLES} example ids"):
         PackedIterableDataset(shards.path, example_weights=[1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match=r"example_weights\[4\] is -1.0"):
         PackedIterableDataset(shards.path, example_weights=np.r_[np.ones(4), -1.0, np.ones(NUM_EXAMPLES - 5)])

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from pipeline.build import plan_build
 from pipeline.config import RUN_SETTINGS, PackConfig
 from pipeline.encode.examples import Encoder, cuts_between_words, encode_ids, special_affixes
-from pipeline.encode.tokenizer import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE, load_tokenizer
+from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
 from pipeline.packing.groups import make_layout
 from pipeline.packing.shard_plans import GroupBatch, ShardPlan, assemble_shard, pack_group
@@ -341,11 +342,13 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "response_column": {"prompt_column": "prompt", "response_column": "answer"},
         "messages_column": {"messages_column": "messages"},
         "text_column": {"text_column": "prompt"},
-        "chat_template": {"messages_column": "messages", "chat_template": "{{ messages[0]['content'] }}"},
+        "chat_template": {"messages_column": "messages", "chat_template": "{% for m in messages %}{{ m.content + eos_token }}{% endfor %}"},
         "prompt_template": {"prompt_template": "Q: {prompt} A: {response}"},
         "as_chat": {"as_chat": True},
         "bos_token": {"bos_token": "none"},
         "eos_token": {"eos_token": "<unk>"},
+        "special_tokens": {"special_tokens": ("<|im_end|>",)},
+        "drop_dangling_turns": {"messages_column": "messages", "drop_dangling_turns": True},
         "train_on_prompt": {"train_on_prompt": True},
         "on_bad_row": {"on_bad_row": "skip"},
         "rows_per_shard": {"rows_per_shard": 7},
@@ -417,16 +420,28 @@ def test_chat_data_needs_a_template(tmp_path, tokenizer):
         plan_build(PackConfig(dataset=str(data), tokenizer=str(bare)))
 
 
+def test_examples_keep_their_row_when_rows_before_them_are_left_out(tokenizer):
+    """A null row (--on-bad-row skip) and an example truncation leaves untrained take no id from the rows after them."""
+    fmt = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("prompt", "response"))
+    encoder = Encoder(tokenizer, fmt, 16, "truncate", "skip")
+    table = pa.table({"prompt": ["Hi", None, "word " * 40, "Bye"], "response": ["a", "b", "c", "d"]})
+    batch = encoder.encode(table, BatchRows("t"))
+    assert batch.example_rows.tolist() == [0, 3] and batch.untrained[0] == 1 and len(batch.rejected) == 1
+
+
 # --- layout and routing --------------------------------------------------------------------
 
 
-def test_layout_numbers_examples_in_source_order_and_limits():
-    layout = make_layout([((1, 0), 5), ((0, 1), 3), ((0, 0), 4)], limit=10, examples_per_group=4)
+def test_layout_numbers_rows_in_source_order_and_limits():
+    # (examples, rows read): batch (0, 1) left a row out; its rows are numbered all the same.
+    layout = make_layout([((1, 0), (5, 5)), ((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=10, examples_per_group=4)
     assert layout.keys == ((0, 0), (0, 1), (1, 0))
-    assert layout.first_ids.tolist() == [0, 4, 7] and layout.kept.tolist() == [4, 3, 3]
-    assert layout.num_groups == 3 and layout.groups.tolist() == [0, 1, 2]
+    assert layout.first_rows.tolist() == [0, 4, 7] and layout.kept_rows.tolist() == [4, 3, 3]
+    assert layout.num_groups == 3 and layout.groups.tolist() == [0, 1, 2] and layout.num_example_ids == 10
     with pytest.raises(InputError, match="no examples"):
-        make_layout([((0, 0), 0)], limit=None)
+        make_layout([((0, 0), (0, 0))], limit=None)
+    with pytest.raises(InputError, match="no examples"):
+        make_layout([((0, 0), (0, 3))], limit=None)
 
 
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
@@ -438,15 +453,15 @@ def test_routing_places_every_token_once(overflow, tmp_path):
         lengths = rng.integers(1, 150, n)
         tokens = rng.integers(0, 30000, int(lengths.sum())).astype(np.int32)
         batches[key] = (lengths, tokens, (tokens % 2).astype(np.uint8))
-    layout = make_layout([(k, v[0].size) for k, v in batches.items()], limit=None, examples_per_group=50)
+    layout = make_layout([(k, (v[0].size, v[0].size)) for k, v in batches.items()], limit=None, examples_per_group=50)
     index = layout.index()
     from pipeline.encode.examples import EncodedBatch
 
     grouped = {}
     for key, (lengths, tokens, mask) in batches.items():
         first, kept, group = index[key]
-        spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}")
-        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.path))
+        spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}", lengths.size)
+        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.rows[:kept], spilled.path))
     plan_dir = str(tmp_path / "plans")
     groups = [
         pack_group(g, b[::-1], capacity, overflow, "best_fit_decreasing", 0, rows_per_shard, plan_dir)  # any arrival order

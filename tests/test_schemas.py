@@ -162,7 +162,7 @@ def make_manifest() -> Manifest:
     """A valid manifest of two shards (3 + 1 rows) at capacity 8."""
     inputs = build_inputs()
     stats = PackingStats(examples=6, segments=7, tokens=28, rows=4, capacity_tokens=32, examples_split=1,
-                         tokens_split=10, segments_per_row={"1": 2, "2": 1, "3": 1})
+                         tokens_split=10, segments_per_row={"1": 2, "2": 1, "3": 1}, num_example_ids=7)
     return Manifest(
         fingerprint=compute_fingerprint(inputs),
         inputs=inputs,
@@ -232,7 +232,8 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     for key in ("inputs", "stats"):
         assert not optional[key] & set(data[key])
         assert set(data[key]) | optional[key] == set(properties[key]["properties"])
-        assert set(properties[key]["required"]) == set(data[key]) - set(ADDED_IN_VERSION_2[key])
+        added = set(ADDED_IN_VERSION_2[key]) | set(ADDED_IN_VERSION_5.get(key, ()))
+        assert set(properties[key]["required"]) == set(data[key]) - added
     for key in ("dataset", "tokenizer"):
         assert set(data["inputs"][key]) == set(properties["inputs"]["properties"][key]["properties"])
     assert set(data["shards"][0]) == set(properties["shards"]["items"]["properties"])
@@ -348,6 +349,17 @@ def test_before_version_4_loss_masking_is_any_string() -> None:
     del data["manifest_digest"]
     assert schema_accepts(data) and code_accepts(data)
     assert Manifest.from_dict(data).inputs.loss_masking == "answer_only"
+
+
+def test_example_ids_are_bounded_by_num_example_ids_from_version_5() -> None:
+    """From version 5 ids are source row numbers, bounded by stats.num_example_ids; before, by stats.examples."""
+    data = copy.deepcopy(BASE)
+    del data["stats"]["num_example_ids"]
+    assert not code_accepts(data)
+    data["format_version"] = 4
+    assert schema_accepts(data) and code_accepts(data)
+    assert Manifest.from_dict(data).num_example_ids == data["stats"]["examples"]
+    assert Manifest.from_dict(BASE).num_example_ids == BASE["stats"]["num_example_ids"]
 
 
 def version_1(data: dict[str, Any]) -> dict[str, Any]:

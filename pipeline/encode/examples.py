@@ -8,7 +8,8 @@
 - plain text: ``[bos] text [eos]``, mask 1 on every token that can be predicted (not BOS).
 - chat: the messages (``{role, content}`` or ShareGPT's ``{from, value}``, see ``chat.py``)
   rendered with the chat template and tokenized whole; mask 1 on the characters each assistant
-  turn adds (its content and the template's end-of-turn tokens).
+  turn adds (its content and the template's end-of-turn token, not the whitespace after it).
+  The example ends with the last turn's end-of-turn token, which must be a special token.
 
 Rows that cannot make an example (null or empty text, broken conversations, no tokens) stop the
 batch with an error naming the first one, or under ``--on-bad-row skip`` are left out and
@@ -28,39 +29,61 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import BadRow, Reason, RowProblem
-from pipeline.encode.chat import conversation
+from pipeline.encode.chat import as_read, conversation
 from pipeline.encode.tokenizer import LoadedTokenizer
-from pipeline.errors import InputError
+from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
 from pipeline.read.formats import ExampleFormat, split_prompt_template
 from pipeline.read.readers import BatchRows, select_columns
 from schemas import BadRowPolicy, ExampleKind, Overflow
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# A special marker as chat templates write them: <|im_start|>, <|eot_id|>, <start_of_turn>, </s>;
+# not Llama 2's <<SYS>>, which is text.
+_MARKER = re.compile(r"(?<!<)(?:<\|[^<>|\s]{1,64}\|>|</?[A-Za-z_][A-Za-z0-9_]{0,63}>)(?!>)")
+# The conversation a chat template is checked on before anything is read.
+PROBE_CHAT = (
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Again"},
+    {"role": "assistant", "content": "Sure"},
+)
 
 
 @dataclass
 class EncodedBatch:
     """Examples as one flat buffer: example ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``.
 
-    ``rejected`` lists the batch's rows left out under ``--on-bad-row skip``; ``untrained``
-    counts the examples and tokens ``--overflow truncate`` left with nothing to train on.
+    ``rows`` gives each example's row within the batch (rows left out have no example; None:
+    one example per row). ``rejected`` lists the batch's rows left out under ``--on-bad-row
+    skip``; ``untrained`` counts the examples and tokens ``--overflow truncate`` left with
+    nothing to train on; ``trimmed`` counts the conversations ``--drop-dangling-turns`` shortened.
     """
 
     lengths: np.ndarray  # int64 [examples]
     tokens: np.ndarray  # [sum(lengths)]: uint16 when the vocabulary fits, else int32 (see token_dtype)
     loss_mask: np.ndarray  # uint8 [sum(lengths)]
+    rows: np.ndarray | None = None  # int64 [examples], ascending
     rejected: list[BadRow] = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
+    trimmed: int = 0
 
     @property
     def starts(self) -> np.ndarray:
         return np.cumsum(self.lengths) - self.lengths
 
+    @property
+    def example_rows(self) -> np.ndarray:
+        """Each example's row within the batch."""
+        return np.arange(self.lengths.size, dtype=np.int64) if self.rows is None else self.rows
+
     def select(self, keep: np.ndarray) -> EncodedBatch:
         """The examples where boolean ``keep`` is true."""
         index = gather_index(self.starts[keep], self.lengths[keep])
-        return EncodedBatch(self.lengths[keep], self.tokens[index], self.loss_mask[index], self.rejected, self.untrained)
+        return EncodedBatch(
+            self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
+            self.untrained, self.trimmed,
+        )
 
 
 def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
@@ -204,6 +227,7 @@ class Encoder:
                     f"{rows.name(source_rows[i])}: {int(batch.lengths[i])} tokens, more than --max-len {self.max_len}; "
                     "pass --overflow split, truncate or drop"
                 )
+        batch.rows = source_rows
         if self.overflow == Overflow.TRUNCATE:
             batch = self._drop_untrained(batch)
         batch.rejected = rejected
@@ -221,6 +245,8 @@ class Encoder:
         if self.on_bad_row == BadRowPolicy.ERROR:
             raise BadRow(rows.name(source_rows[indices[0]]), *problems[indices[0]], {}).error()
         values = table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        if self.format.kind == ExampleKind.CHAT:
+            values = [{column: as_read(value) for column, value in row.items()} for row in values]
         names = rows.names(source_rows[indices])
         bad_rows = [BadRow(where, *problems[i], row) for i, where, row in zip(indices, names, values)]
         keep = np.ones(table.num_rows, dtype=bool)
@@ -311,13 +337,15 @@ class Encoder:
     ) -> tuple[EncodedBatch, dict[int, tuple[Reason, str]]]:
         """The conversations rendered and tokenized, and those that could not be (by index)."""
         label = "/".join(self.format.columns)
-        rendered, spans, problems = [], [], {}
+        rendered, spans, problems, trimmed = [], [], {}, 0
         for i, value in enumerate(conversations):
             try:
-                text, assistant = self._render(conversation(value), rows, int(source_rows[i]))
+                messages = conversation(value, self.format.drop_dangling_turns)
+                text, assistant = self._render(messages, rows, int(source_rows[i]))
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
                 continue
+            trimmed += len(messages) < len(value)
             rendered.append(text)
             spans.append(assistant)
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
@@ -335,15 +363,63 @@ class Encoder:
                 mask = (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
-        return EncodedBatch(lengths, tokens, loss_mask), problems
+        return EncodedBatch(lengths, tokens, loss_mask, trimmed=trimmed), problems
+
+    def chat_end_token(self) -> int:
+        """The special token the chat template ends assistant turns with, checked on PROBE_CHAT.
+
+        Raises ConfigError, before any data is read, when a marker the template writes
+        (``<|im_start|>``) is not a single added token of the tokenizer, or when an assistant
+        turn does not end with a special token: examples would then hold the marker as
+        ordinary text, and the model would not learn to stop.
+        """
+        where = f"--chat-template with tokenizer {self.tokenizer.name}"
+        try:
+            text, spans = self._render(list(PROBE_CHAT), BatchRows(where), 0)
+        except RowProblem as problem:
+            raise ConfigError(f"{where}: a plain user/assistant conversation is refused ({problem.message})") from problem
+        added = self.backend.get_added_tokens_decoder()
+        added_contents = {token.content for token in added.values()}
+        for marker in dict.fromkeys(_MARKER.findall(text)):
+            if marker not in added_contents:
+                pieces = len(self.backend.encode(marker, add_special_tokens=False).ids)
+                raise ConfigError(
+                    f"{where}: the template writes {marker!r}, which is not a special token of the tokenizer (it would be "
+                    f"packed as {pieces} ordinary tokens); use the model's own tokenizer, or add it with --special-tokens"
+                )
+        special = {i for i, token in added.items() if token.special}
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        starts = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        ids = np.array(encoding.ids, dtype=np.int64)
+        if not spans:
+            raise ConfigError(f"{where}: the template marks no assistant turn with {{% generation %}}, so nothing is trained")
+        for start, end in spans:
+            inside = ids[(starts >= start) & (starts < end)]
+            if not inside.size or int(inside[-1]) not in special:
+                raise ConfigError(
+                    f"{where}: assistant turns end with {text[start:end][-20:]!r}, not with a special token of the "
+                    "tokenizer, so the model would not learn to stop; use a template that ends them with the "
+                    "tokenizer's end-of-turn token (e.g. --chat-template chatml), or add it with --special-tokens"
+                )
+        return int(inside[-1])
 
     def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
-        """The chat rendered as text, and the character spans the assistant turns add."""
-        template = self.format.chat_template
-        if _GENERATION_TAG.search(template):
+        """The chat rendered as text, and the character spans the assistant turns add, each up to its
+        end-of-turn token: whitespace the template writes after it is not trained on, and after the
+        last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``)."""
+        if _GENERATION_TAG.search(self.format.chat_template):
             text, indices = self._apply_template(messages, with_generation_spans=True)
-            return text, [(int(a), int(b)) for a, b in indices]
-        text, _ = self._apply_template(messages)
+            spans = [(int(a), int(b)) for a, b in indices]
+        else:
+            text, _ = self._apply_template(messages)
+            spans = self._assistant_spans(messages, text, rows, row)
+        spans = [(start, start + len(text[start:end].rstrip())) for start, end in spans]
+        if spans and not text[spans[-1][1] :].strip():
+            text = text[: spans[-1][1]]
+        return text, spans
+
+    def _assistant_spans(self, messages: list[dict[str, str]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
+        """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it turn by turn."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -356,7 +432,7 @@ class Encoder:
                     "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
                 )
             spans.append((len(before), len(through)))
-        return text, spans
+        return spans
 
     def _apply_template(
         self, messages: list, add_generation_prompt: bool = False, with_generation_spans: bool = False

@@ -11,6 +11,7 @@ alone, without importing transformers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -21,23 +22,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
 from pipeline.config import DEFAULT_TOKENIZER
 from pipeline.errors import ConfigError, InputError
 from pipeline.read import hub
 from schemas import TokenizerInputs, WriteError, atomic_output, cache_dir, file_sha256
 
 DEFAULT_TOKENIZER_FILE = "tokenizer.model.v1"  # in mistral_common/data, Apache-2.0
-# The chat template of Mistral-7B-Instruct-v0.1, used with the default tokenizer, which has none.
-MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
-)
-
-
 MISTRAL_V01_TOKENIZER_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     # Mistral expects <s> before every sequence and </s> only where the data puts it.
@@ -77,6 +68,8 @@ class LoadedTokenizer:
     content_hash: str
     prefix_ids: tuple[int, ...] = ()
     suffix_ids: tuple[int, ...] = ()
+    # What a run should be told about how the tokenizer was made (a guessed split pattern).
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def from_backend(
@@ -105,6 +98,20 @@ class LoadedTokenizer:
         loaded = replace(self, content_hash=digest.hexdigest())
         _BACKENDS[loaded.content_hash] = backend
         return loaded
+
+    def with_added_special_tokens(self, tokens: tuple[str, ...]) -> LoadedTokenizer:
+        """This tokenizer with ``--special-tokens`` added: each one token, after the vocabulary, in order.
+
+        BOS and EOS not known before are then found among them by their usual names.
+        """
+        if not tokens:
+            return self
+        from tokenizers import AddedToken, Tokenizer
+
+        backend = Tokenizer.from_str(self.serialized)
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokens])
+        added = LoadedTokenizer.from_backend(self.name, backend, self.bos_token, self.eos_token, self.chat_template)
+        return replace(added, notes=self.notes)
 
     def with_special_tokens(self, bos_token: str | None, eos_token: str | None) -> LoadedTokenizer:
         """This tokenizer with ``--bos-token`` / ``--eos-token`` applied (None: keep; ``none`` BOS: no BOS)."""
@@ -302,15 +309,117 @@ def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any
         _save_converted(tokenizer, target)
 
 
-def _convert_tiktoken(ranks_file: Path, target: Path) -> None:
+# A possessive quantifier: ?+ *+ ++ {m,n}+ (not the + after \p{L}).
+_POSSESSIVE = re.compile(r"([?*+]|\{\d+(?:,\d*)?\})\+")
+
+
+@dataclass(frozen=True)
+class TiktokenEncoding:
+    """What a tiktoken ranks file does not hold: the split pattern and the special tokens with their ids.
+
+    They come from a JSON file beside the ranks file, named after it (``qwen.tiktoken.json``;
+    ``tokenizer.model.json`` beside a Llama 3 ``tokenizer.model``), holding ``pat_str`` and
+    ``special_tokens``, the arguments tiktoken's own encodings are defined by::
+
+        {"pat_str": "(?i:'s|'t|...)|\\s+", "special_tokens": {"<|endoftext|>": 151643, "<|im_start|>": 151644}}
+
+    tiktoken's own encodings (``cl100k_base.tiktoken``, ``o200k_base.tiktoken``, ...) are known
+    by their content and need no JSON. Otherwise the pattern is a guess (transformers' default,
+    that of cl100k_base and Llama 3).
+    """
+
+    pat_str: str | None = None
+    special_tokens: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, ranks_file: Path) -> tuple[TiktokenEncoding, Path | None]:
+        """The encoding of ``ranks_file``: the JSON beside it, else tiktoken's own encoding of that content
+        (empty when neither), and the JSON file read (or None)."""
+        encoding, described_by = cls.beside(ranks_file)
+        if described_by is None:
+            encoding = tiktoken_encodings().get(file_sha256(ranks_file), encoding)
+        return encoding, described_by
+
+    @property
+    def split_pattern(self) -> str | None:
+        """``pat_str`` for the tokenizers library, whose regex engine (Oniguruma) reads tiktoken's
+        possessive quantifiers (``?+``, ``++``, ``{1,3}+``) otherwise: as greedy ones, which split alike."""
+        return None if self.pat_str is None else _POSSESSIVE.sub(r"\1", self.pat_str)
+
+    def to_json(self) -> str:
+        return json.dumps({"pat_str": self.pat_str, "special_tokens": dict(self.special_tokens)}, sort_keys=True)
+
+    @classmethod
+    def beside(cls, ranks_file: Path) -> tuple[TiktokenEncoding, Path | None]:
+        """The encoding the JSON file beside ``ranks_file`` describes, and that file; empty and None without one."""
+        path = ranks_file.with_name(ranks_file.name + ".json")
+        if not path.is_file():
+            return cls(), None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            specials = data.get("special_tokens", {})
+            pattern = data.get("pat_str")
+            if not isinstance(specials, dict) or not all(isinstance(i, int) and i >= 0 for i in specials.values()):
+                raise ValueError("special_tokens must map each token to its id")
+            if pattern is not None and not isinstance(pattern, str):
+                raise ValueError("pat_str must be a regular expression")
+        except (ValueError, AttributeError) as err:
+            raise InputError(f"{path}: {_first_line(err)}; expected {{\"pat_str\": ..., \"special_tokens\": {{TOKEN: ID}}}}") from err
+        return cls(pattern, tuple(sorted(specials.items(), key=lambda item: item[1]))), path
+
+
+@functools.cache
+def tiktoken_encodings() -> dict[str, TiktokenEncoding]:
+    """tiktoken's own encodings (cl100k_base, o200k_base, ...) by the sha256 of their ranks file.
+
+    tiktoken defines each one by a function that downloads its ranks file and checks its hash;
+    each is run here with a loader that downloads nothing and notes the hash it expects.
+    """
+    from tiktoken_ext import openai_public
+
+    expected: list[str] = []
+
+    def note_hash(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        if expected_hash:
+            expected.append(expected_hash)
+        return {}
+
+    def no_data_gym(*args: Any, **kwargs: Any) -> dict[bytes, int]:
+        return {}  # gpt2's vocab.bpe and encoder.json are no ranks file
+
+    loaders = (openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks)
+    openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = note_hash, no_data_gym
+    known: dict[str, TiktokenEncoding] = {}
+    try:
+        for make in openai_public.ENCODING_CONSTRUCTORS.values():
+            expected.clear()
+            definition = make()
+            for sha256 in expected[-1:]:
+                specials = tuple(sorted(definition["special_tokens"].items(), key=lambda item: item[1]))
+                known.setdefault(sha256, TiktokenEncoding(definition["pat_str"], specials))
+    finally:
+        openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = loaders
+    return known
+
+
+def _convert_tiktoken(ranks_file: Path, target: Path, encoding: TiktokenEncoding) -> None:
     """Convert a tiktoken BPE ranks file with transformers' TikTokenConverter and save it under ``target``.
 
-    A ranks file holds no split pattern and no special tokens: the converter's pattern (the one
-    of cl100k_base and Llama 3) is used, and special tokens are those the data or options name.
+    The special tokens get the ids ``encoding`` gives them; ids it skips between the ranks and
+    them are held by ``<|unused_ID|>`` special tokens, so that every id is the model's.
     """
+    from tokenizers import AddedToken
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    _save_converted(TikTokenConverter(vocab_file=str(ranks_file)).converted(), target)
+    options = {"pattern": encoding.split_pattern} if encoding.pat_str else {}
+    converted = TikTokenConverter(vocab_file=str(ranks_file), **options).converted()
+    for token, token_id in encoding.special_tokens:
+        size = converted.get_vocab_size(with_added_tokens=True)
+        if token_id < size:
+            raise InputError(f"{ranks_file}: special token {token!r} has id {token_id}, which an earlier token holds")
+        unused = [AddedToken(f"<|unused_{i}|>", special=True, normalized=False) for i in range(size, token_id)]
+        converted.add_special_tokens([*unused, AddedToken(token, special=True, normalized=False)])
+    _save_converted(converted, target)
 
 
 def _check_sentencepiece(model_file: Path) -> None:
@@ -324,18 +433,31 @@ def _check_sentencepiece(model_file: Path) -> None:
 
 
 def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
-    """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content."""
-    target = cache_dir() / "tokenizers" / f"{kind}-{file_sha256(model_file)[:16]}"
+    """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content
+    (a tiktoken file's with the JSON beside it, see TiktokenEncoding)."""
+    key = file_sha256(model_file)
+    encoding, described_by = TiktokenEncoding.of(model_file) if kind == TIKTOKEN else (TiktokenEncoding(), None)
+    if encoding != TiktokenEncoding():
+        key = hashlib.sha256((key + encoding.to_json()).encode()).hexdigest()
+    target = cache_dir() / "tokenizers" / f"{kind}-{key[:16]}"
     if not (target / "tokenizer.json").is_file():
         if kind == SENTENCEPIECE:
             _check_sentencepiece(model_file)
             _convert_sentencepiece(model_file, target)
         else:
             try:
-                _convert_tiktoken(model_file, target)
+                _convert_tiktoken(model_file, target, encoding)
             except ValueError as err:  # tiktoken's message names the line it cannot parse
                 raise InputError(f"tokenizer {model_file}: not a tiktoken BPE file ({_first_line(err)}); {CONVERT_HINT}") from err
-    return _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
+    loaded = _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
+    if kind == TIKTOKEN and encoding.pat_str is None:
+        guess = (
+            f"tokenizer {model_file}: a tiktoken ranks file holds no split pattern, so cl100k_base's is a guess, and "
+            "text splits differently where the model's own pattern differs (Qwen's, o200k's); put its pat_str in "
+            f"{model_file.name}.json beside it"
+        )
+        loaded = replace(loaded, notes=(guess,))
+    return loaded
 
 
 def load_default_tokenizer() -> LoadedTokenizer:
@@ -349,12 +471,13 @@ def load_default_tokenizer() -> LoadedTokenizer:
     )
 
 
-def _from_transformers(spec: str) -> LoadedTokenizer:
-    """A Hub id or local directory loaded with AutoTokenizer; it must have a fast (Rust) backend."""
+def _from_transformers(spec: str, gguf_file: str | None = None) -> LoadedTokenizer:
+    """A Hub id or local directory (with ``gguf_file``, the tokenizer of that GGUF file in it) loaded
+    with AutoTokenizer; it must have a fast (Rust) backend."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec)
+        tokenizer = AutoTokenizer.from_pretrained(spec, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError) as err:
         if not Path(spec).exists() and hub.is_offline():
             raise hub.unreachable_error("tokenizer", spec, "HF_HUB_OFFLINE is set and it is not in the local cache") from err
@@ -363,7 +486,8 @@ def _from_transformers(spec: str) -> LoadedTokenizer:
     if backend is None:
         raise InputError(f"tokenizer {spec!r} has no fast (tokenizers) backend; {CONVERT_HINT}")
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-    return LoadedTokenizer.from_backend(spec, backend, tokenizer.bos_token, tokenizer.eos_token, template)
+    name = str(Path(spec) / gguf_file) if gguf_file else spec
+    return LoadedTokenizer.from_backend(name, backend, tokenizer.bos_token, tokenizer.eos_token, template)
 
 
 def _from_tokenizer_json(path: Path) -> LoadedTokenizer:
@@ -391,10 +515,53 @@ def _from_directory(path: Path) -> LoadedTokenizer:
     return _from_transformers(str(path))
 
 
-def load_tokenizer(spec: str = DEFAULT_TOKENIZER, bos_token: str | None = None, eos_token: str | None = None) -> LoadedTokenizer:
+def holds_tokenizer(directory: Path) -> bool:
+    """Whether a directory (a model's, say) holds a tokenizer: transformers' files or a tokenizer model file."""
+    return directory.is_dir() and any(
+        p.name in ("tokenizer.json", "tokenizer_config.json") or (p.is_file() and model_file_kind(p) is not None)
+        for p in directory.iterdir()
+    )
+
+
+def check_model_tokenizer(model: str, recorded: TokenizerInputs) -> None:
+    """Raise ConfigError when the ``--model`` directory (or its GGUF file) holds a tokenizer that is
+    not, by content, the one the shards were built with (``inputs.tokenizer``); a model without one passes."""
+    if not (Path(model).is_file() or holds_tokenizer(Path(model))) or matches_recorded(model, recorded):
+        return
+    raise ConfigError(
+        f"--model {model}: its tokenizer differs from the one the shards were built with ({recorded.name}, content "
+        f"{recorded.content_hash[:12]}), so token ids would mean other text; pack with --tokenizer {model}, or pass "
+        "--allow-tokenizer-mismatch"
+    )
+
+
+def matches_recorded(spec: str, recorded: TokenizerInputs) -> bool:
+    """Whether the tokenizer ``spec`` names is, by content, the one a build recorded (``inputs.tokenizer``).
+
+    It matches as it loads, or with the BOS and EOS the build recorded applied, as
+    ``--bos-token`` / ``--eos-token`` did when packing.
+    """
+    loaded = _load(spec)
+    if loaded.content_hash == recorded.content_hash:
+        return True
+    backend = loaded.backend()
+    bos = NO_TOKEN if recorded.bos_token_id is None else backend.id_to_token(recorded.bos_token_id)
+    eos = None if recorded.eos_token_id is None else backend.id_to_token(recorded.eos_token_id)
+    try:
+        return loaded.with_special_tokens(bos, eos).content_hash == recorded.content_hash
+    except ConfigError:
+        return False
+
+
+def load_tokenizer(
+    spec: str = DEFAULT_TOKENIZER,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    special_tokens: tuple[str, ...] = (),
+) -> LoadedTokenizer:
     """Load the tokenizer named by ``spec`` (the default, a tokenizer file, a directory or a Hub id),
-    with ``--bos-token`` / ``--eos-token`` applied."""
-    return _load(spec).with_special_tokens(bos_token, eos_token)
+    with ``--special-tokens`` added and ``--bos-token`` / ``--eos-token`` applied."""
+    return _load(spec).with_added_special_tokens(special_tokens).with_special_tokens(bos_token, eos_token)
 
 
 def _load(spec: str) -> LoadedTokenizer:
@@ -404,6 +571,8 @@ def _load(spec: str) -> LoadedTokenizer:
     if path.is_file():
         if path.suffix == ".json":
             return _from_tokenizer_json(path)
+        if path.suffix == ".gguf":
+            return _from_transformers(str(path.parent), gguf_file=path.name)
         kind = model_file_kind(path)
         if kind is None:
             raise InputError(f"tokenizer {spec}: not a tokenizer file; {CONVERT_HINT}")

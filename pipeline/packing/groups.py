@@ -1,8 +1,10 @@
 """Number the examples of all batches in source order and split them into packing groups.
 
 Tokenized batches arrive from the workers in any order, keyed by (read task, batch within
-the task). Sorting the keys gives the source order, so an example's id is its position in
-the dataset whatever the runner. Examples past ``--num-examples`` are left out here.
+the task). Sorting the keys gives the source order, so an example's id is the number of its
+source row in the dataset whatever the runner, and stays so when rows before it were left out
+(``--on-bad-row skip``, ``--overflow truncate``): ids lie in ``[0, rows read)``, which the
+manifest records as ``stats.num_example_ids``. Rows past ``--num-examples`` are left out here.
 
 Packing is best-fit decreasing over all the lengths of a group, on one worker (about 40
 bytes per example while packing). A dataset of more than EXAMPLES_PER_GROUP examples is cut
@@ -28,38 +30,47 @@ BatchKey = tuple[int, int]
 
 @dataclass(frozen=True)
 class Layout:
-    """For each batch, in source order: the id of its first example, how many of its examples are kept, its group."""
+    """For each batch, in source order: the number of its first source row, how many of its rows are kept, its group."""
 
     keys: tuple[BatchKey, ...]
-    first_ids: np.ndarray  # int64 [batches]
-    kept: np.ndarray  # int64 [batches]
+    first_rows: np.ndarray  # int64 [batches]
+    kept_rows: np.ndarray  # int64 [batches]
     groups: np.ndarray  # int64 [batches]; -1 for a batch with nothing kept
     num_groups: int
 
     @property
-    def num_examples(self) -> int:
-        return int(self.kept.sum())
+    def num_example_ids(self) -> int:
+        """The source rows kept: every example id is below it."""
+        return int(self.kept_rows.sum())
 
     def index(self) -> dict[BatchKey, tuple[int, int, int]]:
-        """``key -> (first id, examples kept, group)``."""
+        """``key -> (first row, rows kept, group)``."""
         return {
             key: (int(f), int(k), int(g))
-            for key, f, k, g in zip(self.keys, self.first_ids.tolist(), self.kept.tolist(), self.groups.tolist())
+            for key, f, k, g in zip(self.keys, self.first_rows.tolist(), self.kept_rows.tolist(), self.groups.tolist())
         }
 
 
 def make_layout(
-    counts: Iterable[tuple[BatchKey, int]], limit: int | None, examples_per_group: int = EXAMPLES_PER_GROUP
+    counts: Iterable[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int = EXAMPLES_PER_GROUP
 ) -> Layout:
-    """The layout of batches with ``counts`` examples each, keeping the first ``limit`` examples of the dataset."""
-    ordered = sorted((tuple(key), int(count)) for key, count in counts)
+    """The layout of batches with ``counts`` (examples, source rows read) each, keeping the first ``limit`` rows.
+
+    Groups are cut by rows, which bound the examples (a row makes at most one).
+
+    >>> layout = make_layout([((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=6)
+    >>> layout.first_rows.tolist(), layout.kept_rows.tolist(), layout.num_example_ids
+    ([0, 4], [4, 2], 6)
+    """
+    ordered = sorted((tuple(key), (int(examples), int(rows))) for key, (examples, rows) in counts)
     keys = tuple(key for key, _ in ordered)
-    sizes = np.array([count for _, count in ordered], dtype=np.int64)
-    first_ids = np.cumsum(sizes) - sizes
-    kept = sizes if limit is None else np.clip(limit - first_ids, 0, sizes)
+    examples = np.array([e for _, (e, _) in ordered], dtype=np.int64)
+    rows = np.array([r for _, (_, r) in ordered], dtype=np.int64)
+    first_rows = np.cumsum(rows) - rows
+    kept = rows if limit is None else np.clip(limit - first_rows, 0, rows)
     total = int(kept.sum())
-    if total == 0:
+    if total == 0 or not examples[kept > 0].any():
         raise InputError("the dataset holds no examples")
     num_groups = -(-total // examples_per_group)
-    groups = np.where(kept > 0, np.minimum(first_ids * num_groups // total, num_groups - 1), -1)
-    return Layout(keys, first_ids, kept, groups, num_groups)
+    groups = np.where(kept > 0, np.minimum(first_rows * num_groups // total, num_groups - 1), -1)
+    return Layout(keys, first_rows, kept, groups, num_groups)

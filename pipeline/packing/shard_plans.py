@@ -29,12 +29,18 @@ from schemas import PackingStats
 
 @dataclass(frozen=True)
 class GroupBatch:
-    """One tokenized batch of a packing group: its key, its first example's id, its kept lengths, its spill file."""
+    """One tokenized batch of a packing group: its key, its first source row, its kept examples'
+    lengths and rows within the batch, its spill file. An example's id is ``first_row + rows[i]``."""
 
     key: BatchKey
-    first_id: int
+    first_row: int
     lengths: np.ndarray  # [examples kept]
+    rows: np.ndarray  # [examples kept]
     path: str
+
+    @property
+    def example_ids(self) -> np.ndarray:
+        return self.first_row + self.rows.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class PackedGroup:
 class ShardPlan:
     """The rows of one shard, and where each of their segments' tokens lie in the spill files.
 
-    ``plan.segment_example`` holds dataset-wide example ids. Segment ``j`` is tokens
+    ``plan.segment_example`` holds dataset-wide example ids (source row numbers). Segment ``j`` is tokens
     ``token_start[j] : token_start[j] + plan.segment_length[j]`` of spill file ``sources[source[j]]``.
     """
 
@@ -106,7 +112,7 @@ def pack_group(
     plan_dir: str,
 ) -> PackedGroup:
     """Pack the examples of a group's batches (consecutive in the dataset) and write one plan file per shard."""
-    batches = sorted(batches, key=lambda b: b.first_id)
+    batches = sorted(batches, key=lambda b: b.first_row)
     lengths = np.concatenate([b.lengths for b in batches]).astype(np.int64) if batches else np.zeros(0, np.int64)
     plan = pack(lengths, capacity, overflow=overflow, algorithm=algorithm, seed=seed)
     del lengths
@@ -114,7 +120,7 @@ def pack_group(
     starts = [np.cumsum(b.lengths, dtype=np.int64) - b.lengths for b in batches]
     example_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     batch_of_example = np.repeat(np.arange(len(batches)), [b.lengths.size for b in batches])
-    group_first = batches[0].first_id if batches else 0
+    example_ids = np.concatenate([b.example_ids for b in batches]) if batches else np.zeros(0, np.int64)
     paths = np.array([b.path for b in batches], dtype=str)
     shard_paths = []
     for local, start in enumerate(range(0, plan.num_rows, rows_per_shard)):
@@ -122,7 +128,7 @@ def pack_group(
         batch = batch_of_example[rows.segment_example]
         used, source = np.unique(batch, return_inverse=True)
         token_start = example_start[rows.segment_example] + rows.segment_offset
-        rows = dataclasses.replace(rows, segment_example=rows.segment_example + group_first, stats=PackingStats())
+        rows = dataclasses.replace(rows, segment_example=example_ids[rows.segment_example], stats=PackingStats())
         path = shard_plan_path(plan_dir, group, local)
         ShardPlan(rows, source.astype(np.int64), token_start, paths[used]).save(path)
         shard_paths.append(path)

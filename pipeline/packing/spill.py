@@ -32,15 +32,19 @@ CLUSTER_SPILL_PREFIX = "varpack-spill-"
 
 @dataclass(frozen=True)
 class SpilledBatch:
-    """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]`` tokens.
+    """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]``
+    tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
 
-    ``rejected`` and ``untrained`` are the batch's bad rows and untrained counts (see EncodedBatch).
+    ``rejected``, ``untrained`` and ``trimmed`` are the batch's bad rows, untrained and trimmed counts (see EncodedBatch).
     """
 
     path: str
     lengths: np.ndarray  # int32 [examples]: the runner holds these for every example, so 4 bytes each
+    rows: np.ndarray  # int32 [examples], ascending
+    rows_read: int
     rejected: list = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
+    trimmed: int = 0
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -51,13 +55,16 @@ def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
     return storage.join(out_dir, f"{SPILL_PREFIX}{run}")
 
 
-def spill(batch: EncodedBatch, spill_dir: str, name: str) -> SpilledBatch:
-    """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``."""
+def spill(batch: EncodedBatch, spill_dir: str, name: str, rows_read: int) -> SpilledBatch:
+    """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``; ``batch`` came from ``rows_read`` source rows."""
     table = pa.table({"tokens": batch.tokens, "loss_mask": batch.loss_mask})
     path = storage.join(spill_dir, f"{name}.arrow")
     storage.write_scratch(path, lambda local: _write(table, local))
     release_freed_memory()
-    return SpilledBatch(path, batch.lengths.astype(np.int32), batch.rejected, batch.untrained)
+    rows = batch.example_rows.astype(np.int32)
+    return SpilledBatch(
+        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.trimmed
+    )
 
 
 def _libc_malloc_trim():

@@ -60,6 +60,8 @@ class ExampleFormat:
     # Prompt/response only: how they are joined, or rendered as a user/assistant chat instead.
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     as_chat: bool = False
+    # Chat only: drop assistant turns before the first user turn and a user turn after the last assistant turn.
+    drop_dangling_turns: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -77,8 +79,8 @@ class ExampleFormat:
         if self.kind == ExampleKind.PROMPT_RESPONSE and self.as_chat:
             prompt, response = self.columns
             return (
-                f"varpack.prompt_response_chat.v1 user={prompt} assistant={response}: the chat template below, "
-                f"tokenized whole\n{self.chat_template}"
+                f"varpack.prompt_response_chat.v2 user={prompt} assistant={response}: the chat template below, "
+                f"tokenized whole, ending with the end-of-turn token\n{self.chat_template}"
             )
         if self.kind == ExampleKind.PROMPT_RESPONSE:
             prompt, response = self.columns
@@ -87,7 +89,11 @@ class ExampleFormat:
                 f"[bos] prompt response [eos] joined as {self.prompt_template!r}"
             )
         if self.kind == ExampleKind.CHAT:
-            return f"varpack.chat.v1 messages={self.columns[0]}: the chat template below, tokenized whole\n{self.chat_template}"
+            dropped = " without dangling turns" if self.drop_dangling_turns else ""
+            return (
+                f"varpack.chat.v2 messages={self.columns[0]}{dropped}: the chat template below, tokenized whole, ending "
+                f"with the last end-of-turn token\n{self.chat_template}"
+            )
         return f"varpack.text.v1 text={self.columns[0]}: [bos] text [eos]"
 
     @property
@@ -101,6 +107,7 @@ class ExampleFormat:
         """The layout of one example, for the report."""
         if self.is_chat:
             source = "messages" if self.kind == ExampleKind.CHAT else "prompt as user, response as assistant"
+            source += ", dangling turns dropped" if self.drop_dangling_turns else ""
             return f"chat template ({source}); loss on {'every token' if self.train_on_prompt else 'assistant turns'}"
         if self.kind == ExampleKind.TEXT:
             return "[bos] text [eos]; loss on every token"
@@ -148,10 +155,12 @@ def resolve_format(
     as_chat = config.as_chat and chosen.kind == ExampleKind.PROMPT_RESPONSE
     if config.as_chat and not as_chat:
         raise ConfigError(f"--as-chat renders prompt/response data as a chat; {where} is {chosen.kind} data")
+    if config.drop_dangling_turns and chosen.kind != ExampleKind.CHAT:
+        raise ConfigError(f"--drop-dangling-turns drops turns of chat data; {where} is {chosen.kind} data")
     if (chosen.kind == ExampleKind.CHAT or as_chat) and not chat_template:
         raise InputError(
             f"{where}: {'--as-chat' if as_chat else 'chat data'} needs a chat template and the tokenizer has none; "
-            "pass --chat-template (a Jinja template, or a file holding one)"
+            "pass --chat-template (chatml, llama3, mistral, gemma, a Jinja template, or a file holding one)"
         )
     template = config.prompt_template or chosen.prompt_template
     split_prompt_template(template)
@@ -162,4 +171,5 @@ def resolve_format(
         chat_template=chat_template if chosen.kind == ExampleKind.CHAT or as_chat else None,
         prompt_template=template,
         as_chat=as_chat,
+        drop_dangling_turns=config.drop_dangling_turns,
     )

@@ -44,6 +44,8 @@ def format_report(
     ]
     if rejected is not None and rejected.rows:
         lines.append(("rejected", describe_rejected(rejected)))
+    if stats.conversations_trimmed:
+        lines.append(("trimmed", describe_trimmed(stats)))
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
@@ -64,6 +66,14 @@ def describe_overflow(stats: PackingStats) -> str:
             "trained token left after truncation"
         )
     return overflow
+
+
+def describe_trimmed(stats: PackingStats) -> str:
+    """Conversations --drop-dangling-turns shortened."""
+    return (
+        f"{plural(stats.conversations_trimmed, 'conversation')} without their leading assistant or trailing user turns "
+        "(--drop-dangling-turns)"
+    )
 
 
 def describe_rejected(rejected: RejectedRows) -> str:

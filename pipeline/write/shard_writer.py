@@ -41,7 +41,6 @@ from schemas import (
     ShardInfo,
     atomic_output,
     compute_fingerprint,
-    example_id_count,
     file_sha256,
     one_of,
     positive_int,
@@ -293,12 +292,13 @@ class ShardWriter:
         self._write(pa.concat_tables(self._pending), last=True)
         self._pending = []
         stats = PackingStats.merged(self._stats)
-        count = example_id_count(stats, rejected, self.inputs.dataset)
-        if self._lowest_id < 0 or self._highest_id >= count:
+        declared = self.inputs.dataset.num_examples
+        stats.num_example_ids = declared or max(self._examples, self._highest_id + 1)
+        if self._lowest_id < 0 or self._highest_id >= stats.num_example_ids:
             outside = self._lowest_id if self._lowest_id < 0 else self._highest_id
             raise ValueError(
-                f"{self.out_dir}: example id {outside} is outside [0, {count}), the ids of the {count} examples "
-                "written; give ids below the source's example count and declare it in inputs.dataset.num_examples"
+                f"{self.out_dir}: example id {outside} is outside [0, {stats.num_example_ids}), the build's example ids "
+                "(inputs.dataset.num_examples); give ids below the source's example count"
             )
         self.manifest = finish_build(self.out_dir, self.inputs, self.rows_per_shard, self._shards, stats, rejected)
         return self.manifest

@@ -1,0 +1,175 @@
+"""Chat builds end every assistant turn with a real special token: a template whose markers are not
+special tokens of the tokenizer, or whose turns end in text, is refused before any data is read;
+the manifest and the report name the token turns actually end with; named templates
+(``--chat-template chatml|llama3|mistral|gemma``) work with tokenizers that have their tokens."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline.build import build
+from pipeline.encode.chat_templates import CHAT_TEMPLATES
+from pipeline.config import PackConfig
+from pipeline.errors import ConfigError, InputError
+from pipeline.pack import main
+from pipeline.encode.tokenizer import load_tokenizer
+from tests.test_pipeline_e2e import read_examples
+
+CHATS = [
+    [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"It is {2 * i}."}]
+    + ([{"role": "user", "content": "And doubled?"}, {"role": "assistant", "content": f"{4 * i}"}] if i % 2 else [])
+    for i in range(10)
+]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def chats(tmp_path) -> Path:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
+    return path
+
+
+def byte_level_directory(path: Path, specials: list[str], config: dict | None = None) -> Path:
+    """A byte-level BPE tokenizer trained on the chats, with ``specials`` and an optional tokenizer_config.json."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [turn["content"] for chat in CHATS for turn in chat]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    path.mkdir(parents=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    if config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def tiktoken_ranks_file(path: Path) -> Path:
+    """A tiktoken ranks file: every byte and a few merges, no special tokens (as such files ship)."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in [b"Wh", b"at", b" is", b" plus", b"It"]:
+        ranks[merge] = len(ranks)
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()))
+    return path
+
+
+def pack_chats(tmp_path: Path, chats: Path, **options):
+    return build(PackConfig(dataset=str(chats), out=str(tmp_path / "out"), max_len=256, progress=False, **options))
+
+
+def test_template_markers_that_are_not_special_tokens_are_refused(tmp_path, chats, capsys):
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--tokenizer", str(ranks), "--no-progress"]
+    assert main([*args, "--chat-template", CHAT_TEMPLATES["chatml"]]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("varpack: error: ")
+    assert "writes '<|im_start|>', which is not a special token of the tokenizer (it would be packed as" in error
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi", "response": "Hello"}) + "\n")
+    with pytest.raises(ConfigError, match="writes '<|im_start|>'"):
+        build(PackConfig(dataset=str(prompts), out=str(tmp_path / "out"), tokenizer=str(ranks), as_chat=True,
+                         chat_template=CHAT_TEMPLATES["chatml"], progress=False))
+
+
+def test_turns_that_end_in_text_are_refused(tmp_path, chats):
+    directory = byte_level_directory(tmp_path / "tok", ["<|endoftext|>"])
+    plain = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    with pytest.raises(ConfigError, match=r"assistant turns end with .*, not with a special token of the tokenizer"):
+        pack_chats(tmp_path, chats, tokenizer=str(directory), chat_template=plain)
+
+
+def test_llama3_builds_record_the_end_of_turn_token_they_use(tmp_path, chats, capsys):
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    directory = byte_level_directory(tmp_path / "llama3", LLAMA3_SPECIALS, config)
+    tokenizer = load_tokenizer(str(directory))
+    eot, eos = tokenizer.token_id("<|eot_id|>"), tokenizer.token_id("<|end_of_text|>")
+    assert tokenizer.eos_token_id == eos != eot
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--tokenizer", str(directory),
+            "--chat-template", "llama3", "--max-len", "256", "--no-progress"]
+    assert main(args) == 0
+    assert f"turns end with <|eot_id|> ({eot})" in capsys.readouterr().out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    examples = read_examples(out_dir)
+    assert len(examples) == len(CHATS) and all(tokens[-1] == eot for tokens, _ in examples.values())
+    assert all(eos not in tokens for tokens, _ in examples.values())
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["inputs"]["tokenizer"]["eos_token_id"] == eot
+
+
+def test_tiktoken_with_added_special_tokens_and_a_named_template_ends_every_example_with_its_end_token(
+    tmp_path, chats, capsys
+):
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--tokenizer", str(ranks), "--chat-template", "chatml",
+            "--special-tokens", "<|endoftext|>,<|im_start|>,<|im_end|>", "--max-len", "256", "--no-progress"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "holds no split pattern, so cl100k_base's is a guess" in captured.err
+    tokenizer = load_tokenizer(str(ranks), special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    im_start, im_end = tokenizer.token_id("<|im_start|>"), tokenizer.token_id("<|im_end|>")
+    assert (im_start, im_end) == (262, 263)  # after the 261 ranks and <|endoftext|>
+    assert f"turns end with <|im_end|> ({im_end})" in captured.out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    examples = read_examples(out_dir)
+    assert sorted(examples) == list(range(len(CHATS)))
+    backend = tokenizer.backend()
+    for i, (tokens, mask) in examples.items():
+        assert tokens[-1] == im_end and mask[-1] == 1
+        turns = sum(1 for turn in CHATS[i] if turn["role"] == "assistant")
+        assert list(tokens).count(im_start) == 2 * turns and list(tokens).count(im_end) == 2 * turns
+        trained = backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+        assert trained == "".join(turn["content"] + "<|im_end|>" for turn in CHATS[i] if turn["role"] == "assistant")
+
+
+def test_a_json_beside_the_ranks_file_gives_the_split_pattern_and_the_special_tokens_ids(tmp_path):
+    """Tokens and ids as tiktoken itself encodes with the same ranks, pattern and special tokens."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    specials = {"<|endoftext|>": 300, "<|im_start|>": 301, "<|im_end|>": 302}
+    (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"pat_str": pattern, "special_tokens": specials}))
+    reference = tiktoken.Encoding("tiny", pat_str=pattern, mergeable_ranks=load_tiktoken_bpe(str(ranks)),
+                                  special_tokens=specials)
+    tokenizer = load_tokenizer(str(ranks))
+    assert tokenizer.notes == () and tokenizer.eos_token == "<|endoftext|>"
+    text = "<|im_start|>user\nWhat is 12345 plus 678?<|im_end|>\n<|im_start|>assistant\nIt is 13023.<|im_end|>"
+    assert tokenizer.backend().encode(text, add_special_tokens=False).ids == reference.encode(text, allowed_special="all")
+    assert tokenizer.token_id("<|im_end|>") == 302 and tokenizer.backend().id_to_token(270) == "<|unused_270|>"
+    (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"special_tokens": {"<|endoftext|>": 3}}))
+    with pytest.raises(InputError, match="special token '<|endoftext|>' has id 3, which an earlier token holds"):
+        load_tokenizer(str(ranks))
+
+
+def test_tiktokens_possessive_patterns_split_as_tiktoken_does(tmp_path):
+    """cl100k_base's and o200k_base's patterns (possessive quantifiers) given beside a ranks file split text
+    as tiktoken does; tiktoken's own ranks files are known by content, with their special tokens."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    from pipeline.encode.tokenizer import tiktoken_encodings
+
+    known = {encoding.special_tokens[0]: encoding for encoding in tiktoken_encodings().values()}
+    assert ("<|endoftext|>", 100257) in known and ("<|endoftext|>", 199999) in known
+    ranks = tiktoken_ranks_file(tmp_path / "tiny.tiktoken")
+    texts = ["What is 1234567 plus 89?  It's 1234656.\n\n", "  two  spaces\ttab\r\nCRLF  \n", "Hindi हिन्दी, Khmer ខ្មែរ!"]
+    for encoding in (known[("<|endoftext|>", 100257)], known[("<|endoftext|>", 199999)]):
+        (tmp_path / "tiny.tiktoken.json").write_text(json.dumps({"pat_str": encoding.pat_str}))
+        reference = tiktoken.Encoding("tiny", pat_str=encoding.pat_str, mergeable_ranks=load_tiktoken_bpe(str(ranks)),
+                                      special_tokens={})
+        backend = load_tokenizer(str(ranks)).backend()
+        for text in texts:
+            assert backend.encode(text, add_special_tokens=False).ids == reference.encode(text), text
