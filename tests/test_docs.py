@@ -94,6 +94,20 @@ def test_every_link_between_pages_finds_its_page_and_heading():
                 assert anchor in anchors(linked), f"{page.name}: no heading #{anchor} in {target or page.name}"
 
 
+def test_every_test_the_guarantees_name_exists():
+    page = ROOT / "docs" / "guarantees.md"
+    named = 0
+    for row in re.findall(r"^\|.*\|$", page.read_text(), flags=re.M):
+        file = None
+        for given_file, name in re.findall(r"`(test_\w+\.py)?::(\w+)`", row):
+            file = given_file or file
+            assert file, f"guarantees.md: ::{name} follows no test file in its row"
+            source = (ROOT / "tests" / file).read_text()
+            assert re.search(rf"^(async )?def {name}\(", source, flags=re.M), f"guarantees.md: no test {file}::{name}"
+            named += 1
+    assert named >= 50
+
+
 def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "NO_COLOR": "1"}
