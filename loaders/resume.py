@@ -20,11 +20,6 @@ from typing import Any
 STATE_FORMAT = "varpack.loader_state"
 STATE_VERSION = 1
 
-# What must match between the run that saved a state and the one that loads it: together
-# they fix the epoch's list of batches.
-IDENTITY_KEYS = (
-    "fingerprint", "seed", "shuffle", "shuffle_buffer_rows", "batch_rows", "tokens_per_batch", "world_size",
-)
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
     if state.get("version", 0) > STATE_VERSION:
         raise ValueError(f"loader state version {state['version']} is newer than this varpack reads ({STATE_VERSION})")
     changed = [
-        f"{key} {state.get(key)!r} -> {identity[key]!r}" for key in IDENTITY_KEYS if state.get(key) != identity[key]
+        f"{key} {state.get(key)!r} -> {identity[key]!r}" for key in identity if state.get(key) != identity[key]
     ]
     if changed:
         raise ValueError(
