@@ -305,3 +305,29 @@ def test_mixture_file(builds, tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_mixture_file(path)
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_train_script_on_a_mixture_logs_tokens_per_source_and_resumes_exactly(tmp_path, trainer):
+    if trainer == "hf":
+        pytest.importorskip("accelerate")
+    from tests.test_train import MODEL, load_script, losses
+
+    rng = np.random.default_rng(5)
+    for name, seed in (("math", 1), ("chat", 2)):
+        build_shard_dir(tmp_path / name, rng.integers(8, 120, 60), capacity=256, vocab_size=128, seed=seed)
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps({"sources": {"math": "math", "chat": "chat"}, "weights": {"math": 3, "chat": 1}}))
+    common = ["--mixture", str(spec), "--random-init", MODEL, "--trainer", trainer, "--attn", "sdpa", "--precision",
+              "fp32", "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1"]
+    main = load_script().main
+    main([*common, "--out", str(tmp_path / "straight"), "--max-steps", "6"])
+    main([*common, "--out", str(tmp_path / "resumed"), "--max-steps", "3", "--save-every", "3"])
+    main([*common, "--out", str(tmp_path / "resumed"), "--max-steps", "6", "--save-every", "3", "--resume"])
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+    if trainer == "plain":
+        records = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+        tokens = np.array([[r["source_tokens"][n]["tokens"] for n in ("math", "chat")] for r in records]).sum(axis=0)
+        assert abs(tokens[0] / tokens.sum() - 0.75) <= 256 / tokens.sum()
