@@ -161,7 +161,8 @@ class PackedMixture(PackedIterableDataset):
         _check_compatible(self.names, self._readers)
         first = self._readers[0]
         self.manifest = first.manifest  # the builds share its tokenizer and capacity; manifests() has each
-        self.source = "mixture of " + ", ".join(f"{n}={r.source}" for n, r in zip(self.names, self._readers))
+        self.builds = {name: reader.source for name, reader in zip(self.names, self._readers)}
+        self.source = "mixture of " + ", ".join(f"{name}={build}" for name, build in self.builds.items())
         self.capacity = first.capacity
         self.shuffle, self.seed = first.shuffle, first.seed
         self.shuffle_buffer_rows = shuffle_buffer_rows or 0  # 0: each build's own default
