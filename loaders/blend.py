@@ -68,25 +68,31 @@ def blend(
     ``row_units``: the caller then supplies more of that source's rows and continues from the
     returned state (the picks are the same as in one call over longer arrays).
     """
-    consumed = list(state.consumed)
-    total = state.total
+    # Source i's score with j of its supplied rows taken: w_i * T - (c_i + j's units + (1 - w_i) * r_j / 2),
+    # the deficit at the middle of its next row; past its last supplied row, the bare deficit.
+    bases, offsets = [], []
+    for units, weight, consumed in zip(row_units, weights.tolist(), state.consumed):
+        units = np.asarray(units, dtype=np.float64)
+        before = consumed + np.concatenate(([0.0], np.cumsum(units)))
+        bases.append(before.tolist())
+        offsets.append((before + np.append((1 - weight) * units / 2, 0.0)).tolist())
     weight = weights.tolist()
-    units = [np.asarray(u, dtype=np.float64).tolist() for u in row_units]
-    taken = [0] * len(units)
+    ends = [len(base) - 1 for base in bases]
+    taken = [0] * len(bases)
     picks: list[int] = []
-    sources = range(len(units))
+    total = state.total
+    sources = range(len(bases))
     while total < until:
-        best, best_deficit = 0, -np.inf
+        best, best_score = 0, -np.inf
         for i in sources:
-            half = units[i][taken[i]] / 2 if taken[i] < len(units[i]) else 0.0
-            deficit = weight[i] * (total + half) - consumed[i] - half
-            if deficit > best_deficit:
-                best, best_deficit = i, deficit
-        if taken[best] == len(units[best]):
+            score = weight[i] * total - offsets[i][taken[i]]
+            if score > best_score:
+                best, best_score = i, score
+        j = taken[best]
+        if j == ends[best]:
             break
-        row = units[best][taken[best]]
-        taken[best] += 1
-        consumed[best] += row
-        total += row
+        total += bases[best][j + 1] - bases[best][j]
+        taken[best] = j + 1
         picks.append(best)
-    return np.asarray(picks, dtype=np.int64), np.asarray(taken, dtype=np.int64), BlendState(tuple(consumed), total)
+    consumed_after = tuple(base[j] for base, j in zip(bases, taken))
+    return np.asarray(picks, dtype=np.int64), np.asarray(taken, dtype=np.int64), BlendState(consumed_after, total)

@@ -173,6 +173,13 @@ class PackedMixture(PackedIterableDataset):
         self._source_first_row = np.concatenate(([0], np.cumsum([r.manifest.num_rows for r in self._readers])))
         self._row_tokens = np.concatenate([r._row_tokens for r in self._readers])
         self._row_segments = np.concatenate([self._segments(r) for r in self._readers])
+        # Each global row's (source, shard of that build, row in the shard): a batch's rows are one lookup.
+        self._row_place = np.stack((
+            np.repeat(np.arange(len(self._readers)), np.diff(self._source_first_row)),
+            np.concatenate([np.repeat(np.arange(len(r.manifest.shards)), [s.rows for s in r.manifest.shards])
+                            for r in self._readers]),
+            np.concatenate([np.arange(s.rows) for r in self._readers for s in r.manifest.shards]),
+        ), axis=1)
         self._row_loss_tokens = [np.concatenate([row_loss_tokens(r._shard(i)) for i in range(len(r.manifest.shards))])
                                  for r in self._readers]
         self._row_units = [self._units(i) for i in range(len(self._readers))]
@@ -190,6 +197,7 @@ class PackedMixture(PackedIterableDataset):
         # Where each mixture epoch starts: the schedule's state and each source's stream position.
         self._epoch_starts: list[tuple[BlendState, tuple[_StreamPosition, ...]]] = [
             (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))]
+        self._latest_rows: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))  # the last epoch blended
         self._position = Position(epoch=0)
         self._loaded = False
         self._plan_cache = None
@@ -251,11 +259,12 @@ class PackedMixture(PackedIterableDataset):
 
     def _epoch_rows(self, epoch: int) -> np.ndarray:
         """Global row ids (source ``i``'s rows after those of the sources before it) of mixture epoch ``epoch``."""
-        while len(self._epoch_starts) <= epoch:
+        while len(self._epoch_starts) <= epoch + 1:
             last = len(self._epoch_starts) - 1
-            _, end = self._blend_epoch(last)
+            rows, end = self._blend_epoch(last)
             self._epoch_starts.append(end)
-        return self._blend_epoch(epoch)[0]
+            self._latest_rows = (last, rows)
+        return self._latest_rows[1] if self._latest_rows[0] == epoch else self._blend_epoch(epoch)[0]
 
     def source_epochs(self, epoch: int) -> dict[str, float]:
         """How many epochs of each build the stream has read by the end of mixture epoch ``epoch``: the repetition."""
@@ -313,13 +322,9 @@ class PackedMixture(PackedIterableDataset):
 
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
         """The batch of the given global row ids, with the source of each sequence."""
-        source_of_row = np.searchsorted(self._source_first_row, rows, side="right") - 1
-        shard_rows: list[tuple[Shard, int]] = [None] * rows.size  # type: ignore[list-item]
-        for source in np.unique(source_of_row).tolist():
-            at = np.flatnonzero(source_of_row == source)
-            local = rows[at] - self._source_first_row[source]
-            for j, pair in zip(at.tolist(), self._readers[source]._shard_rows(local)):
-                shard_rows[j] = pair
+        place = self._row_place[rows]
+        source_of_row = place[:, 0]
+        shard_rows = [(self._readers[source]._shard(shard), row) for source, shard, row in place.tolist()]
         batch = collate_rows(shard_rows, fixed=self.fixed_shape, pad_token_id=self.pad_token_id)
         batch[SOURCE_IDS] = torch.from_numpy(np.repeat(source_of_row, self._row_segments[rows]))
         if self.loss_weighting.is_plain_token_mean:
