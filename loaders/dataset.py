@@ -186,6 +186,7 @@ class PackedIterableDataset(IterableDataset):
         )
         row_tokens, row_segments = self._read_row_index()
         self._row_tokens = row_tokens
+        self._row_segments = row_segments
         self._first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)
         num_rows = int(self._first_row[-1])
         if num_rows < self.world_size:

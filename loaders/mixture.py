@@ -18,6 +18,7 @@ weight and few units is repeated within it (``plan()`` says how often), up to it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -172,7 +173,7 @@ class PackedMixture(PackedIterableDataset):
 
         self._source_first_row = np.concatenate(([0], np.cumsum([r.manifest.num_rows for r in self._readers])))
         self._row_tokens = np.concatenate([r._row_tokens for r in self._readers])
-        self._row_segments = np.concatenate([self._segments(r) for r in self._readers])
+        self._row_segments = np.concatenate([r._row_segments for r in self._readers])
         # Each global row's (source, shard of that build, row in the shard): a batch's rows are one lookup.
         self._row_place = np.stack((
             np.repeat(np.arange(len(self._readers)), np.diff(self._source_first_row)),
@@ -180,8 +181,6 @@ class PackedMixture(PackedIterableDataset):
                             for r in self._readers]),
             np.concatenate([np.arange(s.rows) for r in self._readers for s in r.manifest.shards]),
         ), axis=1)
-        self._row_loss_tokens = [np.concatenate([row_loss_tokens(r._shard(i)) for i in range(len(r.manifest.shards))])
-                                 for r in self._readers]
         self._row_units = [self._units(i) for i in range(len(self._readers))]
         self.epoch_units = float(sum(u.sum() for u in self._row_units))
         for name, units in zip(self.names, self._row_units):
@@ -209,9 +208,11 @@ class PackedMixture(PackedIterableDataset):
 
     # ---- set-up -------------------------------------------------------------------------
 
-    @staticmethod
-    def _segments(reader: PackedIterableDataset) -> np.ndarray:
-        return np.concatenate([np.diff(reader._shard(i).cu_offsets) - 1 for i in range(len(reader.manifest.shards))])
+    @functools.cached_property
+    def _row_loss_tokens(self) -> list[np.ndarray]:
+        """Each source's loss tokens per row (read when the unit or the plan needs them)."""
+        return [np.concatenate([row_loss_tokens(r._shard(i)) for i in range(len(r.manifest.shards))])
+                for r in self._readers]
 
     def _units(self, source: int) -> np.ndarray:
         """The size of each row of ``source`` in the mixture's unit."""
