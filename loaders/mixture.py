@@ -13,15 +13,19 @@ guarantees: equal batches on every rank, any number of workers, exact resume.
 
 A mixture epoch takes as many units as all the builds hold together; a source with a large
 weight and few units is repeated within it (``plan()`` says how often), up to its
-``max_epochs``.
+``max_epochs``. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
+and the shares realised over its first steps.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import functools
 import hashlib
 import json
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from loaders.loss import LossReduction, LossWeighting, add_loss_weights
 from loaders.partition import resolve_rank
 from loaders.resume import Position
 from loaders.shard_reader import Shard
-from schemas import ManifestError, one_of, positive_int
+from schemas import ManifestError, VarpackError, one_of, positive_int
 
 
 class MixtureUnit(StrEnum):
@@ -411,3 +415,46 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
                for name, build in data["sources"].items()}
     return {"sources": sources, "weights": data["weights"], "unit": data.get("unit", "tokens"),
             "max_epochs": data.get("max_epochs")}
+
+
+def realised_shares(mixture: PackedMixture, steps: int) -> np.ndarray:
+    """Each source's share of the unit over the first ``steps`` batches of the epoch (this rank's), in source order."""
+    taken = np.zeros(len(mixture.names))
+    plan = mixture._plan(mixture.epoch)
+    for step in range(min(steps, len(plan))):
+        rows = plan.batch_rows(step)
+        sources = mixture._row_place[rows, 0]
+        local = rows - mixture._source_first_row[sources]
+        for source in range(taken.size):
+            taken[source] += mixture._row_units[source][local[sources == source]].sum()
+    return taken / max(taken.sum(), 1e-12)
+
+
+def describe(mixture: PackedMixture, steps: int) -> list[dict[str, Any]]:
+    """One record per source: the plan and the realised share over the first ``steps`` batches."""
+    shares = realised_shares(mixture, steps)
+    return [{**dataclasses.asdict(source), "unit": mixture.unit.value, f"share_first_{steps}_steps": round(float(share), 4)}
+            for source, share in zip(mixture.plan(), shares)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loaders.mixture MIXTURE.json``: the plan of a mixture file, one JSON line per source."""
+    parser = argparse.ArgumentParser(prog="python -m loaders.mixture", description=main.__doc__)
+    parser.add_argument("mixture", help="a JSON mixture file (sources, weights, unit, max_epochs)")
+    parser.add_argument("--steps", type=int, default=100, help="batches over which to report the realised shares")
+    parser.add_argument("--batch-rows", type=int, default=1, help="rows per batch (default: 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,
+                                verify_checksum=False)
+    except (VarpackError, ValueError) as err:
+        print(f"python -m loaders.mixture: error: {err}", file=sys.stderr)
+        return 1
+    for record in describe(mixture, args.steps):
+        print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -367,3 +367,19 @@ def test_evaluate_script_reports_the_loss_of_each_source(tmp_path, capsys):
     assert summary["target_tokens"] == targets
     pooled = sum(s["mean_token_loss"] * s["target_tokens"] for s in summary["sources"].values()) / targets
     assert summary["mean_token_loss"] == pytest.approx(pooled, rel=1e-9)
+
+
+def test_plan_command_prints_each_source_and_its_realised_share(builds, tmp_path, capsys):
+    from loaders.mixture import main
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {n: str(b.path) for n, b in builds.items()}, "weights": WEIGHTS}))
+    assert main([str(path), "--steps", "60", "--batch-rows", "2"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["name"] for r in records] == list(WEIGHTS)
+    for record in records:
+        assert record["tokens"] == builds[record["name"]].lengths.sum()
+        assert abs(record["share_first_60_steps"] - WEIGHTS[record["name"]]) < 0.05
+    path.write_text(json.dumps({"sources": {"a": str(builds["flan"].path)}, "weights": {"a": -1}}))
+    assert main([str(path)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
