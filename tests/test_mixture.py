@@ -368,6 +368,20 @@ def test_evaluate_script_reports_the_loss_of_each_source(tmp_path, capsys):
     pooled = sum(s["mean_token_loss"] * s["target_tokens"] for s in summary["sources"].values()) / targets
     assert summary["mean_token_loss"] == pytest.approx(pooled, rel=1e-9)
 
+    # PackedTrainer.evaluate on the mixture: the same pooled and per-source losses.
+    pytest.importorskip("accelerate")
+    import transformers
+
+    from loaders.hf_trainer import PackedTrainer
+
+    data = PackedMixture({name: build.path for name, build in builds.items()}, weights={"math": 1, "chat": 1},
+                         batch_rows=4)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    metrics = PackedTrainer(model=model, args=args, train_dataset=data).evaluate(data)
+    assert metrics["eval_loss"] == pytest.approx(summary["mean_token_loss"], rel=1e-6)
+    for name in builds:
+        assert metrics[f"eval_{name}_loss"] == pytest.approx(summary["sources"][name]["mean_token_loss"], rel=1e-6)
+
 
 def test_plan_command_prints_each_source_and_its_realised_share(builds, tmp_path, capsys):
     from loaders.mixture import main
