@@ -21,7 +21,6 @@ STATE_FORMAT = "varpack.loader_state"
 STATE_VERSION = 1
 
 
-
 @dataclass(frozen=True)
 class Position:
     """Where a reader stands: it yields the rank's batches ``next_batch``, ``next_batch + num_workers``, ..."""
@@ -55,7 +54,8 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
     """The position in a dataset state dict, or in a whole StatefulDataLoader state dict.
 
     Raises ValueError when the state is of another kind, or was saved with settings that
-    make a different list of batches (another build, seed, batch size or world size).
+    make a different list of batches: any key of ``identity`` (the reader's build, seed, batch
+    size, world size; a mixture's builds, weights and unit) whose value differs.
     """
     if not isinstance(state, dict):
         raise ValueError(f"expected a state dict, got {type(state).__name__}")
