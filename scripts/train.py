@@ -131,6 +131,12 @@ def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, c
     return model
 
 
+def announce_mixture(dataset: PackedIterableDataset) -> None:
+    """On a mixture, rank 0 prints its plan: each source's weight, size and epochs per mixture epoch (the repetition)."""
+    if isinstance(dataset, PackedMixture) and dataset.rank == 0:
+        print(json.dumps({"mixture_plan": [asdict(source) for source in dataset.plan()]}), flush=True)
+
+
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
     options = dict(shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile, bucket_shapes=config.compile,
@@ -229,6 +235,7 @@ def train_plain(config: TrainConfig) -> None:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
+    announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     checkpoint = latest_checkpoint(out) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
@@ -356,6 +363,7 @@ def train_hf(config: TrainConfig) -> None:
         use_cpu=not torch.cuda.is_available(),
     )
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
+    announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
     if not config.full_logits:

@@ -309,7 +309,7 @@ def test_mixture_file(builds, tmp_path):
 
 
 @pytest.mark.parametrize("trainer", ["plain", "hf"])
-def test_train_script_on_a_mixture_logs_tokens_per_source_and_resumes_exactly(tmp_path, trainer):
+def test_train_script_on_a_mixture_logs_tokens_per_source_and_resumes_exactly(tmp_path, trainer, capsys):
     if trainer == "hf":
         pytest.importorskip("accelerate")
     from tests.test_train import MODEL, load_script, losses
@@ -323,6 +323,8 @@ def test_train_script_on_a_mixture_logs_tokens_per_source_and_resumes_exactly(tm
               "fp32", "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1"]
     main = load_script().main
     main([*common, "--out", str(tmp_path / "straight"), "--max-steps", "4"])
+    plan = next(json.loads(line) for line in capsys.readouterr().out.splitlines() if "mixture_plan" in line)
+    assert [(p["name"], p["weight"]) for p in plan["mixture_plan"]] == [("math", 0.75), ("chat", 0.25)]
     main([*common, "--out", str(tmp_path / "resumed"), "--max-steps", "2", "--save-every", "2"])
     main([*common, "--out", str(tmp_path / "resumed"), "--max-steps", "4", "--save-every", "2", "--resume"])
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
