@@ -6,6 +6,7 @@ machine without Beam, datasets or tokenizers.
 
 from loaders.collate import FixedShape
 from loaders.dataset import PackedIterableDataset
+from loaders.mixture import PackedMixture, load_mixture_file
 from loaders.shard_reader import Shard, open_shard
 
-__all__ = ["FixedShape", "PackedIterableDataset", "Shard", "open_shard"]
+__all__ = ["FixedShape", "PackedIterableDataset", "PackedMixture", "Shard", "load_mixture_file", "open_shard"]

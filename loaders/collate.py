@@ -20,6 +20,8 @@ IGNORE_INDEX = -100
 NUM_REAL_TOKENS = "num_real_tokens"
 NUM_LOSS_TOKENS = "num_loss_tokens"
 COUNT_KEYS = (NUM_REAL_TOKENS, NUM_LOSS_TOKENS)
+# A mixture's batches: the source index of each real sequence of cu_seq_lens (int64 [n]); not a model input.
+SOURCE_IDS = "source_ids"
 # Bucketed fixed shapes: sequences in cu_seqlens rounded up to a multiple of this, max_length
 # to a power of two of at least MIN_BUCKET_LENGTH (FA2's query block is 128 tokens).
 SEGMENT_BUCKET = 64

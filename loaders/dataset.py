@@ -197,6 +197,7 @@ class PackedIterableDataset(IterableDataset):
         )
         row_tokens, row_segments = self._read_row_index()
         self._row_tokens = row_tokens
+        self._row_segments = row_segments
         self._first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)
         num_rows = int(self._first_row[-1])
         if num_rows < self.world_size:
@@ -243,13 +244,19 @@ class PackedIterableDataset(IterableDataset):
                 f"{self.source}: the manifest's stats.segments_per_row disagrees with the shards, so the fixed "
                 "cu_seqlens length cannot be trusted; rebuild the manifest"
             )
+        return self._batch_shape(declared)
+
+    def _batch_shape(self, segments_per_row: dict[str, int]) -> FixedShape:
+        """The fixed shape of this reader's batches, given the histogram of segments per row of its rows."""
         if self.batch_rows is not None:
             tokens, rows_per_batch = self.batch_rows * self.capacity, self.batch_rows
         else:
             assert self.tokens_per_batch is not None  # one of the two budgets is always set
             tokens = self.tokens_per_batch
             rows_per_batch = max_rows_per_batch(self._row_tokens, tokens)
-        return fixed_shape(tokens, max_segments_per_batch(declared, rows_per_batch), self.capacity, self.bucket_shapes)
+        return fixed_shape(
+            tokens, max_segments_per_batch(segments_per_row, rows_per_batch), self.capacity, self.bucket_shapes
+        )
 
     def _identity(self) -> dict[str, Any]:
         """The settings that fix the epoch's list of batches; a state only resumes under the same."""
@@ -268,15 +275,8 @@ class PackedIterableDataset(IterableDataset):
     def _plan(self, epoch: int) -> EpochPlan:
         """This rank's batches of ``epoch`` (cached for the latest epoch)."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            rows = epoch_row_order(
-                np.diff(self._first_row),
-                seed=self.seed,
-                epoch=epoch,
-                shuffle=self.shuffle,
-                buffer_rows=self.shuffle_buffer_rows,
-            )
             plan = plan_epoch(
-                rows,
+                self._epoch_rows(epoch),
                 self._row_tokens,
                 rank=self.rank,
                 world_size=self.world_size,
@@ -285,6 +285,12 @@ class PackedIterableDataset(IterableDataset):
             )
             self._plan_cache = (epoch, plan)
         return self._plan_cache[1]
+
+    def _epoch_rows(self, epoch: int) -> np.ndarray:
+        """Global row ids in the order ``epoch`` reads them (``shuffle.epoch_row_order``)."""
+        return epoch_row_order(
+            np.diff(self._first_row), seed=self.seed, epoch=epoch, shuffle=self.shuffle, buffer_rows=self.shuffle_buffer_rows
+        )
 
     def _shard(self, index: int) -> Shard:
         """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound."""
@@ -301,13 +307,17 @@ class PackedIterableDataset(IterableDataset):
 
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
         """The batch of the given global row ids."""
-        shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
-        local = rows - self._first_row[shard_of_row]
-        shard_rows = [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
+        shard_rows = self._shard_rows(rows)
         batch = collate_rows(shard_rows, fixed=self.fixed_shape, pad_token_id=self.pad_token_id)
         if self.loss_weighting.is_plain_token_mean:
             return batch
         return add_loss_weights(batch, shard_rows, self.loss_weighting)
+
+    def _shard_rows(self, rows: np.ndarray) -> list[tuple[Shard, int]]:
+        """(shard, row in the shard) of each global row id."""
+        shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
+        local = rows - self._first_row[shard_of_row]
+        return [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it).

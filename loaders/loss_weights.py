@@ -137,10 +137,16 @@ def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWe
     return (weights[sequence] * is_target).astype(np.float32)
 
 
-def add_loss_weights(batch: dict, rows: Sequence[tuple[Shard, int]], weighting: LossWeighting) -> dict:
-    """``batch`` (collated from ``rows``) with its ``loss_weights`` and ``loss_weight_sum`` added."""
+def add_loss_weights(batch: dict, rows: Sequence[tuple[Shard, int]], weighting: LossWeighting,
+                     id_offsets: Sequence[int] | None = None) -> dict:
+    """``batch`` (collated from ``rows``) with its ``loss_weights`` and ``loss_weight_sum`` added.
+
+    ``id_offsets``: one per row, added to its example ids (a mixture numbers each build's examples after the last's).
+    """
+    offsets = [0] * len(rows) if id_offsets is None else id_offsets
     segment_examples = np.concatenate(
-        [shard.example_ids[shard.segment_offsets[i] : shard.segment_offsets[i + 1]] for shard, i in rows]
+        [shard.example_ids[shard.segment_offsets[i] : shard.segment_offsets[i + 1]] + offset
+         for (shard, i), offset in zip(rows, offsets)]
     )
     weights = target_weights(batch["labels"][0].numpy(), batch["cu_seq_lens_q"].numpy(), weighting, segment_examples)
     return {**batch, LOSS_WEIGHTS: torch.from_numpy(weights).unsqueeze(0), LOSS_WEIGHT_SUM: float(weights.sum(dtype=np.float64))}

@@ -20,12 +20,6 @@ from typing import Any
 STATE_FORMAT = "varpack.loader_state"
 STATE_VERSION = 1
 
-# What must match between the run that saved a state and the one that loads it: together
-# they fix the epoch's list of batches.
-IDENTITY_KEYS = (
-    "fingerprint", "seed", "shuffle", "shuffle_buffer_rows", "batch_rows", "tokens_per_batch", "world_size",
-)
-
 
 @dataclass(frozen=True)
 class Position:
@@ -60,7 +54,8 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
     """The position in a dataset state dict, or in a whole StatefulDataLoader state dict.
 
     Raises ValueError when the state is of another kind, or was saved with settings that
-    make a different list of batches (another build, seed, batch size or world size).
+    make a different list of batches: any key of ``identity`` (the reader's build, seed, batch
+    size, world size; a mixture's builds, weights and unit) whose value differs.
     """
     if not isinstance(state, dict):
         raise ValueError(f"expected a state dict, got {type(state).__name__}")
@@ -73,7 +68,7 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
     if state.get("version", 0) > STATE_VERSION:
         raise ValueError(f"loader state version {state['version']} is newer than this varpack reads ({STATE_VERSION})")
     changed = [
-        f"{key} {state.get(key)!r} -> {identity[key]!r}" for key in IDENTITY_KEYS if state.get(key) != identity[key]
+        f"{key} {state.get(key)!r} -> {identity[key]!r}" for key in identity if state.get(key) != identity[key]
     ]
     if changed:
         raise ValueError(

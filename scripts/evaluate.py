@@ -2,10 +2,13 @@
 
     python -m pipeline.pack --dataset data/ --split validation --out shards/   # pack the split once
     python scripts/evaluate.py --model runs/a/checkpoint-1000 --shards shards/DIR --out eval.jsonl
+    python scripts/evaluate.py --model runs/a/checkpoint-1000 --mixture validation.json   # per source
 
 Writes one JSON line per example to --out, by example id (its source row number) in source order (``example_id``,
 ``target_tokens``, ``loss``, ``perplexity``; null for an example with no target token), and
 prints the summary as the last line: mean token loss, token perplexity, mean per-example loss.
+With ``--mixture`` (a mixture file, docs/mixtures.md) every build of the mixture is evaluated:
+each record names its ``source``, and the summary holds each source's under ``sources``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loaders.remote import locate  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
-from loaders.train.evaluate import evaluate_packed  # noqa: E402
+from loaders.train.evaluate import evaluate_sources, pooled_summary  # noqa: E402
+from loaders.mixture import load_mixture_file  # noqa: E402
+from loaders.remote import locate  # noqa: E402
 from loaders.train.models import load_causal_lm  # noqa: E402
 from schemas import VarpackError  # noqa: E402
 
@@ -29,7 +33,9 @@ from schemas import VarpackError  # noqa: E402
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hub id or local directory of the causal LM")
-    parser.add_argument("--shards", required=True, help="shard directory or manifest of the held-out split")
+    data = parser.add_mutually_exclusive_group(required=True)
+    data.add_argument("--shards", help="shard directory or manifest of the held-out split")
+    data.add_argument("--mixture", help="a mixture file: evaluate each of its builds, the loss reported per source")
     parser.add_argument("--out", default="", help="JSON lines file for the per-example results (default: none)")
     parser.add_argument("--batch-rows", type=int, default=1, help="packed rows per forward (default: 1)")
     parser.add_argument("--attn", default="auto", help="attention backend, as in train.py (default: auto)")
@@ -45,20 +51,28 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        manifest = locate(args.shards).read_manifest()  # a bad --shards fails before the model loads
-        if not args.allow_tokenizer_mismatch:
-            from pipeline.encode.tokenizer import check_model_tokenizer
+        builds = load_mixture_file(args.mixture)["sources"] if args.mixture else {"": args.shards}
+        for build in builds.values():
+            manifest = locate(build).read_manifest()  # a bad build fails before the model loads
+            if not args.allow_tokenizer_mismatch:
+                from pipeline.encode.tokenizer import check_model_tokenizer
 
-            check_model_tokenizer(args.model, manifest.inputs.tokenizer)
+                check_model_tokenizer(args.model, manifest.inputs.tokenizer)
         model = load_causal_lm(args.model, attn_implementation_for(args.attn), dtype).to(device)
         model.config.use_cache = False  # with sdpa, a cache makes transformers ignore the packing
-        result = evaluate_packed(model, args.shards, batch_rows=args.batch_rows)
+        results = evaluate_sources(model, builds, batch_rows=args.batch_rows)
     except (VarpackError, OSError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: error: {str(err).splitlines()[0]}") from None
     if args.out:
         with open(args.out, "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in result.records())
-    summary = {"model": args.model, "shards": args.shards, **result.summary}
+            for name, result in results.items():
+                named = {"source": name} if args.mixture else {}
+                f.writelines(json.dumps({**named, **record}) + "\n" for record in result.records())
+    if args.mixture:
+        summary = {"model": args.model, "mixture": args.mixture, **pooled_summary(results),
+                   "sources": {name: result.summary for name, result in results.items()}}
+    else:
+        summary = {"model": args.model, "shards": args.shards, **results[""].summary}
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -37,9 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loaders import PackedIterableDataset  # noqa: E402
-from loaders.collate import NUM_REAL_TOKENS  # noqa: E402
+from loaders import PackedIterableDataset, PackedMixture, load_mixture_file  # noqa: E402
+from loaders.collate import NUM_REAL_TOKENS, SOURCE_IDS  # noqa: E402
 from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
+from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.train.hf_trainer import loader_state_name  # noqa: E402
@@ -64,6 +65,7 @@ class TrainConfig:
     """One training run; the CLI maps onto it one to one."""
 
     shards: str = "shards"
+    mixture: str = ""  # a JSON mixture file (sources, weights, unit, max_epochs): read instead of --shards
     model: str = ""  # Hub id or local directory: fine-tune its weights
     gguf_file: str = ""  # a GGUF file in --model to load the weights from
     random_init: str = ""  # "llama", "llama:key=value,...", or a Hub id / directory whose config is used
@@ -141,26 +143,47 @@ def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
         check_model_tokenizer(str(Path(config.model) / config.gguf_file) if config.gguf_file else config.model, recorded)
 
 
+def announce_mixture(dataset: PackedIterableDataset) -> None:
+    """On a mixture, rank 0 prints its plan: each source's weight, size and epochs per mixture epoch (the repetition)."""
+    if isinstance(dataset, PackedMixture) and dataset.rank == 0:
+        print(json.dumps({"mixture_plan": [asdict(source) for source in dataset.plan()]}), flush=True)
+
+
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
-    return PackedIterableDataset(config.shards, shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile,
-                                 bucket_shapes=config.compile, loss_reduction=config.loss_reduction, **budget)
+    options = dict(shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile, bucket_shapes=config.compile,
+                   loss_reduction=config.loss_reduction, **budget)
+    if config.mixture:
+        return PackedMixture(**load_mixture_file(config.mixture), **options)
+    return PackedIterableDataset(config.shards, **options)
 
 
 class Logger:
-    """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl."""
+    """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl.
 
-    def __init__(self, out: Path) -> None:
+    On a mixture, also the real and loss tokens of each source since the last line (``source_tokens``).
+    """
+
+    def __init__(self, out: Path, sources: list[str] | None = None) -> None:
         self.path = out / "log.jsonl"
         self.tokens = 0
+        self.sources = sources or []
+        self.source_tokens = np.zeros((2, len(self.sources)), dtype=np.int64)
         self.start = time.perf_counter()
 
-    def add_tokens(self, n: int) -> None:
-        self.tokens += n
+    def add_batch(self, batch: dict) -> None:
+        self.tokens += batch[NUM_REAL_TOKENS]
+        if SOURCE_IDS in batch:
+            counts = source_counts(batch, len(self.sources))
+            self.source_tokens += np.stack((counts["tokens"], counts["loss_tokens"]))
 
     def log(self, step: int, **values: Any) -> dict:
         now = time.perf_counter()
         record = {"step": step, **values, "tokens_per_s": self.tokens / max(now - self.start, 1e-9), "peak_mem_gib": peak_memory_gib()}
+        if self.sources:
+            record["source_tokens"] = {name: {"tokens": int(tokens), "loss_tokens": int(loss)}
+                                       for name, tokens, loss in zip(self.sources, *self.source_tokens)}
+            self.source_tokens[:] = 0
         self.tokens, self.start = 0, now
         self.write(record)
         return record
@@ -225,6 +248,7 @@ def train_plain(config: TrainConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
+    announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     checkpoint = latest_checkpoint(out) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
@@ -261,7 +285,7 @@ def train_plain(config: TrainConfig) -> None:
     trained = model
     if ranks > 1:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    logger = Logger(out)
+    logger = Logger(out, getattr(dataset, "names", None))
     losses: list[torch.Tensor] = []
 
     def log_and_save(step: int) -> None:
@@ -272,6 +296,10 @@ def train_plain(config: TrainConfig) -> None:
                 totals = torch.stack([mean_loss, count_on_device(logger.tokens, device)])
                 torch.distributed.all_reduce(totals)
                 mean_loss, logger.tokens = totals[0] / ranks, int(totals[1].item())
+                if logger.sources:
+                    sources = torch.from_numpy(logger.source_tokens).to(device)
+                    torch.distributed.all_reduce(sources)
+                    logger.source_tokens = sources.cpu().numpy()
             if rank == 0:
                 lr = scheduler.get_last_lr()[0]
                 logger.log(step, loss=mean_loss.item(), lr=float(lr))
@@ -295,7 +323,7 @@ def train_plain(config: TrainConfig) -> None:
         if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
             (batch,) = window
             losses.append(graphed(model_inputs(batch, device, False), local_items))
-            logger.add_tokens(batch[NUM_REAL_TOKENS])
+            logger.add_batch(batch)
             scheduler.step()
             step += 1
             log_and_save(step)
@@ -310,7 +338,7 @@ def train_plain(config: TrainConfig) -> None:
                     loss = trained(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items).loss
                 loss.backward()
             step_loss += loss.detach()
-            logger.add_tokens(batch[NUM_REAL_TOKENS])
+            logger.add_batch(batch)
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -349,6 +377,7 @@ def train_hf(config: TrainConfig) -> None:
     )
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
+    announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
     if not config.full_logits:
@@ -370,6 +399,7 @@ def train_hf(config: TrainConfig) -> None:
 # What each option of TrainConfig does, for --help.
 OPTION_HELP = {
     "shards": "shard directory or manifest (local, or an fsspec URL such as s3://)",
+    "mixture": "a JSON mixture file (sources, weights, unit, max_epochs; docs/mixtures.md) read instead of --shards",
     "model": "Hub id or local directory whose weights are fine-tuned",
     "gguf_file": "GGUF file in the --model directory to take the weights from (dequantized; checkpoints are saved as "
                  "plain safetensors)",

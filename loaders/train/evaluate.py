@@ -11,6 +11,7 @@ token has neither (``None``, never NaN).
 
     >>> result = evaluate_packed(model, "shards/DIR-validation")
     >>> result.summary["mean_token_loss"], result.summary["mean_example_loss"]
+    >>> by_source = evaluate_sources(model, {"gsm8k": "shards/gsm8k-...", "flan": "shards/flan-..."})
 
 The packed numbers equal running each example alone: the attention backend must keep examples
 apart (``python -m loaders.check``). A chunk of an example split at packing time does not see
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,3 +150,18 @@ def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batc
     loss_sum = np.bincount(where, weights=losses, minlength=ids.size)
     targets = np.bincount(where, weights=counts, minlength=ids.size).astype(np.int64)
     return EvalResult(ids.astype(np.int64), loss_sum, targets, time.perf_counter() - start)
+
+
+def evaluate_sources(model: torch.nn.Module, builds: Mapping[str, str | os.PathLike[str]], batch_rows: int = 1,
+                     distributed: bool = False) -> dict[str, EvalResult]:
+    """``evaluate_packed`` over each build of a mixture (``PackedMixture.builds``): the loss of every source."""
+    return {name: evaluate_packed(model, build, batch_rows, distributed) for name, build in builds.items()}
+
+
+def pooled_summary(results: Mapping[str, EvalResult]) -> dict:
+    """The summary over several results' examples together: the token mean weighs each source by its targets."""
+    parts = list(results.values())
+    pooled = EvalResult(np.arange(sum(r.example_ids.size for r in parts), dtype=np.int64),
+                        np.concatenate([r.loss_sum for r in parts]), np.concatenate([r.target_tokens for r in parts]),
+                        sum(r.seconds for r in parts))
+    return pooled.summary

@@ -25,7 +25,8 @@ What the trainers add to the ones they subclass:
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
-  ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``.
+  ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
+  on a PackedMixture, every build of it, with each source's mean token loss as ``eval_NAME_loss``.
 
 transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
 so ``loaders`` still imports without them.
@@ -46,9 +47,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from loaders.collate import NUM_REAL_TOKENS
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
+from loaders.mixture import PackedMixture
 from loaders.train import models as training
 from loaders.train.distributed import global_loss_tokens, world_size
-from loaders.train.evaluate import evaluate_packed
+from loaders.train.evaluate import evaluate_sources, pooled_summary
 from loaders.train.loss import weighted_causal_lm_loss
 
 LOADER_STATE = "loader_state.pt"
@@ -153,13 +155,17 @@ class PackedTrainerMixin(_TrainerBase):
         if not isinstance(dataset, PackedIterableDataset):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         assert self.model is not None  # Trainer.__init__ sets it (from model_init when model is None)
+        builds = dataset.builds if isinstance(dataset, PackedMixture) else {"": dataset.source}
         with self.compute_loss_context_manager():
-            summary = evaluate_packed(self.model, dataset.source, batch_rows=dataset.batch_rows or 1,
-                                      distributed=True).summary
+            results = evaluate_sources(self.model, builds, batch_rows=dataset.batch_rows or 1, distributed=True)
+        summary = pooled_summary(results)
         metrics = {f"{metric_key_prefix}_loss": summary["mean_token_loss"],
                    f"{metric_key_prefix}_perplexity": summary["token_perplexity"],
                    f"{metric_key_prefix}_mean_example_loss": summary["mean_example_loss"],
                    f"{metric_key_prefix}_runtime": summary["seconds"]}
+        if isinstance(dataset, PackedMixture):  # and each source's token loss
+            metrics.update({f"{metric_key_prefix}_{name}_loss": result.summary["mean_token_loss"]
+                            for name, result in results.items()})
         self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from loaders.collate import COUNT_KEYS
+from loaders.collate import COUNT_KEYS, SOURCE_IDS
 
 
 def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf_file: str | None = None) -> torch.nn.Module:
@@ -70,8 +70,9 @@ def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
 
 def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
     """The batch keys the model takes, on ``device``: the loss-position head consumes the counts;
-    the model's own forward would pass them to its layers, where compile bakes ints in."""
-    drop = COUNT_KEYS if full_logits else ()
+    the model's own forward would pass them to its layers, where compile bakes ints in. A mixture's
+    ``source_ids`` are for reporting only."""
+    drop = (*COUNT_KEYS, SOURCE_IDS) if full_logits else (SOURCE_IDS,)
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
 
 

@@ -1,0 +1,460 @@
+"""``PackedMixture``: several builds in one stream of batches, in exact proportions.
+
+    mixture = PackedMixture({"flan": "shards/flan-...", "gsm8k": "shards/gsm8k-..."},
+                            weights={"flan": 0.7, "gsm8k": 0.3}, unit="tokens", batch_rows=2, seed=0)
+
+Each build is read by its own ``PackedIterableDataset`` (one rank, its own shuffle): its rows
+form an endless stream, epoch after epoch of that build, each reshuffled from (seed, epoch).
+``loaders.blend`` interleaves the streams row by row, largest deficit first, so every prefix
+of the mixture holds each source's share of the unit (real tokens, loss tokens or rows) to
+within about one row. The interleaved rows are then cut into batches and dealt to ranks and
+workers exactly as one build's rows are (``loaders.partition``), so the mixture has the same
+guarantees: equal batches on every rank, any number of workers, exact resume.
+
+A mixture epoch takes as many units as all the builds hold together; a source with a large
+weight and few units is repeated within it (``plan()`` says how often), up to its
+``max_epochs``. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
+and the shares realised over its first steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loaders.blend import BlendState, blend, check_weights
+from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
+from loaders.dataset import PackedIterableDataset
+from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
+from loaders.partition import resolve_rank
+from loaders.resume import Position
+from loaders.shard_reader import Shard
+from schemas import ManifestError, VarpackError, one_of, positive_int
+
+
+class MixtureUnit(StrEnum):
+    """What the weights share out: real tokens, trained (loss) tokens, or packed rows."""
+
+    TOKENS = "tokens"
+    LOSS_TOKENS = "loss_tokens"
+    ROWS = "rows"
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """One source of a mixture: its weight, what it holds, and how often one mixture epoch reads it."""
+
+    name: str
+    source: str
+    weight: float
+    tokens: int
+    loss_tokens: int
+    rows: int
+    epochs_per_mixture_epoch: float
+    max_epochs: int | None
+
+
+@dataclass(frozen=True)
+class _StreamPosition:
+    """Where a source's endless stream stands: epoch ``epoch`` of the build, its row ``offset`` next."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+def row_loss_tokens(shard: Shard) -> np.ndarray:
+    """Labels that are not -100 in each row: loss-mask tokens, less the first token of each segment."""
+    trained = np.concatenate(([0], np.cumsum(shard.loss_mask, dtype=np.int64)))
+    per_row = trained[shard.token_offsets[1:]] - trained[shard.token_offsets[:-1]]
+    entry_row = np.repeat(np.arange(shard.num_rows), np.diff(shard.cu_offsets))
+    is_end = np.zeros(shard.cu_seqlens.size, dtype=bool)
+    is_end[shard.cu_offsets[1:] - 1] = True
+    starts = shard.cu_seqlens[~is_end].astype(np.int64) + shard.token_offsets[entry_row[~is_end]]
+    return per_row - np.bincount(entry_row[~is_end], weights=shard.loss_mask[starts], minlength=shard.num_rows).astype(np.int64)
+
+
+def source_counts(batch: dict, num_sources: int) -> dict[str, np.ndarray]:
+    """Real tokens and loss tokens of each source in a mixture batch (int64 [num_sources] each)."""
+    source_ids = batch[SOURCE_IDS].numpy()
+    cu = batch["cu_seq_lens_q"].numpy().astype(np.int64)
+    lengths = np.diff(cu)[: source_ids.size]
+    targets = batch["labels"][0].numpy() != IGNORE_INDEX
+    trained = np.concatenate(([0], np.cumsum(targets)))
+    loss = trained[cu[1 : source_ids.size + 1]] - trained[cu[: source_ids.size]]
+    return {
+        "tokens": np.bincount(source_ids, weights=lengths, minlength=num_sources).astype(np.int64),
+        "loss_tokens": np.bincount(source_ids, weights=loss, minlength=num_sources).astype(np.int64),
+    }
+
+
+class PackedMixture(PackedIterableDataset):
+    """Batches drawn from several builds in fixed proportions, with the options and state of ``PackedIterableDataset``.
+
+    Args:
+        sources: {name: build directory or manifest} (local or any fsspec URL); the builds must
+            share the tokenizer (content hash) and the row capacity.
+        weights: {name: positive weight}, one per source; normalised to sum to 1.
+        unit: what the weights share out: ``"tokens"`` (real tokens), ``"loss_tokens"`` (trained
+            tokens) or ``"rows"``.
+        max_epochs: {name: the most epochs of that build the stream may read}; a source not
+            named repeats without bound. A mixture epoch that needs more fails with a ValueError.
+        The rest are ``PackedIterableDataset``'s (``shuffle_buffer_rows`` applies to every build;
+        by default each build's own four shards). ``example_weights`` is per build and not taken.
+
+    Every batch also carries ``source_ids`` (int64 [n]): the source index (the order of
+    ``sources``) of each real sequence of ``cu_seq_lens``; a fixed shape's pad sequences after
+    them have none. ``source_counts(batch, len(mixture.names))`` turns it into tokens per source.
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, str | os.PathLike[str]],
+        *,
+        weights: Mapping[str, float],
+        unit: str = "tokens",
+        max_epochs: Mapping[str, int] | None = None,
+        batch_rows: int = 1,
+        tokens_per_batch: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer_rows: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        expected_tokenizer_hash: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        verify_checksum: bool = True,
+        pad_to_fixed_shape: bool = False,
+        bucket_shapes: bool = False,
+        pad_token_id: int = 0,
+        loss_reduction: str = "token",
+    ) -> None:
+        if not sources:
+            raise ValueError("a mixture needs at least one source")
+        if tokens_per_batch is not None and batch_rows != 1:
+            raise ValueError("give batch_rows or tokens_per_batch, not both")
+        self.names = list(sources)
+        self.unit = one_of("unit", unit, MixtureUnit)
+        self.weights = check_weights(dict(weights), self.names)
+        self.max_epochs = _check_max_epochs(dict(max_epochs or {}), self.names)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        # Each build read alone, by one rank, in rows: it checks the options, the build and its shuffle.
+        self._readers: list[PackedIterableDataset] = []
+        for name, path in sources.items():
+            try:
+                self._readers.append(PackedIterableDataset(
+                    path, batch_rows=1, tokens_per_batch=tokens_per_batch, shuffle=shuffle, seed=seed,
+                    shuffle_buffer_rows=shuffle_buffer_rows, rank=0, world_size=1,
+                    expected_tokenizer_hash=expected_tokenizer_hash, cache_dir=cache_dir,
+                    verify_checksum=verify_checksum, pad_to_fixed_shape=pad_to_fixed_shape,
+                    bucket_shapes=bucket_shapes, pad_token_id=pad_token_id, loss_reduction=loss_reduction))
+            except FileNotFoundError as err:
+                raise ManifestError(f"mixture source {name!r}: {path}: no such build ({err})") from None
+        _check_compatible(self.names, self._readers)
+        first = self._readers[0]
+        self.manifest = first.manifest  # the builds share its tokenizer and capacity; manifests() has each
+        self.builds = {name: reader.source for name, reader in zip(self.names, self._readers)}
+        self.source = "mixture of " + ", ".join(f"{name}={build}" for name, build in self.builds.items())
+        self.capacity = first.capacity
+        self.shuffle, self.seed = first.shuffle, first.seed
+        self.shuffle_buffer_rows = shuffle_buffer_rows or 0  # 0: each build's own default
+        self.tokens_per_batch = first.tokens_per_batch
+        self.batch_rows = positive_int("batch_rows", batch_rows) if tokens_per_batch is None else None
+        self.pad_token_id, self.bucket_shapes = first.pad_token_id, first.bucket_shapes
+
+        self._source_first_row = np.concatenate(([0], np.cumsum([r.manifest.num_rows for r in self._readers])))
+        self._row_tokens = np.concatenate([r._row_tokens for r in self._readers])
+        self._row_segments = np.concatenate([r._row_segments for r in self._readers])
+        # Each global row's (source, shard of that build, row in the shard): a batch's rows are one lookup.
+        self._row_place = np.stack((
+            np.repeat(np.arange(len(self._readers)), np.diff(self._source_first_row)),
+            np.concatenate([np.repeat(np.arange(len(r.manifest.shards)), [s.rows for s in r.manifest.shards])
+                            for r in self._readers]),
+            np.concatenate([np.arange(s.rows) for r in self._readers for s in r.manifest.shards]),
+        ), axis=1)
+        self._row_units = [self._units(i) for i in range(len(self._readers))]
+        self.epoch_units = float(sum(u.sum() for u in self._row_units))
+        for name, units in zip(self.names, self._row_units):
+            if units.sum() == 0:
+                raise ValueError(f"mixture source {name!r} holds no {self.unit.value}, so no share of them can come "
+                                 "from it; drop it or use another unit")
+        self.loss_weighting, self._id_offsets = _combined_weighting(loss_reduction, self._readers)
+        num_rows = int(self._source_first_row[-1])
+        if num_rows < self.world_size:
+            raise ValueError(f"world size {self.world_size} is larger than the {num_rows} rows of the {self.source}: "
+                             "some ranks would get no data; use fewer ranks or more data")
+        self.fixed_shape = self._batch_shape(_summed_histograms(self._readers)) if pad_to_fixed_shape else None
+        # Where each mixture epoch starts: the schedule's state and each source's stream position.
+        self._epoch_starts: list[tuple[BlendState, tuple[_StreamPosition, ...]]] = [
+            (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))]
+        self._latest_rows: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))  # the last epoch blended
+        self._position = Position(epoch=0)
+        self._loaded = False
+        self._plan_cache = None
+        self._open_shards: OrderedDict[int, Shard] = OrderedDict()
+        if len(self) == 0:
+            per_batch = f"{self.batch_rows} rows" if self.batch_rows else f"up to {self.tokens_per_batch} tokens"
+            raise ValueError(f"the {self.source} makes fewer batches of {per_batch} than the world size "
+                             f"{self.world_size}, so every rank would get none; use smaller batches or fewer ranks")
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _row_loss_tokens(self) -> list[np.ndarray]:
+        """Each source's loss tokens per row (read when the unit or the plan needs them)."""
+        return [np.concatenate([row_loss_tokens(r._shard(i)) for i in range(len(r.manifest.shards))])
+                for r in self._readers]
+
+    def _units(self, source: int) -> np.ndarray:
+        """The size of each row of ``source`` in the mixture's unit."""
+        if self.unit == MixtureUnit.ROWS:
+            return np.ones(self._readers[source].manifest.num_rows)
+        if self.unit == MixtureUnit.LOSS_TOKENS:
+            return self._row_loss_tokens[source].astype(np.float64)
+        return self._readers[source]._row_tokens.astype(np.float64)
+
+    def manifests(self) -> dict[str, Any]:
+        """Each source's manifest, by name."""
+        return {name: reader.manifest for name, reader in zip(self.names, self._readers)}
+
+    def plan(self) -> list[SourcePlan]:
+        """Per source: weight, tokens, loss tokens, rows, and how many of its epochs one mixture epoch reads."""
+        return [
+            SourcePlan(name, reader.source, float(weight), reader.manifest.num_tokens, int(loss.sum()),
+                       reader.manifest.num_rows, float(weight * self.epoch_units / units.sum()),
+                       None if cap == 0 else int(cap))
+            for name, reader, weight, loss, units, cap in zip(
+                self.names, self._readers, self.weights, self._row_loss_tokens, self._row_units, self.max_epochs)
+        ]
+
+    def _identity(self) -> dict[str, Any]:
+        """The single build's settings, with the mixture (builds, weights, unit, caps) in place of one fingerprint."""
+        mixture = {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)}
+        weights = dict(zip(self.names, self.weights.tolist()))
+        max_epochs = dict(zip(self.names, self.max_epochs.tolist()))
+        described = json.dumps([mixture, weights, self.unit.value, max_epochs], sort_keys=True)
+        return {
+            "fingerprint": hashlib.sha256(described.encode()).hexdigest()[:16],
+            "mixture": mixture,
+            "weights": weights,
+            "unit": self.unit.value,
+            "max_epochs": max_epochs,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer_rows": self.shuffle_buffer_rows,
+            "batch_rows": self.batch_rows,
+            "tokens_per_batch": self.tokens_per_batch,
+            "world_size": self.world_size,
+        }
+
+    # ---- the schedule -------------------------------------------------------------------
+
+    def _epoch_rows(self, epoch: int) -> np.ndarray:
+        """Global row ids (source ``i``'s rows after those of the sources before it) of mixture epoch ``epoch``."""
+        while len(self._epoch_starts) <= epoch + 1:
+            last = len(self._epoch_starts) - 1
+            rows, end = self._blend_epoch(last)
+            self._epoch_starts.append(end)
+            self._latest_rows = (last, rows)
+        return self._latest_rows[1] if self._latest_rows[0] == epoch else self._blend_epoch(epoch)[0]
+
+    def source_epochs(self, epoch: int) -> dict[str, float]:
+        """How many epochs of each build the stream has read by the end of mixture epoch ``epoch``: the repetition."""
+        self._epoch_rows(epoch + 1)
+        positions = self._epoch_starts[epoch + 1][1]
+        return {name: p.epoch + p.offset / reader.manifest.num_rows
+                for name, reader, p in zip(self.names, self._readers, positions)}
+
+    def _blend_epoch(self, epoch: int) -> tuple[np.ndarray, tuple[BlendState, tuple[_StreamPosition, ...]]]:
+        """Mixture epoch ``epoch``'s rows, and the schedule's state and stream positions after it."""
+        state, start = self._epoch_starts[epoch]
+        until = (epoch + 1) * self.epoch_units
+        slack = (len(self._readers) + 1) * max(float(u.max()) for u in self._row_units)  # a source lags < k rows
+        positions = list(start)
+        rows: list[np.ndarray] = []
+        while state.total < until:
+            # Each source's next rows, enough for its share of what is left (and repeats past its epoch).
+            supply = [self._supply(i, positions[i], w * (until - state.total) + slack)
+                      for i, w in enumerate(self.weights)]
+            picks, taken, state = blend([self._row_units[i][s] for i, s in enumerate(supply)], self.weights, state, until)
+            if not picks.size:  # the source due next may not repeat again
+                name = self.names[next(i for i, s in enumerate(supply) if not s.size)]
+                cap = self.max_epochs[self.names.index(name)]
+                raise ValueError(
+                    f"mixture epoch {epoch} needs more of source {name!r} than its max_epochs={cap} epochs; raise "
+                    "its max_epochs, lower its weight, or train for fewer epochs"
+                )
+            chosen = np.empty(picks.size, dtype=np.int64)
+            for i, stream in enumerate(supply):
+                chosen[picks == i] = stream[: taken[i]] + self._source_first_row[i]
+                positions[i] = self._advance(i, positions[i], int(taken[i]))
+            rows.append(chosen)
+        return np.concatenate(rows), (state, tuple(positions))
+
+    def _supply(self, source: int, position: _StreamPosition, units: float) -> np.ndarray:
+        """Source ``source``'s next rows from ``position``: at least ``units`` units, or up to its epoch cap."""
+        reader = self._readers[source]
+        cap = int(self.max_epochs[source])
+        parts = [np.zeros(0, dtype=np.int64)]
+        held = 0.0
+        epoch, offset = position.epoch, position.offset
+        while held < units and not (cap and epoch >= cap):
+            parts.append(reader._epoch_rows(epoch)[offset:])
+            held += float(self._row_units[source][parts[-1]].sum())
+            epoch, offset = epoch + 1, 0
+        return np.concatenate(parts)
+
+    def _advance(self, source: int, position: _StreamPosition, rows: int) -> _StreamPosition:
+        """``position`` moved on by ``rows`` rows of the source's stream."""
+        per_epoch = self._readers[source].manifest.num_rows
+        offset = position.offset + rows
+        return _StreamPosition(position.epoch + offset // per_epoch, offset % per_epoch)
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
+        """The batch of the given global row ids, with the source of each sequence."""
+        place = self._row_place[rows]
+        source_of_row = place[:, 0]
+        shard_rows = [(self._readers[source]._shard(shard), row) for source, shard, row in place.tolist()]
+        batch = collate_rows(shard_rows, fixed=self.fixed_shape, pad_token_id=self.pad_token_id)
+        batch[SOURCE_IDS] = torch.from_numpy(np.repeat(source_of_row, self._row_segments[rows]))
+        if self.loss_weighting.is_plain_token_mean:
+            return batch
+        return add_loss_weights(batch, shard_rows, self.loss_weighting, self._id_offsets[source_of_row].tolist())
+
+
+def _check_max_epochs(max_epochs: dict[str, Any], names: list[str]) -> np.ndarray:
+    """Each source's epoch cap (0: none), in source order; ValueError naming an unknown source or a bad cap."""
+    for name, cap in max_epochs.items():
+        if name not in names:
+            raise ValueError(f"max_epochs names {name!r}, which is not a source of the mixture (sources: "
+                             f"{', '.join(names)})")
+        if cap is not None:
+            positive_int(f"max_epochs[{name!r}]", cap)
+    return np.array([max_epochs.get(name) or 0 for name in names], dtype=np.int64)
+
+
+def _check_compatible(names: list[str], readers: list[PackedIterableDataset]) -> None:
+    """ManifestError naming two builds that differ in tokenizer or row capacity."""
+    first, base = names[0], readers[0]
+    for name, reader in zip(names[1:], readers[1:]):
+        ours, theirs = base.manifest.inputs.tokenizer, reader.manifest.inputs.tokenizer
+        if ours.content_hash != theirs.content_hash:
+            raise ManifestError(
+                f"mixture sources {first!r} ({base.source}) and {name!r} ({reader.source}) were tokenized differently "
+                f"(tokenizer {ours.name} {ours.content_hash} vs {theirs.name} {theirs.content_hash}); rebuild one "
+                "with the other's tokenizer"
+            )
+        if base.capacity != reader.capacity:
+            raise ManifestError(
+                f"mixture sources {first!r} ({base.source}) and {name!r} ({reader.source}) have rows of "
+                f"{base.capacity} and {reader.capacity} tokens; rebuild one with the other's max_len"
+            )
+
+
+def _summed_histograms(readers: list[PackedIterableDataset]) -> dict[str, int]:
+    """The builds' histograms of segments per row, added up."""
+    total: dict[str, int] = {}
+    for reader in readers:
+        for count, rows in reader.manifest.stats.segments_per_row.items():
+            if rows:
+                total[count] = total.get(count, 0) + rows
+    return total
+
+
+def _combined_weighting(reduction: str, readers: list[PackedIterableDataset]) -> tuple[LossWeighting, np.ndarray]:
+    """One loss weighting over all builds, each build's example ids after the last's: (weighting, offset per build)."""
+    if reduction != LossReduction.SEQUENCE:
+        return LossWeighting(reduction), np.zeros(len(readers), dtype=np.int64)
+    targets = [reader.loss_weighting.example_targets for reader in readers]
+    assert all(t is not None for t in targets)  # "sequence" reads every build's example targets
+    sizes = [t.size for t in targets if t is not None]
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    return LossWeighting(reduction, None, np.concatenate([t for t in targets if t is not None])), offsets
+
+
+def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON mixture file as ``PackedMixture`` keyword arguments.
+
+    The file: ``{"sources": {name: build}, "weights": {name: weight}, "unit": "tokens",
+    "max_epochs": {name: n}}``; ``unit`` and ``max_epochs`` are optional. Relative build paths
+    are taken from the file's directory.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the mixture file ({err.strerror})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{path}: not a JSON mixture file ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a mixture file holds one object with sources and weights")
+    unknown = sorted(set(data) - {"sources", "weights", "unit", "max_epochs"})
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; a mixture file has sources, weights, unit, max_epochs")
+    for key in ("sources", "weights"):
+        if not isinstance(data.get(key), dict) or not data[key]:
+            raise ValueError(f"{path}: {key!r} must be a non-empty object of {{name: value}}")
+    sources = {name: str(path.parent / build) if "://" not in str(build) else str(build)
+               for name, build in data["sources"].items()}
+    return {"sources": sources, "weights": data["weights"], "unit": data.get("unit", "tokens"),
+            "max_epochs": data.get("max_epochs")}
+
+
+def realised_shares(mixture: PackedMixture, steps: int) -> np.ndarray:
+    """Each source's share of the unit over the first ``steps`` batches of the epoch (this rank's), in source order."""
+    taken = np.zeros(len(mixture.names))
+    plan = mixture._plan(mixture.epoch)
+    for step in range(min(steps, len(plan))):
+        rows = plan.batch_rows(step)
+        sources = mixture._row_place[rows, 0]
+        local = rows - mixture._source_first_row[sources]
+        for source in range(taken.size):
+            taken[source] += mixture._row_units[source][local[sources == source]].sum()
+    return taken / max(taken.sum(), 1e-12)
+
+
+def describe(mixture: PackedMixture, steps: int) -> list[dict[str, Any]]:
+    """One record per source: the plan and the realised share over the first ``steps`` batches."""
+    shares = realised_shares(mixture, steps)
+    return [{**dataclasses.asdict(source), "unit": mixture.unit.value, f"share_first_{steps}_steps": round(float(share), 4)}
+            for source, share in zip(mixture.plan(), shares)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loaders.mixture MIXTURE.json``: the plan of a mixture file, one JSON line per source."""
+    parser = argparse.ArgumentParser(prog="python -m loaders.mixture", description=main.__doc__)
+    parser.add_argument("mixture", help="a JSON mixture file (sources, weights, unit, max_epochs)")
+    parser.add_argument("--steps", type=int, default=100, help="batches over which to report the realised shares")
+    parser.add_argument("--batch-rows", type=int, default=1, help="rows per batch (default: 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,
+                                verify_checksum=False)
+    except (VarpackError, ValueError) as err:
+        print(f"python -m loaders.mixture: error: {err}", file=sys.stderr)
+        return 1
+    for record in describe(mixture, args.steps):
+        print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,401 @@
+"""Mixtures: the blending schedule's proportions at every prefix, and PackedMixture over real builds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchdata import stateful_dataloader as stateful
+
+from loaders import PackedIterableDataset, PackedMixture, load_mixture_file
+from loaders.blend import BlendState, blend
+from loaders.mixture import source_counts
+from schemas import ManifestError
+from tests.shard_factory import build_shard_dir
+
+CAPACITY = 64
+WEIGHTS = {"flan": 0.5, "gsm8k": 0.3, "chat": 0.2}
+
+
+# ---- the schedule ---------------------------------------------------------------------------
+
+
+@st.composite
+def schedules(draw):
+    """Sources with weights and rows of random sizes (zero allowed, as a row without loss tokens)."""
+    k = draw(st.integers(2, 5))
+    weights = np.array(draw(st.lists(st.floats(0.02, 1.0), min_size=k, max_size=k)))
+    largest = draw(st.integers(1, 100))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    kinds = draw(st.lists(st.sampled_from(["uniform", "bimodal", "constant"]), min_size=k, max_size=k))
+    rows = []
+    for kind in kinds:
+        if kind == "uniform":
+            sizes = rng.integers(0, largest + 1, 4000)
+        elif kind == "bimodal":
+            sizes = np.where(rng.random(4000) < 0.5, 1, largest)
+        else:
+            sizes = np.full(4000, rng.integers(1, largest + 1))
+        rows.append(sizes.astype(np.float64))
+    return weights / weights.sum(), rows, draw(st.integers(1, 60))
+
+
+def deviations(picks, rows, weights):
+    """Units taken from each source minus its share, after every pick ([picks, sources])."""
+    taken = np.zeros((picks.size, weights.size))
+    for i, sizes in enumerate(rows):
+        mine = picks == i
+        taken[mine, i] = sizes[: int(mine.sum())]
+    consumed = np.cumsum(taken, axis=0)
+    return consumed - consumed.sum(axis=1, keepdims=True) * weights
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_every_prefix_keeps_each_share_within_a_row_ahead_and_k_minus_one_behind(schedule):
+    weights, rows, rows_per_source = schedule
+    largest = max(float(r.max()) for r in rows)
+    until = sum(float(r[:rows_per_source].sum()) for r in rows)
+    picks, taken, state = blend(rows, weights, BlendState.start(weights.size), until)
+    assert state.total >= until and (picks.size == 0 or state.total - until < largest + 1e-9)
+    assert np.array_equal(taken, np.bincount(picks, minlength=weights.size))
+    deviation = deviations(picks, rows, weights)
+    tolerance = 1e-6 * max(1.0, until)
+    assert deviation.max(initial=0) <= largest + tolerance, "a source ran more than one row ahead of its share"
+    assert -deviation.min(initial=0) <= (weights.size - 1) * largest + tolerance
+    if weights.size == 2:
+        assert np.abs(deviation).max(initial=0) <= largest + tolerance
+
+
+@settings(max_examples=100, deadline=None)
+@given(schedules(), st.integers(1, 40))
+def test_a_schedule_continued_from_its_state_is_the_same_schedule(schedule, chunk):
+    """Rows supplied a few at a time (as a source repeats) give the picks of one long call."""
+    weights, rows, rows_per_source = schedule
+    until = sum(float(r[:rows_per_source].sum()) for r in rows)
+    whole, _, _ = blend(rows, weights, BlendState.start(weights.size), until)
+    state, offsets, parts = BlendState.start(weights.size), np.zeros(weights.size, dtype=np.int64), []
+    while state.total < until:
+        picks, taken, state = blend([r[o : o + chunk] for r, o in zip(rows, offsets)], weights, state, until)
+        parts.append(picks)
+        offsets += taken
+    assert np.array_equal(np.concatenate([whole[:0], *parts]), whole)
+
+
+def test_rows_unit_interleaves_by_weight():
+    picks, _, _ = blend([np.ones(20)] * 2, np.array([0.75, 0.25]), BlendState.start(2), until=8)
+    assert picks.tolist() == [0, 1, 0, 0, 0, 1, 0, 0]
+
+
+# ---- PackedMixture over real builds ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Three builds of one tokenizer and capacity, of different sizes; no example is split."""
+    root = tmp_path_factory.mktemp("mixture")
+    rng = np.random.default_rng(0)
+    return {
+        "flan": build_shard_dir(root / "flan", rng.integers(4, 60, 300), capacity=CAPACITY, rows_per_shard=20, seed=1),
+        "gsm8k": build_shard_dir(root / "gsm8k", rng.integers(4, 30, 40), capacity=CAPACITY, rows_per_shard=5, seed=2),
+        "chat": build_shard_dir(root / "chat", rng.integers(20, 64, 100), capacity=CAPACITY, rows_per_shard=16, seed=3),
+    }
+
+
+def mixture(builds, **options):
+    settings = {"weights": WEIGHTS, "batch_rows": 2, "seed": 3, **options}
+    return PackedMixture({name: build.path for name, build in builds.items()}, **settings)
+
+
+def examples_by_source(builds):
+    """Each example's tokens -> (source index, example id)."""
+    found = {}
+    for index, build in enumerate(builds.values()):
+        for example in range(build.lengths.size):
+            found[tuple(build.example(example)[0].tolist())] = (index, example)
+    return found
+
+
+def sequences(batch):
+    cu = batch["cu_seq_lens_q"].tolist()
+    ids = batch["input_ids"][0].tolist()
+    return [tuple(ids[a:b]) for a, b in zip(cu, cu[1:])]
+
+
+def assert_same_batches(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key], key
+
+
+@pytest.mark.parametrize("unit", ["tokens", "loss_tokens"])
+def test_every_prefix_of_batches_holds_the_weights_and_source_ids_name_each_sequence(builds, unit):
+    data = mixture(builds, unit=unit)
+    known = examples_by_source(builds)
+    weights = np.array(list(WEIGHTS.values()))
+    totals = np.zeros(3)
+    for batch in data:
+        assert batch["source_ids"].numel() == len(sequences(batch))
+        for source, tokens in zip(batch["source_ids"].tolist(), sequences(batch)):
+            assert known[tokens][0] == source
+        counts = source_counts(batch, 3)
+        assert counts["tokens"].sum() == batch["num_real_tokens"]
+        assert counts["loss_tokens"].sum() == batch["num_loss_tokens"]
+        totals += counts[unit]
+        # A batch boundary is a prefix of the schedule: each share within (k - 1) = 2 rows of its target.
+        assert np.abs(totals - weights * totals.sum()).max() <= 2 * CAPACITY
+    assert np.abs(totals / totals.sum() - weights).max() < 0.02
+
+
+def test_rows_unit_counts_rows(builds):
+    data = mixture(builds, unit="rows", batch_rows=1)
+    rows = np.zeros(3)
+    weights = np.array(list(WEIGHTS.values()))
+    for batch in data:
+        rows[int(batch["source_ids"][0])] += 1
+        assert np.abs(rows - weights * rows.sum()).max() <= 2
+
+
+def test_each_source_is_read_epoch_after_epoch_every_example_once_per_epoch_reshuffled(builds):
+    data = mixture(builds, batch_rows=1)
+    plan = {p.name: p for p in data.plan()}
+    assert plan["gsm8k"].epochs_per_mixture_epoch > 3 > 1 > plan["flan"].epochs_per_mixture_epoch
+    known = examples_by_source(builds)
+    read: list[list[int]] = [[], [], []]
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        for batch in data:
+            for tokens, source in zip(sequences(batch), batch["source_ids"].tolist()):
+                read[source].append(known[tokens][1])
+    for source, (name, build) in enumerate(builds.items()):
+        per_epoch = build.lengths.size
+        assert len(read[source]) // per_epoch == int(data.source_epochs(2)[name])
+        orders = [read[source][e * per_epoch : (e + 1) * per_epoch] for e in range(len(read[source]) // per_epoch)]
+        for order in orders:
+            assert sorted(order) == list(range(per_epoch)), f"{name}: an epoch must read every example once"
+        assert orders[0] != orders[1], f"{name}: each epoch is reshuffled"
+
+
+def test_max_epochs_caps_repetition(builds):
+    with pytest.raises(ValueError, match=r"mixture epoch 0 needs more of source 'gsm8k' than its max_epochs=2"):
+        mixture(builds, max_epochs={"gsm8k": 2})
+    capped = mixture(builds, max_epochs={"gsm8k": 20})
+    assert capped.plan()[1].max_epochs == 20
+    with pytest.raises(ValueError, match="needs more of source 'gsm8k'"):
+        capped.set_epoch(3)
+        list(capped)
+
+
+def test_ranks_and_workers_split_the_one_list_of_batches(builds):
+    whole = list(mixture(builds))
+    parts = [list(mixture(builds, rank=r, world_size=2)) for r in range(2)]
+    assert len(parts[0]) == len(parts[1]) == len(whole) // 2
+    for rank, part in enumerate(parts):
+        assert_same_batches(part, whole[rank::2][: len(part)])
+    workers = list(stateful.StatefulDataLoader(mixture(builds), batch_size=None, num_workers=2))
+    assert_same_batches(workers, whole)
+
+
+def gsm8k_epoch_boundary(data):
+    """The batch index in epoch 0 at which gsm8k's stream passes its first epoch."""
+    rows = data._plan(0)
+    gsm8k_rows = 0
+    per_epoch = data.manifests()["gsm8k"].num_rows
+    for j in range(len(rows)):
+        sources = np.searchsorted(data._source_first_row, rows.batch_rows(j), side="right") - 1
+        gsm8k_rows += int((sources == 1).sum())
+        if gsm8k_rows >= per_epoch:
+            return j
+    raise AssertionError("gsm8k does not repeat in epoch 0")
+
+
+def test_resume_mid_epoch_at_a_source_epoch_boundary_and_in_a_later_epoch(builds):
+    expected = []
+    reference = mixture(builds)
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        expected.append(list(reference))
+    boundary = gsm8k_epoch_boundary(mixture(builds))
+    for epoch, stop in ((0, 5), (0, boundary), (0, boundary + 1), (2, 3)):
+        first = mixture(builds)
+        first.set_epoch(epoch)
+        iterator = iter(first)
+        head = [next(iterator) for _ in range(stop)]
+        state = json.loads(json.dumps(first.state_dict()))
+        resumed = mixture(builds)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(epoch)
+        assert_same_batches(head + list(resumed), expected[epoch])
+    # A state saved at the end of an epoch resumes at the next one.
+    finished = mixture(builds)
+    list(finished)
+    resumed = mixture(builds)
+    resumed.load_state_dict(finished.state_dict())
+    assert_same_batches(list(resumed), expected[1])
+
+
+def test_a_state_of_another_mixture_or_other_weights_is_refused(builds):
+    state = mixture(builds).state_dict()
+    with pytest.raises(ValueError, match="weights"):
+        mixture(builds, weights={"flan": 0.6, "gsm8k": 0.2, "chat": 0.2}).load_state_dict(state)
+    with pytest.raises(ValueError, match="mixture"):
+        PackedMixture({"flan": builds["flan"].path, "chat": builds["chat"].path}, weights={"flan": 1, "chat": 1},
+                      batch_rows=2, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="unit"):
+        mixture(builds, unit="rows").load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint"):
+        PackedIterableDataset(builds["flan"].path, batch_rows=2, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="mixture"):
+        mixture(builds).load_state_dict(PackedIterableDataset(builds["flan"].path, batch_rows=2, seed=3).state_dict())
+
+
+def test_fixed_shapes_and_sequence_loss_weights(builds):
+    for buckets in (False, True):
+        data = mixture(builds, pad_to_fixed_shape=True, bucket_shapes=buckets, loss_reduction="sequence")
+        for batch, plain in zip(data, mixture(builds)):
+            assert batch["input_ids"].shape == (1, 2 * CAPACITY)
+            assert torch.equal(batch["source_ids"], plain["source_ids"])
+            # No example is split, so every example with targets weighs 1 in all.
+            lengths = np.diff(plain["cu_seq_lens_q"].numpy())
+            trained = [int((plain["labels"][0, a : a + n] != -100).sum()) for a, n in
+                       zip(plain["cu_seq_lens_q"][:-1].tolist(), lengths.tolist())]
+            assert batch["loss_weight_sum"] == pytest.approx(sum(t > 0 for t in trained), rel=1e-5)
+
+
+def test_incompatible_builds_and_bad_mixtures_are_one_line_errors(builds, tmp_path):
+    paths = {name: build.path for name, build in builds.items()}
+    other_tokenizer = build_shard_dir(tmp_path / "other", [10, 20, 30], capacity=CAPACITY, vocab_size=500)
+    other_capacity = build_shard_dir(tmp_path / "wide", [10, 20, 30], capacity=2 * CAPACITY)
+    cases = [
+        ({**paths, "x": other_tokenizer.path}, {**WEIGHTS, "x": 1}, ManifestError,
+         rf"'flan' \({paths['flan']}\) and 'x' \({other_tokenizer.path}\) were tokenized differently"),
+        ({**paths, "x": other_capacity.path}, {**WEIGHTS, "x": 1}, ManifestError, "rows of 64 and 128 tokens"),
+        (paths, {**WEIGHTS, "code": 1}, ValueError, "weights name 'code', which is not a source"),
+        (paths, {"flan": 1, "gsm8k": 1}, ValueError, "source 'chat' has no weight"),
+        (paths, {**WEIGHTS, "chat": 0}, ValueError, "source 'chat' has weight 0; weights must be positive"),
+        (paths, {**WEIGHTS, "chat": -1.0}, ValueError, "weight -1.0"),
+        ({**paths, "chat": tmp_path / "missing"}, WEIGHTS, ManifestError, "missing"),
+    ]
+    for sources, weights, error, message in cases:
+        with pytest.raises(error, match=message) as raised:
+            PackedMixture(sources, weights=weights, batch_rows=2)
+        assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match="unit must be one of tokens, loss_tokens, rows"):
+        PackedMixture(paths, weights=WEIGHTS, unit="bytes")
+    with pytest.raises(ValueError, match="max_epochs names 'code'"):
+        PackedMixture(paths, weights=WEIGHTS, max_epochs={"code": 2})
+
+
+def test_mixture_file(builds, tmp_path):
+    spec = {"sources": {name: str(build.path) for name, build in builds.items()}, "weights": WEIGHTS,
+            "unit": "loss_tokens", "max_epochs": {"gsm8k": 50}}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(spec))
+    data = PackedMixture(**load_mixture_file(path), batch_rows=2, seed=3)
+    assert data.unit == "loss_tokens" and data.plan()[1].max_epochs == 50
+    assert_same_batches(list(data), list(mixture(builds, unit="loss_tokens", max_epochs={"gsm8k": 50})))
+    for text, message in (("{", "not a JSON mixture file"), ('{"sources": {}}', "'sources' must be a non-empty"),
+                          ('{"sources": {"a": "x"}, "weights": {"a": 1}, "seed": 1}', "unknown key 'seed'")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_mixture_file(path)
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_train_script_on_a_mixture_logs_tokens_per_source_and_resumes_exactly(tmp_path, trainer, capsys):
+    if trainer == "hf":
+        pytest.importorskip("accelerate")
+    from tests.test_train import MODEL, load_script, losses
+
+    rng = np.random.default_rng(5)
+    for name, seed in (("math", 1), ("chat", 2)):
+        build_shard_dir(tmp_path / name, rng.integers(8, 120, 60), capacity=256, vocab_size=128, seed=seed)
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps({"sources": {"math": "math", "chat": "chat"}, "weights": {"math": 3, "chat": 1}}))
+    common = ["--mixture", str(spec), "--random-init", MODEL, "--trainer", trainer, "--attn", "sdpa", "--precision",
+              "fp32", "--lr", "1e-2", "--batch-rows", "2", "--log-every", "1"]
+    main = load_script().main
+    main([*common, "--out", str(tmp_path / "straight"), "--max-steps", "4"])
+    plan = next(json.loads(line) for line in capsys.readouterr().out.splitlines() if "mixture_plan" in line)
+    assert [(p["name"], p["weight"]) for p in plan["mixture_plan"]] == [("math", 0.75), ("chat", 0.25)]
+    main([*common, "--out", str(tmp_path / "resumed"), "--max-steps", "2", "--save-every", "2"])
+    main([*common, "--out", str(tmp_path / "resumed"), "--max-steps", "4", "--save-every", "2", "--resume"])
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+    if trainer == "plain":
+        records = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+        tokens = np.array([[r["source_tokens"][n]["tokens"] for n in ("math", "chat")] for r in records]).sum(axis=0)
+        assert abs(tokens[0] / tokens.sum() - 0.75) <= 256 / tokens.sum()
+
+
+def test_evaluate_script_reports_the_loss_of_each_source(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    import tiny_model
+
+    from loaders.train.evaluate import evaluate_packed
+
+    # Loaded by path: a package named `evaluate` (Hugging Face's) may be installed.
+    spec = importlib.util.spec_from_file_location("evaluate_script", Path(__file__).parents[1] / "scripts" / "evaluate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = np.random.default_rng(4)
+    builds = {name: build_shard_dir(tmp_path / name, rng.integers(4, 40, 20), capacity=CAPACITY, seed=seed)
+              for name, seed in (("math", 1), ("chat", 2))}
+    model = tiny_model.tiny_llama(1000, 2 * CAPACITY)
+    model.save_pretrained(tmp_path / "model")
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": {"math": "math", "chat": "chat"}, "weights": {"math": 1, "chat": 1}}))
+    out = tmp_path / "eval.jsonl"
+    summary = script.main(["--model", str(tmp_path / "model"), "--mixture", str(mix), "--out", str(out),
+                           "--attn", "sdpa", "--batch-rows", "4"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    targets = 0
+    for name, build in builds.items():
+        alone = evaluate_packed(model, build.path, batch_rows=4).summary
+        assert summary["sources"][name]["mean_token_loss"] == pytest.approx(alone["mean_token_loss"], rel=1e-6)
+        assert [r["example_id"] for r in records if r["source"] == name] == list(range(build.lengths.size))
+        targets += alone["target_tokens"]
+    assert summary["target_tokens"] == targets
+    pooled = sum(s["mean_token_loss"] * s["target_tokens"] for s in summary["sources"].values()) / targets
+    assert summary["mean_token_loss"] == pytest.approx(pooled, rel=1e-9)
+
+    # PackedTrainer.evaluate on the mixture: the same pooled and per-source losses.
+    pytest.importorskip("accelerate")
+    import transformers
+
+    from loaders.train.hf_trainer import PackedTrainer
+
+    data = PackedMixture({name: build.path for name, build in builds.items()}, weights={"math": 1, "chat": 1},
+                         batch_rows=4)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    metrics = PackedTrainer(model=model, args=args, train_dataset=data).evaluate(data)
+    assert metrics["eval_loss"] == pytest.approx(summary["mean_token_loss"], rel=1e-6)
+    for name in builds:
+        assert metrics[f"eval_{name}_loss"] == pytest.approx(summary["sources"][name]["mean_token_loss"], rel=1e-6)
+
+
+def test_plan_command_prints_each_source_and_its_realised_share(builds, tmp_path, capsys):
+    from loaders.mixture import main
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {n: str(b.path) for n, b in builds.items()}, "weights": WEIGHTS}))
+    assert main([str(path), "--steps", "60", "--batch-rows", "2"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["name"] for r in records] == list(WEIGHTS)
+    for record in records:
+        assert record["tokens"] == builds[record["name"]].lengths.sum()
+        assert abs(record["share_first_60_steps"] - WEIGHTS[record["name"]]) < 0.05
+    path.write_text(json.dumps({"sources": {"a": str(builds["flan"].path)}, "weights": {"a": -1}}))
+    assert main([str(path)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
