@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from pipeline import storage
-from pipeline.build import read_build_manifest
 from pipeline.errors import InputError
 from pipeline.report.profile import read_profile, read_shard_table
 from pipeline.report.summary import aligned, describe_overflow, describe_rejected, describe_trimmed, examples_per_row, plural
+from pipeline.write.build_dir import read_build_manifest
 from schemas import MANIFEST_NAME, Manifest, ManifestError, VarpackError
 
 EXIT_ERROR = 1

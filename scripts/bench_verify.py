@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from loaders import PackedIterableDataset  # noqa: E402
-from pipeline.build import build, reuse_problem  # noqa: E402
+from pipeline.build import build  # noqa: E402
 from pipeline.config import PackConfig  # noqa: E402
+from pipeline.write.build_dir import reuse_problem  # noqa: E402
 from pipeline.write.shard_writer import shard_name  # noqa: E402
 from schemas import ROW_SCHEMA, file_sha256, read_manifest, write_manifest  # noqa: E402
 

@@ -1,1 +1,1 @@
-"""Write: shards, the manifest, storage, the build lock."""
+"""Write: shards and the manifest, the build directory's lifecycle, the build lock."""
