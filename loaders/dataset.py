@@ -133,6 +133,10 @@ class PackedIterableDataset(IterableDataset):
     the epoch is refused.
     """
 
+    _epoch_named: int | None  # the latest set_epoch's argument
+    _plan_cache: tuple[int, EpochPlan] | None
+    _open_shards: OrderedDict[int, Shard]
+
     def __init__(
         self,
         source: str | os.PathLike[str],
@@ -207,11 +211,7 @@ class PackedIterableDataset(IterableDataset):
             )
         self.fixed_shape: FixedShape | None = self._fixed_shape(row_segments) if pad_to_fixed_shape else None
 
-        self._position = Position(epoch=0)
-        self._loaded = False
-        self._epoch_named: int | None = None  # the latest set_epoch's argument
-        self._plan_cache: tuple[int, EpochPlan] | None = None
-        self._open_shards: OrderedDict[int, Shard] = OrderedDict()
+        self._start_reading()
         if len(self) == 0:
             per_batch = f"{self.batch_rows} rows" if self.batch_rows else f"up to {self.tokens_per_batch} tokens"
             raise ValueError(
@@ -318,6 +318,14 @@ class PackedIterableDataset(IterableDataset):
         shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
         local = rows - self._first_row[shard_of_row]
         return [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
+
+    def _start_reading(self) -> None:
+        """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no shard open."""
+        self._position = Position(epoch=0)
+        self._loaded = False
+        self._epoch_named = None
+        self._plan_cache = None
+        self._open_shards = OrderedDict()
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it).

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import sys
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,7 +40,6 @@ from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
 from loaders.partition import resolve_rank
-from loaders.resume import Position
 from loaders.shard_reader import Shard
 from schemas import ManifestError, VarpackError, one_of, positive_int
 
@@ -201,10 +199,7 @@ class PackedMixture(PackedIterableDataset):
         self._epoch_starts: list[tuple[BlendState, tuple[_StreamPosition, ...]]] = [
             (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))]
         self._latest_rows: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))  # the last epoch blended
-        self._position = Position(epoch=0)
-        self._loaded = False
-        self._plan_cache = None
-        self._open_shards: OrderedDict[int, Shard] = OrderedDict()
+        self._start_reading()
         if len(self) == 0:
             per_batch = f"{self.batch_rows} rows" if self.batch_rows else f"up to {self.tokens_per_batch} tokens"
             raise ValueError(f"the {self.source} makes fewer batches of {per_batch} than the world size "

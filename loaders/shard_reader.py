@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas import Manifest, ShardError, ShardInfo, file_sha256, list_parts, validate_table
-from schemas.shard_identity import file_identity_problem, identity_problem
+from schemas.shard_identity import file_identity_problem
 
 
 def _column(table: pa.Table, name: str) -> pa.Array:
@@ -136,9 +136,8 @@ def _raise_problem(path: str | os.PathLike[str], problem: str | None) -> None:
 def open_build_shard(path: str | os.PathLike[str], manifest: Manifest, index: int) -> Shard:
     """``open_shard`` for shard ``index`` of ``manifest``'s list, its example ids bounded by the build's,
     also checking that the file names itself that shard of that build (``schemas/shard_identity.py``)."""
-    shard = open_shard(path, manifest.capacity, expected=manifest.shards[index], num_example_ids=manifest.num_example_ids)
-    _raise_problem(path, identity_problem(shard.table.schema, manifest, index))
-    return shard
+    check_build_shard(Path(path), manifest, index, verify_checksum=False)  # its place first: the clearest error
+    return open_shard(path, manifest.capacity, expected=manifest.shards[index], num_example_ids=manifest.num_example_ids)
 
 
 def check_build_shard(path: Path, manifest: Manifest, index: int, verify_checksum: bool) -> None:

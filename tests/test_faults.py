@@ -311,13 +311,13 @@ def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
 def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(data, tmp_path, monkeypatch):
     """Every node of a job runs pack before training: only the first check of a build on a host hashes it;
     a shard rewritten since (even with the same bytes) is hashed again, and a corrupt one still caught."""
-    import pipeline.build
+    from pipeline.write import build_dir
     from loaders.verify import verify_build
 
     monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
     hashed: list[int] = []
-    real_sha256 = pipeline.build.stream_sha256
-    monkeypatch.setattr(pipeline.build, "stream_sha256", lambda f: hashed.append(1) or real_sha256(f))
+    real_sha256 = build_dir.stream_sha256
+    monkeypatch.setattr(build_dir, "stream_sha256", lambda f: hashed.append(1) or real_sha256(f))
 
     def reuse() -> int:
         hashed.clear()

@@ -128,14 +128,18 @@ def test_a_bad_row_is_named_and_nothing_is_left(tmp_path: Path, row: dict, messa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_example_ids_past_the_declared_count_are_refused_and_nothing_is_left(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"example id 5 is outside \[0, 5\), the ids of the 5 examples written"):
-        with ShardWriter(tmp_path / "build", inputs(), rows_per_shard=1) as writer:
+def test_example_ids_outside_the_declared_count_are_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    """Ids may skip source rows; the build records one past the highest, or the count the writer declares."""
+    with pytest.raises(ValueError, match=r"example id 5 is outside \[0, 5\), the build's example ids"):
+        with ShardWriter(tmp_path / "build", inputs(num_examples=5), rows_per_shard=1) as writer:
             writer.write_examples(np.arange(1, 11), [2, 2, 2, 2, 2], example_ids=[0, 1, 2, 3, 5])
     assert list(tmp_path.iterdir()) == []
-    with ShardWriter(tmp_path / "declared", inputs(num_examples=6), rows_per_shard=1) as writer:
+    with ShardWriter(tmp_path / "undeclared", inputs(), rows_per_shard=1) as writer:
         writer.write_examples(np.arange(1, 11), [2, 2, 2, 2, 2], example_ids=[0, 1, 2, 3, 5])
     assert writer.manifest.num_example_ids == 6
+    with ShardWriter(tmp_path / "declared", inputs(num_examples=8), rows_per_shard=1) as writer:
+        writer.write_examples(np.arange(1, 11), [2, 2, 2, 2, 2], example_ids=[0, 1, 2, 3, 5])
+    assert writer.manifest.num_example_ids == 8
 
 
 def test_a_directory_with_files_is_refused_and_a_build_needs_rows(tmp_path: Path) -> None:
