@@ -432,9 +432,10 @@ def describe(mixture: PackedMixture, steps: int) -> list[dict[str, Any]]:
             for source, share in zip(mixture.plan(), shares)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m loaders.mixture MIXTURE.json``: the plan of a mixture file, one JSON line per source."""
-    parser = argparse.ArgumentParser(prog="python -m loaders.mixture", description=main.__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m loaders.mixture") -> int:
+    """``python -m loaders.mixture MIXTURE.json`` (or ``varpack inspect MIXTURE.json``): the plan of a
+    mixture file, one JSON line per source."""
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("mixture", help="a JSON mixture file (sources, weights, unit, max_epochs)")
     parser.add_argument("--steps", type=int, default=100, help="batches over which to report the realised shares")
     parser.add_argument("--batch-rows", type=int, default=1, help="rows per batch (default: 1)")
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,
                                 verify_checksum=False)
     except (VarpackError, ValueError) as err:
-        print(f"python -m loaders.mixture: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     for record in describe(mixture, args.steps):
         print(json.dumps(record))

@@ -1,7 +1,8 @@
 """``varpack COMMAND ...``: one entry point for the commands, each also a ``python -m`` module.
 
     varpack pack ...      python -m pipeline.pack: pack a dataset into shards
-    varpack inspect ...   python -m pipeline.inspect: what a build holds
+    varpack inspect ...   python -m pipeline.inspect: what a build holds (of a mixture file, its plan:
+                          python -m loaders.mixture)
     varpack check ...     python -m loaders.check: the isolation self-check (read side only)
 
 Commands are imported by module name only when run, so ``varpack check`` works on a training
@@ -31,6 +32,14 @@ def usage() -> str:
     return "usage: varpack COMMAND [options]  (varpack COMMAND --help for its options)\n\ncommands:\n" + "\n".join(lines)
 
 
+def _module_name(command: str, rest: list[str]) -> str:
+    """The module that runs ``command``: ``inspect`` of a mixture file (JSON) shows the mixture's plan,
+    which the read side computes (``loaders.mixture``)."""
+    if command == "inspect" and rest and rest[0].endswith(".json") and os.path.isfile(rest[0]):
+        return "loaders.mixture"
+    return COMMANDS[command][0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -40,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"varpack: error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_USAGE
-    module_name = COMMANDS[command][0]
+    module_name = _module_name(command, rest)
     try:
         code = _run(command, module_name, rest)
     except KeyboardInterrupt:

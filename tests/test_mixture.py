@@ -386,7 +386,9 @@ def test_evaluate_script_reports_the_loss_of_each_source(tmp_path, capsys):
 
 
 def test_plan_command_prints_each_source_and_its_realised_share(builds, tmp_path, capsys):
+    """``python -m loaders.mixture FILE`` and ``varpack inspect FILE`` print the plan of a mixture file."""
     from loaders.mixture import main
+    from pipeline import cli
 
     path = tmp_path / "mix.json"
     path.write_text(json.dumps({"sources": {n: str(b.path) for n, b in builds.items()}, "weights": WEIGHTS}))
@@ -396,6 +398,10 @@ def test_plan_command_prints_each_source_and_its_realised_share(builds, tmp_path
     for record in records:
         assert record["tokens"] == builds[record["name"]].lengths.sum()
         assert abs(record["share_first_60_steps"] - WEIGHTS[record["name"]]) < 0.05
+    assert cli.main(["inspect", str(path), "--steps", "60", "--batch-rows", "2"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == records
     path.write_text(json.dumps({"sources": {"a": str(builds["flan"].path)}, "weights": {"a": -1}}))
     assert main([str(path)]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+    assert cli.main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err.startswith("varpack inspect: error: ")
