@@ -174,7 +174,7 @@ def test_dangling_turns_are_refused_or_dropped_and_counted(tmp_path, capsys):
     assert read_manifest(skipped).rejected.by_reason == {"ends_with_user": 1, "starts_with_assistant": 2}
     capsys.readouterr()
     assert main([*args, "--out", str(tmp_path / "dropped"), "--drop-dangling-turns"]) == 0
-    assert re.search(r"trimmed +3 conversations without their leading assistant or trailing user turns", capsys.readouterr().out)
+    assert re.search(r"trimmed +3 conversations of a leading assistant or trailing user turn", capsys.readouterr().out)
     (dropped,) = (tmp_path / "dropped").iterdir()
     manifest = read_manifest(dropped)
     assert manifest.stats.conversations_trimmed == 3 and manifest.rejected.rows == 0

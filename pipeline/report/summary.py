@@ -71,7 +71,7 @@ def describe_overflow(stats: PackingStats) -> str:
 def describe_trimmed(stats: PackingStats) -> str:
     """Conversations --drop-dangling-turns shortened."""
     return (
-        f"{plural(stats.conversations_trimmed, 'conversation')} without their leading assistant or trailing user turns "
+        f"{plural(stats.conversations_trimmed, 'conversation')} of a leading assistant or trailing user turn "
         "(--drop-dangling-turns)"
     )
 
