@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas import Manifest, ShardError, ShardInfo, file_sha256, list_parts, validate_table
-from schemas.shard_identity import file_identity_problem
+from schemas.shard_identity import file_identity_problem, identity_problem
 
 
 def _column(table: pa.Table, name: str) -> pa.Array:
@@ -90,17 +91,25 @@ def open_shard(
     expected: ShardInfo | None = None,
     verify_checksum: bool = False,
     num_example_ids: int | None = None,
+    schema_problem: Callable[[pa.Schema], str | None] | None = None,
 ) -> Shard:
     """Memory-map a shard and check it: size and row count against ``expected``, the sha256
-    when ``verify_checksum`` (which needs ``expected``), and every row invariant, example ids
-    below the manifest's ``num_example_ids`` when given. Raises ShardError naming the file."""
+    when ``verify_checksum`` (which needs ``expected``), ``schema_problem`` of its schema before
+    its rows, and every row invariant, example ids below the manifest's ``num_example_ids`` when
+    given. Raises ShardError naming the file."""
     if verify_checksum and expected is None:
         raise ValueError("verify_checksum needs the shard's manifest entry as expected")
     path = Path(path)
     name = str(path)
     check_shard_file(path, expected, verify_checksum)
     try:
-        table = pa.ipc.open_file(pa.memory_map(name, "r")).read_all()
+        reader = pa.ipc.open_file(pa.memory_map(name, "r"))
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
+    if schema_problem is not None:
+        _raise_problem(name, schema_problem(reader.schema))
+    try:
+        table = reader.read_all()
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
     if expected is not None and table.num_rows != expected.rows:
@@ -135,9 +144,9 @@ def _raise_problem(path: str | os.PathLike[str], problem: str | None) -> None:
 
 def open_build_shard(path: str | os.PathLike[str], manifest: Manifest, index: int) -> Shard:
     """``open_shard`` for shard ``index`` of ``manifest``'s list, its example ids bounded by the build's,
-    also checking that the file names itself that shard of that build (``schemas/shard_identity.py``)."""
-    check_build_shard(Path(path), manifest, index, verify_checksum=False)  # its place first: the clearest error
-    return open_shard(path, manifest.capacity, expected=manifest.shards[index], num_example_ids=manifest.num_example_ids)
+    checking first that the file names itself that shard of that build (``schemas/shard_identity.py``)."""
+    return open_shard(path, manifest.capacity, expected=manifest.shards[index], num_example_ids=manifest.num_example_ids,
+                      schema_problem=lambda schema: identity_problem(schema, manifest, index))
 
 
 def check_build_shard(path: Path, manifest: Manifest, index: int, verify_checksum: bool) -> None:
