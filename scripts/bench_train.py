@@ -47,6 +47,8 @@ step of each of those modes: GPU time by kernel group and the GPU's idle time.
 ``--convergence-steps N`` instead trains ``padded`` and ``--convergence-mode`` for N steps on
 identical data per step (``padded``'s batch is the packed batch cut back into its examples) and
 writes the loss per step (per trained token, the same average in both) to ``--convergence-csv``.
+``--model DIR`` (with ``--gguf-file NAME`` for a GGUF file in it) trains that pretrained model
+instead of the random-init Llama.
 
 Without CUDA it runs on the CPU (float32; references on ``sdpa``, varpack's modes on
 ``varpack_segments``), for a smoke test at tiny sizes. The last line printed is one JSON object.
@@ -87,6 +89,7 @@ from loaders.train.models import (  # noqa: E402
     compile_layers,
     count_on_device,
     linear_warmup,
+    load_causal_lm,
     model_inputs,
     peak_memory_gib,
     prewarm_buckets,
@@ -195,6 +198,9 @@ class BenchConfig:
     convergence_steps: int = 0
     convergence_mode: str = "ours_buckets_head"
     convergence_csv: str = ""
+    # A pretrained model instead of the random-init Llama: a directory (or Hub id) and, optionally, a GGUF file in it.
+    model: str = ""
+    gguf_file: str = ""
     seed: int = 0
     out: str = ""
 
@@ -212,9 +218,16 @@ class Cell:
 
 
 def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
-    """A Llama of the configured size, random init from the seed, on the device: bf16 on a GPU, float32 on
-    the CPU (whose bf16 matrix products are far slower)."""
+    """A Llama of the configured size, random init from the seed (or ``--model``'s pretrained weights), on the
+    device: bf16 on a GPU, float32 on the CPU (whose bf16 matrix products are far slower)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    if config.model:
+        model = load_causal_lm(config.model, attn_implementation, dtype, config.gguf_file or None).to(DEVICE)
+        model.config.use_cache = False
+        model.train()
+        return model
 
     model_config = LlamaConfig(
         vocab_size=vocab_size,
@@ -229,7 +242,7 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
     torch.manual_seed(config.seed)
     with DEVICE:
         model = LlamaForCausalLM(model_config)
-    model = model.to(torch.bfloat16 if CUDA else torch.float32)
+    model = model.to(dtype)
     model.config._attn_implementation = attn_implementation
     model.train()
     return model
