@@ -23,8 +23,7 @@ after the first change), on fixed shapes padded to the worst case (``ours_fixed*
 loss-position LM head (``loaders.train.loss_head``); ``_graphs``: per-layer CUDA graphs
 (``mode="reduce-overhead"``) on the worst-case shape; ``_stepgraph``: the whole step (forward,
 backward, clipping, optimizer) as one CUDA graph per bucketed shape (``loaders.train.step_graph``), every
-shape of the run captured during the first warm-up; ``_fused``: one matrix product for q, k and v
-and one for gate and up in each layer (``loaders.train.fused_projections``); ``_memNN``: compiled layers
+shape of the run captured during the first warm-up; ``_memNN``: compiled layers
 save at most NN% of their activations for backward and recompute the rest; ``_liger``: Liger's RoPE, RMSNorm and SwiGLU
 in eager layers.
 
@@ -84,7 +83,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
-from loaders.train.fused_projections import fuse_projections  # noqa: E402
 from loaders.train.loss_head import use_loss_position_head  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import read_manifest  # noqa: E402
@@ -112,7 +110,7 @@ FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / 
 FA2 = "flash_attention_2"
 DEFAULT_MODES = ("flatten,flatten_compiled_fa2,flatten_compiled_varpack,flatten_liger,flatten_liger_ce_compiled,"
                  "ours_exact_head,ours_buckets_head,ours_buckets_head_stepgraph,ours_eager_head_liger")
-DEFAULT_BUDGET_MODES = DEFAULT_MODES
+DEFAULT_BUDGET_MODES = DEFAULT_MODES + ",ours_exact_head_mem90"
 # apply_liger_kernel_to_llama's parts for each Mode.liger.
 LIGER_PARTS = {
     "all": {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
@@ -133,7 +131,6 @@ class Mode:
     cuda_graphs: bool = False
     step_graph: bool = False  # the whole step as one CUDA graph per shape (loaders.train.step_graph)
     liger: str = ""  # Liger kernels: "" none | all | ce (fused linear cross-entropy) | kernels (RoPE, RMSNorm, SwiGLU)
-    fused: bool = False  # one matrix product for q/k/v and one for gate/up (loaders.train.fused_projections)
     # Compiled layers keep at most this share of the activations they would save for backward, recomputing the rest
     # (torch._functorch.config.activation_memory_budget); 1.0 keeps them all.
     memory_budget: float = 1.0
@@ -166,10 +163,6 @@ MODES = {
     "ours_fixed_head_graphs": Mode("packed", compiled=True, shapes="fixed", loss_head=True, cuda_graphs=True),
     "ours_buckets_head_stepgraph": Mode("packed", compiled=True, shapes="buckets", loss_head=True, step_graph=True),
     "ours_exact_head_mem90": Mode("packed", compiled=True, shapes="exact", loss_head=True, memory_budget=0.9),
-    "ours_exact_head_mem70": Mode("packed", compiled=True, shapes="exact", loss_head=True, memory_budget=0.7),
-    "ours_exact_head_fused": Mode("packed", compiled=True, shapes="exact", loss_head=True, fused=True),
-    "ours_buckets_head_stepgraph_fused": Mode("packed", compiled=True, shapes="buckets", loss_head=True, step_graph=True,
-                                              fused=True),
 }
 # Kernel groups of a profiled step, matched on the lower-cased kernel name, first match wins.
 KERNEL_GROUPS = (
@@ -455,8 +448,6 @@ def free_gpu() -> None:
 def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
     """A fresh model from the shared initial weights, set up as ``mode`` runs it."""
     model = make_model(config, vocab_size, mode.attn_implementation)
-    if mode.fused:
-        fuse_projections(model)
     if mode.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -464,10 +455,9 @@ def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
     if mode.loss_head:
         use_loss_position_head(model)
     if mode.compiled:
-        torch._functorch.config.activation_memory_budget = mode.memory_budget
         # The reference compiles with dynamic shapes, its batches differ in length; ours start static.
         compile_layers(model, dynamic=True if mode.reference else None,
-                       mode="reduce-overhead" if mode.cuda_graphs else None)
+                       mode="reduce-overhead" if mode.cuda_graphs else None, activation_memory_budget=mode.memory_budget)
     return model
 
 

@@ -200,3 +200,35 @@ def test_loss_position_head_matches_full_logits_on_gpu(packed_batch):
     (want_loss, want_grads), (got_loss, got_grads) = results
     assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
     assert_grads_close(got_grads, want_grads, GRAD_RTOL)
+
+
+@requires("flash_attn")
+def test_activation_memory_budget_saves_less_and_trains_the_same(packed_batch):
+    """Compiled layers under ``activation_memory_budget=0.5`` keep fewer bytes for backward than
+    with the whole budget, with the same loss and gradients (what is dropped is recomputed)."""
+    from loaders.collate import COUNT_KEYS
+    from loaders.train.models import compile_layers
+
+    batch = {k: v for k, v in packed_batch.items() if k not in COUNT_KEYS}
+    results = []
+    for budget in (1.0, 0.5):
+        torch._dynamo.reset()
+        model = tiny_llama(attn_implementation_for("flash_attn"))
+        compile_layers(model, activation_memory_budget=budget)
+        saved: dict[int, int] = {}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                loss = model(**batch).loss
+            loss.backward()
+        finally:
+            torch._functorch.config.activation_memory_budget = 1.0
+        results.append((sum(saved.values()), loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (whole_bytes, whole_loss, whole_grads), (budget_bytes, budget_loss, budget_grads) = results
+    assert budget_bytes < whole_bytes
+    assert budget_loss == pytest.approx(whole_loss, rel=LOSS_RTOL)
+    assert_grads_close(budget_grads, whole_grads, GRAD_RTOL)
