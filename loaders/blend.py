@@ -1,30 +1,47 @@
-"""Which source feeds the next row of a mixture: a deterministic largest-deficit schedule.
+"""Which source feeds the next row of a mixture: Earliest Eligible Virtual Deadline First (EEVDF).
 
 Pure functions over integer arrays, no files: each source's upcoming rows come in as their
 sizes in the mixture's unit (real tokens, loss tokens or 1 per row), the schedule comes out as
-the source of each pick. After ``T`` units in all, source ``i`` with weight ``w_i`` (the
-weights sum to 1) has taken ``c_i`` units; its deficit is ``w_i * T - c_i``. The next row comes
-from the source whose deficit is largest at the middle of its next row,
-``w_i * (T + r_i / 2) - (c_i + r_i / 2)``: Megatron-Core's ``BlendedDataset`` rule (largest
-deficit first) over units of any size instead of samples. Ties go to the lower source index.
+the source of each pick. After ``T`` units in all, source ``i`` with weight ``w_i`` (the weights
+sum to 1) has taken ``c_i`` units and is owed ``w_i * T - c_i``; these lags sum to 0. A source
+is *eligible* while it is not ahead of its share, ``c_i <= w_i * T``, so some source always is.
+The next row comes from the eligible source whose *virtual deadline* ``(c_i + r_i) / w_i`` is
+earliest, ``r_i`` being the units of its next row; ties go to the lower source index. Both
+tests are exact, in integers: the units are whole numbers and each weight is read as a fraction
+(``integer_weights``: the float 0.3 as 3/10). Megatron-Core's ``BlendedDataset`` takes the
+source with the largest deficit ``w_i * T - c_i``; eligibility and deadlines tighten its bounds
+(one row ahead, ``k - 1`` rows behind with ``k`` sources) to one row each way.
 
-What every prefix of the schedule keeps, with ``R`` the largest row (in the unit):
+What every prefix of the schedule keeps, with ``R`` the largest row (in the unit) of any source
+and ``r`` the last row source ``i`` took:
 
-- no source is ever more than one row ahead of its share: ``c_i - w_i * T <= R``;
-- no source is more than ``k - 1`` rows behind it, with ``k`` sources: the deficits sum to 0;
-  with two sources that is one row each way, and in practice, with several sources of mixed
-  row sizes, the largest lag is about 1.2 rows.
+- every source is less than a row behind its share: ``w_i * T - c_i < R``;
+- every source is ahead of it by less than its own last row: ``c_i - w_i * T <= (1 - w_i) * r``
+  (not at all before its first pick or after a row of 0 units).
 
-Three sources of rows (unit ``"rows"``) at 0.5, 0.3 and 0.2:
+Why: a source is picked only while it is not ahead, a row of ``r`` units puts it at most
+``(1 - w_i) * r`` ahead, and until its next pick it only falls back. A source a whole row ``R``
+behind would have let its deadline pass; serving the eligible source with the earliest deadline,
+with weights that sum to 1, lets no lag reach the largest request: EEVDF's lag theorem (I.
+Stoica, H. Abdel-Wahab, K. Jeffay, S. Baruah, J. Gehrke, C. G. Plaxton, "A Proportional Share
+Resource Allocation Algorithm for Real-Time, Time-Shared Systems", RTSS 1996), here with rows
+as the requests. For rows of one unit it is the earliest-deadline rule of Tijdeman's chairman
+assignment (R. Tijdeman, "The chairman assignment problem", Discrete Mathematics 32, 1980),
+which keeps every count within one row of its share.
 
->>> blend([np.ones(10)] * 3, np.array([0.5, 0.3, 0.2]), BlendState.start(3), until=10)[0].tolist()
-[0, 1, 2, 0, 1, 0, 2, 0, 1, 0]
+Three sources of rows (unit ``"rows"``) at 0.5, 0.3 and 0.2; after seven rows sources 1 and
+2 are both eligible and both due when 10 rows are taken, and the tie goes to source 1:
+
+>>> blend([np.ones(10, dtype=np.int64)] * 3, np.array([0.5, 0.3, 0.2]), BlendState.start(3), until=10)[0].tolist()
+[0, 1, 0, 2, 0, 1, 0, 1, 0, 2]
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -33,12 +50,12 @@ import numpy as np
 class BlendState:
     """Where a schedule stands: the units taken from each source and in all."""
 
-    consumed: tuple[float, ...]
-    total: float
+    consumed: tuple[int, ...]
+    total: int
 
     @classmethod
     def start(cls, num_sources: int) -> BlendState:
-        return cls(consumed=(0.0,) * num_sources, total=0.0)
+        return cls(consumed=(0,) * num_sources, total=0)
 
 
 def check_weights(weights: dict[str, float], sources: Sequence[str]) -> np.ndarray:
@@ -58,41 +75,68 @@ def check_weights(weights: dict[str, float], sources: Sequence[str]) -> np.ndarr
     return values / values.sum()
 
 
+def integer_weights(weights: np.ndarray) -> list[int]:
+    """Integers in the proportions of the float ``weights``: source ``i``'s share is ``m_i / sum(m)``.
+
+    Each weight is read as the nearest fraction with a denominator up to 2**20 when that fraction
+    rounds to the same float (1/3 for the float 0.333...), else as the float's exact value.
+    """
+    shares = []
+    for weight in weights.tolist():
+        simple = Fraction(weight).limit_denominator(1 << 20)
+        shares.append(simple if float(simple) == weight else Fraction(weight))
+    denominator = math.lcm(*(share.denominator for share in shares))
+    numerators = [share.numerator * (denominator // share.denominator) for share in shares]
+    common = math.gcd(*numerators)
+    return [m // common for m in numerators]
+
+
+def _row_keys(units: np.ndarray, consumed: int, share: int, whole: int, spacing: int) -> tuple[list[int], ...]:
+    """With ``j`` of a source's supplied rows taken: its units so far, the total at which it is eligible, its deadline.
+
+    ``j`` runs to the number of rows supplied; past the last one the next row counts as 0 units.
+    """
+    units = np.asarray(units).astype(np.int64)
+    before = consumed + np.concatenate(([0], np.cumsum(units)))
+    exact = before.astype(object) if max(int(before[-1]), 1) * max(whole, spacing) >= 1 << 62 else before  # past int64
+    eligible_at = -(-exact * whole // share)  # ceil(c / w_i), as the total is whole
+    deadline = (exact + np.append(units, 0)) * spacing
+    return before.tolist(), eligible_at.tolist(), deadline.tolist()
+
+
 def blend(
     row_units: Sequence[np.ndarray], weights: np.ndarray, state: BlendState, until: float
 ) -> tuple[np.ndarray, np.ndarray, BlendState]:
     """Pick rows until ``until`` units are taken in all: ``(source of each pick, picks per source, state)``.
 
-    ``row_units[i]`` holds the units of source ``i``'s upcoming rows, in its order. The schedule
-    stops early, before the pick, when the source it would pick has no row left in
-    ``row_units``: the caller then supplies more of that source's rows and continues from the
-    returned state (the picks are the same as in one call over longer arrays).
+    ``row_units[i]`` holds the units (whole numbers) of source ``i``'s upcoming rows, in its
+    order. A source with no row left in ``row_units`` counts as having a row of 0 units next,
+    the earliest its deadline could be; when that makes it the pick, the schedule stops before
+    it: the caller then supplies more of that source's rows and continues from the returned
+    state (the picks are the same as in one call over longer arrays).
     """
-    # Source i's score with j of its supplied rows taken: w_i * T - (c_i + j's units + (1 - w_i) * r_j / 2),
-    # the deficit at the middle of its next row; past its last supplied row, the bare deficit.
-    bases, offsets = [], []
-    for units, weight, consumed in zip(row_units, weights.tolist(), state.consumed):
-        units = np.asarray(units, dtype=np.float64)
-        before = consumed + np.concatenate(([0.0], np.cumsum(units)))
-        bases.append(before.tolist())
-        offsets.append((before + np.append((1 - weight) * units / 2, 0.0)).tolist())
-    weight = weights.tolist()
-    ends = [len(base) - 1 for base in bases]
-    taken = [0] * len(bases)
+    shares = integer_weights(weights)
+    whole, common = sum(shares), math.lcm(*shares)
+    # The deadline (c_i + r_i) / w_i = (c_i + r_i) * whole / m_i, times lcm(m) / whole: a whole number.
+    keys = [_row_keys(units, int(consumed), share, whole, common // share)
+            for units, consumed, share in zip(row_units, state.consumed, shares)]
+    befores, eligible_at, deadlines = (list(column) for column in zip(*keys))
+    ends = [len(before) - 1 for before in befores]
+    taken = [0] * len(keys)
     picks: list[int] = []
-    total = state.total
-    sources = range(len(bases))
+    total = int(state.total)
+    sources = range(len(keys))
     while total < until:
-        best, best_score = 0, -np.inf
+        best, earliest = 0, math.inf
         for i in sources:
-            score = weight[i] * total - offsets[i][taken[i]]
-            if score > best_score:
-                best, best_score = i, score
+            j = taken[i]
+            if eligible_at[i][j] <= total and deadlines[i][j] < earliest:
+                best, earliest = i, deadlines[i][j]
         j = taken[best]
         if j == ends[best]:
             break
-        total += bases[best][j + 1] - bases[best][j]
+        total += befores[best][j + 1] - befores[best][j]
         taken[best] = j + 1
         picks.append(best)
-    consumed_after = tuple(base[j] for base, j in zip(bases, taken))
-    return np.asarray(picks, dtype=np.int64), np.asarray(taken, dtype=np.int64), BlendState(consumed_after, total)
+    consumed = tuple(before[j] for before, j in zip(befores, taken))
+    return np.asarray(picks, dtype=np.int64), np.asarray(taken, dtype=np.int64), BlendState(consumed, total)

@@ -5,9 +5,9 @@
 
 Each build is read by its own ``PackedIterableDataset`` (one rank, its own shuffle): its rows
 form an endless stream, epoch after epoch of that build, each reshuffled from (seed, epoch).
-``loaders.blend`` interleaves the streams row by row, largest deficit first, so every prefix
-of the mixture holds each source's share of the unit (real tokens, loss tokens or rows) to
-within about one row. The interleaved rows are then cut into batches and dealt to ranks and
+``loaders.blend`` interleaves the streams row by row, earliest eligible deadline first, so
+every prefix of the mixture holds each source's share of the unit (real tokens, loss tokens or
+rows) to within one row. The interleaved rows are then cut into batches and dealt to ranks and
 workers exactly as one build's rows are (``loaders.partition``), so the mixture has the same
 guarantees: equal batches on every rank, any number of workers, exact resume.
 
@@ -216,10 +216,10 @@ class PackedMixture(PackedIterableDataset):
     def _units(self, source: int) -> np.ndarray:
         """The size of each row of ``source`` in the mixture's unit."""
         if self.unit == MixtureUnit.ROWS:
-            return np.ones(self._readers[source].manifest.num_rows)
+            return np.ones(self._readers[source].manifest.num_rows, dtype=np.int64)
         if self.unit == MixtureUnit.LOSS_TOKENS:
-            return self._row_loss_tokens[source].astype(np.float64)
-        return self._readers[source]._row_tokens.astype(np.float64)
+            return self._row_loss_tokens[source].astype(np.int64)
+        return self._readers[source]._row_tokens.astype(np.int64)
 
     def manifests(self) -> dict[str, Any]:
         """Each source's manifest, by name."""
@@ -277,7 +277,8 @@ class PackedMixture(PackedIterableDataset):
         """Mixture epoch ``epoch``'s rows, and the schedule's state and stream positions after it."""
         state, start = self._epoch_starts[epoch]
         until = (epoch + 1) * self.epoch_units
-        slack = (len(self._readers) + 1) * max(float(u.max()) for u in self._row_units)  # a source lags < k rows
+        # A source is less than a row behind its share, and its last pick starts before ``until``.
+        slack = 2 * max(float(u.max()) for u in self._row_units)
         positions = list(start)
         rows: list[np.ndarray] = []
         while state.total < until:
