@@ -14,7 +14,8 @@ guarantees: equal batches on every rank, any number of workers, exact resume.
 A mixture epoch takes as many units as all the builds hold together; a source with a large
 weight and few units is repeated within it (``plan()`` says how often), up to its
 ``max_epochs``. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
-and the shares realised over its first steps.
+and the shares realised over its first steps (``--plot FILE.png`` draws them; matplotlib is
+imported for it only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -413,17 +415,44 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             "max_epochs": data.get("max_epochs")}
 
 
+def units_per_step(mixture: PackedMixture, steps: int) -> np.ndarray:
+    """The unit each source gives to each of the first ``steps`` batches of the epoch (this rank's): [steps, sources]."""
+    plan = mixture._plan(mixture.epoch)
+    row_units = np.concatenate(mixture._row_units)  # indexed by global row id
+    taken = np.zeros((min(steps, len(plan)), len(mixture.names)))
+    for step in range(taken.shape[0]):
+        rows = plan.batch_rows(step)
+        taken[step] = np.bincount(mixture._row_place[rows, 0], weights=row_units[rows], minlength=taken.shape[1])
+    return taken
+
+
 def realised_shares(mixture: PackedMixture, steps: int) -> np.ndarray:
     """Each source's share of the unit over the first ``steps`` batches of the epoch (this rank's), in source order."""
-    taken = np.zeros(len(mixture.names))
-    plan = mixture._plan(mixture.epoch)
-    for step in range(min(steps, len(plan))):
-        rows = plan.batch_rows(step)
-        sources = mixture._row_place[rows, 0]
-        local = rows - mixture._source_first_row[sources]
-        for source in range(taken.size):
-            taken[source] += mixture._row_units[source][local[sources == source]].sum()
+    taken = units_per_step(mixture, steps).sum(axis=0)
     return taken / max(taken.sum(), 1e-12)
+
+
+def plot_shares(mixture: PackedMixture, steps: int, path: str | os.PathLike[str]) -> None:
+    """Write to ``path`` (a PNG) each source's share of the unit over the first 1..``steps`` batches, against
+    its weight. Needs matplotlib (``pip install 'varpack[plot]'``), imported here only."""
+    from matplotlib.figure import Figure
+
+    taken = np.cumsum(units_per_step(mixture, steps), axis=0)
+    shares = taken / np.maximum(taken.sum(axis=1, keepdims=True), 1e-12)
+    figure = Figure(figsize=(9, 4.5), dpi=110, layout="constrained")
+    axes = figure.subplots()
+    step = np.arange(1, shares.shape[0] + 1)
+    for index, (name, weight) in enumerate(zip(mixture.names, mixture.weights)):
+        color = f"C{index % 10}"
+        axes.plot(step, shares[:, index], color=color, linewidth=1.8, label=f"{name} (target {weight:.3g})")
+        axes.axhline(weight, color=color, linestyle="--", linewidth=1)
+    axes.set_xlabel("batches read (this rank's)")
+    axes.set_ylabel(f"share of {mixture.unit.value.replace('_', ' ')} so far")
+    axes.set_xlim(1, max(2, shares.shape[0]))
+    axes.set_ylim(0, min(1.0, float(shares.max(initial=0)) * 1.15 + 0.02))
+    axes.set_title("Realised share of each source (solid) against its weight (dashed)")
+    figure.legend(loc="outside right upper", fontsize=9, frameon=False)
+    figure.savefig(path)
 
 
 def describe(mixture: PackedMixture, steps: int) -> list[dict[str, Any]]:
@@ -435,21 +464,31 @@ def describe(mixture: PackedMixture, steps: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None, prog: str = "python -m loaders.mixture") -> int:
     """``python -m loaders.mixture MIXTURE.json`` (or ``varpack inspect MIXTURE.json``): the plan of a
-    mixture file, one JSON line per source."""
+    mixture file, one JSON line per source; ``--plot FILE.png`` also draws the shares realised over the
+    first ``--steps`` batches against the weights."""
     parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("mixture", help="a JSON mixture file (sources, weights, unit, max_epochs)")
     parser.add_argument("--steps", type=int, default=100, help="batches over which to report the realised shares")
     parser.add_argument("--batch-rows", type=int, default=1, help="rows per batch (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw each source's realised share over the first "
+                        "--steps batches against its weight, as a PNG (needs matplotlib: pip install 'varpack[plot]')")
     args = parser.parse_args(argv)
     try:
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib, which is not installed; pip install 'varpack[plot]'")
         mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,
                                 verify_checksum=False)
-    except (VarpackError, ValueError) as err:
+        records = describe(mixture, args.steps)
+        if args.plot:
+            plot_shares(mixture, args.steps, args.plot)
+    except (VarpackError, ValueError, OSError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
-    for record in describe(mixture, args.steps):
+    for record in records:
         print(json.dumps(record))
+    if args.plot:
+        print(f"{prog}: wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,8 @@ on the GPU to count them. The loss is averaged per trained token over each optim
 loops, and computed by ``loaders.train.loss_head`` at labelled positions only (``--full-logits``: the
 model's own LM head over every token).
 Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak memory
-(GPU memory allocated; on CPU the process's peak resident memory).
+(GPU memory allocated; on CPU the process's peak resident memory); on a mixture, each source's
+tokens (plain loop) and mean token loss (``source_loss``, both loops) since the last line.
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
 """
 
@@ -44,7 +45,7 @@ from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.train.hf_trainer import loader_state_name  # noqa: E402
-from loaders.train.loss_head import use_loss_position_head  # noqa: E402
+from loaders.train.loss_head import SEQUENCE_LOSSES, use_loss_position_head  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     compile_layers,
     count_on_device,
@@ -54,6 +55,7 @@ from loaders.train.models import (  # noqa: E402
     peak_memory_gib,
     prewarm_buckets,
 )
+from loaders.train.source_loss import SourceLosses  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
@@ -161,14 +163,19 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
 class Logger:
     """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl.
 
-    On a mixture, also the real and loss tokens of each source since the last line (``source_tokens``).
+    On a mixture, also the real and loss tokens of each source since the last line (``source_tokens``)
+    and each source's mean token loss over them (``source_loss``, summed on ``device``: see
+    ``loaders.train.source_loss``; the plain mean, whatever ``--loss-reduction``).
     """
 
-    def __init__(self, out: Path, sources: list[str] | None = None) -> None:
+    def __init__(self, out: Path, sources: list[str] | None = None, device: torch.device | str = "cpu",
+                 writes: bool = True) -> None:
         self.path = out / "log.jsonl"
+        self.writes = writes  # under torchrun, rank 0 writes; every rank counts and starts again at each line
         self.tokens = 0
         self.sources = sources or []
         self.source_tokens = np.zeros((2, len(self.sources)), dtype=np.int64)
+        self.source_losses = SourceLosses(self.sources, device) if self.sources else None
         self.start = time.perf_counter()
 
     def add_batch(self, batch: dict) -> None:
@@ -184,8 +191,11 @@ class Logger:
             record["source_tokens"] = {name: {"tokens": int(tokens), "loss_tokens": int(loss)}
                                        for name, tokens, loss in zip(self.sources, *self.source_tokens)}
             self.source_tokens[:] = 0
+        if self.source_losses is not None:
+            record["source_loss"] = self.source_losses.pop(distributed=True)
         self.tokens, self.start = 0, now
-        self.write(record)
+        if self.writes:
+            self.write(record)
         return record
 
     def write(self, record: dict) -> None:
@@ -285,8 +295,19 @@ def train_plain(config: TrainConfig) -> None:
     trained = model
     if ranks > 1:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    logger = Logger(out, getattr(dataset, "names", None))
+    logger = Logger(out, getattr(dataset, "names", None), device, writes=rank == 0)
+    source_losses = logger.source_losses
+    # On a mixture the loss-position head also gives each sequence's loss, for the loss per source.
+    per_sequence = {SEQUENCE_LOSSES: True} if source_losses is not None and not config.full_logits else {}
     losses: list[torch.Tensor] = []
+
+    def micro_batch_loss(batch: dict, num_items: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch, to call backward on; on a mixture its loss per source is added up
+        first, so that a model's full logits are not kept through the backward pass."""
+        outputs = trained(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items, **per_sequence)
+        if source_losses is not None:
+            source_losses.add_outputs(outputs, batch)
+        return outputs.loss
 
     def log_and_save(step: int) -> None:
         """Log every --log-every steps (the global batch's loss, every rank's tokens); checkpoint every --save-every."""
@@ -300,9 +321,7 @@ def train_plain(config: TrainConfig) -> None:
                     sources = torch.from_numpy(logger.source_tokens).to(device)
                     torch.distributed.all_reduce(sources)
                     logger.source_tokens = sources.cpu().numpy()
-            if rank == 0:
-                lr = scheduler.get_last_lr()[0]
-                logger.log(step, loss=mean_loss.item(), lr=float(lr))
+            logger.log(step, loss=mean_loss.item(), lr=float(scheduler.get_last_lr()[0]))
             losses.clear()
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
             save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
@@ -322,7 +341,10 @@ def train_plain(config: TrainConfig) -> None:
         local_items = sum(batch_normalizer(b) for b in window)
         if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
             (batch,) = window
-            losses.append(graphed(model_inputs(batch, device, False), local_items))
+            losses.append(graphed({**model_inputs(batch, device, False), **per_sequence}, local_items))
+            if source_losses is not None:
+                assert graphed.sequence_losses is not None  # the batch asked for them
+                source_losses.add(graphed.sequence_losses, batch[SOURCE_IDS])
             logger.add_batch(batch)
             scheduler.step()
             step += 1
@@ -335,7 +357,7 @@ def train_plain(config: TrainConfig) -> None:
             sync = contextlib.nullcontext() if ranks == 1 or i == len(window) - 1 else trained.no_sync()
             with sync:
                 with autocast:
-                    loss = trained(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items).loss
+                    loss = micro_batch_loss(batch, num_items)
                 loss.backward()
             step_loss += loss.detach()
             logger.add_batch(batch)
@@ -385,12 +407,16 @@ def train_hf(config: TrainConfig) -> None:
     if config.compile:
         compile_layers(model)
     logger = Logger(out)
+    sources = getattr(dataset, "names", [])
 
     class LogToFile(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
-                logger.write({"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
-                              "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()})
+                record = {"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
+                          "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()}
+                if sources:  # PackedTrainer's train_NAME_loss
+                    record["source_loss"] = {name: logs.get(f"train_{name}_loss") for name in sources}
+                logger.write(record)
 
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
     trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out) else None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 from pathlib import Path
 
@@ -346,6 +348,139 @@ def test_train_script_on_a_mixture_logs_tokens_per_source_and_resumes_exactly(tm
         assert abs(tokens[0] / tokens.sum() - 0.75) <= 256 / tokens.sum()
 
 
+# ---- the training loss of each source ---------------------------------------------------------
+
+
+def examples_alone(model, batches, num_sources):
+    """Each source's summed token loss and loss tokens, every sequence of ``batches`` run on its own."""
+    import torch.nn.functional as F
+
+    summed, tokens = np.zeros(num_sources), np.zeros(num_sources)
+    with torch.no_grad():
+        for batch in batches:
+            cu = batch["cu_seq_lens_q"].tolist()
+            for source, start, end in zip(batch["source_ids"].tolist(), cu, cu[1:]):
+                labels = batch["labels"][0, start + 1 : end]
+                logits = model(input_ids=batch["input_ids"][:, start:end]).logits[0, :-1]
+                summed[source] += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+                tokens[source] += int((labels != -100).sum())
+    return summed, tokens
+
+
+@pytest.mark.parametrize("options", [{}, {"pad_to_fixed_shape": True, "loss_reduction": "sequence"}],
+                         ids=["packed", "fixed-shape-sequence-weights"])
+def test_each_sources_training_loss_equals_its_examples_alone_and_leaves_the_gradients_alone(builds, options):
+    """The per-sequence losses of a training forward, summed by source on the device, give each source's mean
+    token loss, from the loss-position head and from a model's own logits; the loss and every gradient are
+    bit for bit those of the same forward without them."""
+    pytest.importorskip("transformers")
+    import tiny_model
+
+    from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
+    from loaders.train.loss_head import PADDED_LOSS_ROWS, SEQUENCE_LOSSES, use_loss_position_head
+    from loaders.train.models import model_inputs
+    from loaders.train.source_loss import SourceLosses
+
+    data = mixture(builds, **options)
+    batches = list(itertools.islice(data, 6))
+    full = tiny_model.tiny_llama(1000, 2 * CAPACITY)
+    head = use_loss_position_head(copy.deepcopy(full))
+    by_head, by_logits = SourceLosses(data.names, "cpu"), SourceLosses(data.names, "cpu")
+
+    def step(model, inputs):
+        model.zero_grad(set_to_none=True)
+        outputs = model(**inputs)
+        outputs.loss.backward()
+        return outputs, [p.grad.clone() for p in model.parameters()]
+
+    for batch in batches:
+        inputs = model_inputs(batch, torch.device("cpu"), full_logits=False)
+        plain, plain_grads = step(head, inputs)
+        counted, counted_grads = step(head, {**inputs, SEQUENCE_LOSSES: True})
+        assert plain.sequence_losses is None and counted.sequence_losses.shape == (2, batch["cu_seq_lens_q"].numel() - 1)
+        assert torch.equal(counted.loss, plain.loss)
+        assert all(torch.equal(a, b) for a, b in zip(counted_grads, plain_grads))
+        # Labelled positions padded to a fixed count (CUDA graphs): the padding counts for no sequence.
+        padded = head(**inputs, **{SEQUENCE_LOSSES: True, PADDED_LOSS_ROWS: batch["num_loss_tokens"] + 37})
+        torch.testing.assert_close(padded.sequence_losses, counted.sequence_losses)
+        by_head.add_outputs(counted, batch)
+        with torch.no_grad():
+            logits_only = {k: v for k, v in model_inputs(batch, torch.device("cpu"), full_logits=True).items()
+                           if k not in ("labels", LOSS_WEIGHTS, LOSS_WEIGHT_SUM)}
+            by_logits.add_outputs(full(**logits_only), batch)
+
+    summed, tokens = examples_alone(full, batches, len(data.names))
+    assert (tokens > 0).all()
+    want = dict(zip(data.names, summed / tokens))
+    assert by_head.pop() == pytest.approx(want, rel=1e-5)
+    assert by_logits.pop() == pytest.approx(want, rel=1e-5)
+    assert by_head.pop() == dict.fromkeys(data.names), "pop starts again"
+
+
+def test_train_script_reports_each_sources_loss_in_both_loops(tmp_path):
+    """``source_loss`` in train.py's log lines: with one step a line, the sources' losses weighted by their
+    loss tokens give the step's loss; the head, the model's own logits and PackedTrainer agree."""
+    pytest.importorskip("accelerate")
+    from tests.test_train import MODEL, load_script
+
+    rng = np.random.default_rng(6)
+    for name, seed in (("math", 1), ("chat", 2), ("code", 3)):
+        build_shard_dir(tmp_path / name, rng.integers(8, 120, 40), capacity=256, vocab_size=128, seed=seed)
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps({"sources": {n: n for n in ("math", "chat", "code")},
+                                "weights": {"math": 3, "chat": 2, "code": 1}}))
+    common = ["--mixture", str(spec), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--log-every", "1", "--max-steps", "3"]
+    main = load_script().main
+    runs = {"plain": [], "full-logits": ["--full-logits"], "hf": ["--trainer", "hf"]}
+    logs = {}
+    for run, extra in runs.items():
+        main([*common, *extra, "--out", str(tmp_path / run)])
+        logs[run] = [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+    for record in logs["plain"]:
+        losses, counts = record["source_loss"], record["source_tokens"]
+        trained = [n for n in losses if counts[n]["loss_tokens"]]
+        assert [n for n in losses if losses[n] is not None] == trained, "a source without loss tokens has no loss"
+        pooled = sum(losses[n] * counts[n]["loss_tokens"] for n in trained) / sum(counts[n]["loss_tokens"] for n in trained)
+        assert pooled == pytest.approx(record["loss"], rel=1e-5)
+    def measured(record):
+        return {name: loss for name, loss in record["source_loss"].items() if loss is not None}
+
+    for run in ("full-logits", "hf"):
+        for record, want in zip(logs[run], logs["plain"], strict=True):
+            assert measured(record) == pytest.approx(measured(want), rel=1e-5), (run, record["step"])
+
+
+def test_two_ranks_log_each_sources_tokens_and_loss_like_one_process(tmp_path):
+    """Under ``torchrun --nproc_per_node 2`` (gloo) every line's ``source_tokens`` and ``source_loss`` cover
+    both ranks since the last line: those of one process taking both ranks' batches per step."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_train import MODEL, SCRIPT, load_script
+
+    rng = np.random.default_rng(7)
+    for name, seed in (("math", 1), ("chat", 2)):
+        build_shard_dir(tmp_path / name, rng.integers(8, 120, 60), capacity=256, vocab_size=128, seed=seed)
+    spec = tmp_path / "mix.json"
+    spec.write_text(json.dumps({"sources": {"math": "math", "chat": "chat"}, "weights": {"math": 3, "chat": 1}}))
+    common = ["--mixture", str(spec), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--log-every", "2", "--max-steps", "4"]
+    load_script().main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+               *common, "--out", str(tmp_path / "two")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    one, two = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [2, 4]
+    for got, want in zip(two, one):
+        assert got["source_tokens"] == want["source_tokens"]
+        assert got["source_loss"] == pytest.approx(want["source_loss"], rel=1e-5)
+
+
 def test_evaluate_script_reports_the_loss_of_each_source(tmp_path, capsys):
     pytest.importorskip("transformers")
     import importlib.util
@@ -415,3 +550,27 @@ def test_plan_command_prints_each_source_and_its_realised_share(builds, tmp_path
     assert capsys.readouterr().err.count("\n") == 1
     assert cli.main(["inspect", str(path)]) == 1
     assert capsys.readouterr().err.startswith("varpack inspect: error: ")
+
+
+def test_plot_draws_the_realised_shares_as_a_png(builds, tmp_path, capsys):
+    """``varpack inspect MIXTURE.json --plot FILE.png`` writes a PNG of the shares over the first steps."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from loaders.mixture import main, units_per_step
+    from pipeline import cli
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {n: str(b.path) for n, b in builds.items()}, "weights": WEIGHTS}))
+    figure = tmp_path / "shares.png"
+    assert cli.main(["inspect", str(path), "--steps", "40", "--batch-rows", "2", "--plot", str(figure)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = imread(figure).shape
+    assert width > 600 and height > 300
+    assert capsys.readouterr().err.strip() == f"varpack inspect: wrote {figure}"
+    # The curves are drawn from each batch's tokens per source.
+    data = mixture(builds)
+    counted = [source_counts(batch, 3)["tokens"] for batch in itertools.islice(data, 40)]
+    np.testing.assert_array_equal(units_per_step(data, 40), counted)
+    assert main([str(path), "--plot", str(tmp_path / "missing" / "shares.png")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1

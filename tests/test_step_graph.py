@@ -13,7 +13,7 @@ import torch
 from shard_factory import build_shard_dir
 from tiny_model import tiny_llama
 
-from loaders.train.loss_head import use_loss_position_head
+from loaders.train.loss_head import SEQUENCE_LOSSES, use_loss_position_head
 from loaders.train.step_graph import GraphedStep
 
 VOCAB = 512
@@ -71,10 +71,12 @@ def gpu_llama() -> torch.nn.Module:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize(("compiled", "prepared", "autocast"),
-                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
-def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, autocast):
-    """Also with fp32 weights under bf16 autocast, as scripts/train.py trains."""
+@pytest.mark.parametrize(("compiled", "prepared", "autocast", "per_sequence"),
+                         [(False, False, False, False), (True, False, False, True), (True, True, False, True),
+                          (True, True, True, True)])
+def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, autocast, per_sequence):
+    """Also with fp32 weights under bf16 autocast, as scripts/train.py trains; and each sequence's loss
+    (a mixture's loss per source), a second output of the graph, is the eager step's."""
     from loaders.train.models import compile_layers, prewarm_buckets
 
     batches = bucketed_batches(tmp_path, STEPS)
@@ -89,13 +91,16 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
             with precision:
                 prewarm_buckets(model, batches[0])
 
+    asked = {SEQUENCE_LOSSES: True} if per_sequence else {}
     optimizer, scheduler = trainer(eager)
-    want = []
+    want, want_sequences = [], []
     for batch in batches:
         count = torch.tensor(float(batch["num_loss_tokens"]), device="cuda")
         with precision:
-            loss = eager(**batch, num_items_in_batch=count).loss
+            outputs = eager(**batch, **asked, num_items_in_batch=count)
+        loss = outputs.loss
         loss.backward()
+        want_sequences.append(outputs.sequence_losses)
         torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -104,9 +109,10 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
 
     optimizer, scheduler = trainer(graphed)
     step = GraphedStep(graphed, optimizer, max_grad_norm=1.0, autocast_dtype=torch.bfloat16 if autocast else None)
-    got = []
+    got, got_sequences = [], []
     for i, batch in enumerate(batches):
-        got.append(step(batch).item())
+        got.append(step({**batch, **asked}).item())
+        got_sequences.append(step.sequence_losses)
         scheduler.step()
         if prepared and i == 0:
             captured = step.prepare(batches)
@@ -116,6 +122,13 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
     if prepared:
         assert len(step.graphs) == captured, "every shape was captured ahead"
     np.testing.assert_allclose(got, want, rtol=2e-2)
+    if per_sequence:
+        for batch, got_sequence, want_sequence in zip(batches, got_sequences, want_sequences):
+            # The padded labelled rows count for no sequence: the counts are the batch's, exactly.
+            assert torch.equal(got_sequence[1], want_sequence[1]) and got_sequence[1].sum() == batch["num_loss_tokens"]
+            torch.testing.assert_close(got_sequence[0], want_sequence[0], rtol=2e-2, atol=1e-2)
+    else:
+        assert got_sequences == want_sequences == [None] * STEPS
     for (name, p), q, start in zip(eager.named_parameters(), graphed.parameters(), base.parameters()):
         moved = ((p.float() - start.float()).norm() / start.float().norm()).item()
         err = ((p.float() - q.float()).norm() / p.float().norm()).item()

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS, collate_rows
 from loaders.remote import locate
 from loaders.shard_reader import Shard, open_build_shard
+from loaders.train import loss_head
 
 
 @dataclass(frozen=True)
@@ -101,17 +102,11 @@ def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 
 
 def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed fp32 cross-entropy and target count of each packed sequence of one batch ([1, T] labels)."""
-    targets = labels[0, 1:]
-    per_token = F.cross_entropy(logits[0, :-1].float(), targets.to(logits.device), ignore_index=IGNORE_INDEX,
-                                reduction="none")
-    lengths = torch.diff(cu_seqlens.long())
-    # Position t predicts label t + 1, which lies in the sequence of position t + 1.
-    sequence = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[1:].to(per_token.device)
-    loss = torch.zeros(lengths.numel(), dtype=torch.float64, device=per_token.device)
-    loss.index_add_(0, sequence, per_token.double())
-    count = torch.bincount(sequence, weights=(targets != IGNORE_INDEX).to(per_token.device).double(),
-                           minlength=lengths.numel())
-    return loss.cpu(), count.cpu()
+    targets = labels[0, 1:].to(logits.device)
+    per_token = F.cross_entropy(logits[0, :-1].float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    positions = torch.arange(targets.numel(), device=per_token.device)
+    loss, count = loss_head.sequence_losses(per_token.double(), positions, labels.shape, cu_seqlens, targets != IGNORE_INDEX).cpu()
+    return loss, count
 
 
 def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batch_rows: int = 1,

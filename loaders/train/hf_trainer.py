@@ -22,7 +22,10 @@ What the trainers add to the ones they subclass:
 - Every checkpoint holds each rank's loader position (``loader_state.pt``,
   ``loader_state-rankN.pt``), and ``train(resume_from_checkpoint=...)`` restores it, so the run
   continues at the exact batch; the trainer's own data skipping is off.
-- Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second.
+- Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second; and,
+  on a PackedMixture, ``PackedTrainer``'s carry ``train_NAME_loss``: each source's mean token loss
+  over all ranks since the last log (``loaders.train.source_loss``; the plain mean, whatever the
+  loss weights), summed on the device without a sync per step.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from loaders.collate import NUM_REAL_TOKENS
+from loaders.collate import NUM_REAL_TOKENS, SOURCE_IDS
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
 from loaders.mixture import PackedMixture
@@ -52,6 +55,8 @@ from loaders.train import models as training
 from loaders.train.distributed import global_loss_tokens, world_size
 from loaders.train.evaluate import evaluate_sources, pooled_summary
 from loaders.train.loss import weighted_causal_lm_loss
+from loaders.train.loss_head import SEQUENCE_LOSSES
+from loaders.train.source_loss import SourceLosses
 
 LOADER_STATE = "loader_state.pt"
 
@@ -88,6 +93,8 @@ class PackedTrainerMixin(_TrainerBase):
     packed_dataset: PackedIterableDataset
     _real_tokens: int
     _real_tokens_since: float
+    # Each source's training loss, on a mixture (PackedTrainer's compute_loss adds to it).
+    _source_losses: SourceLosses | None = None
 
     def _check_packed(self, train_dataset: Any, args: Any) -> PackedIterableDataset:
         if not isinstance(train_dataset, PackedIterableDataset):
@@ -146,6 +153,9 @@ class PackedTrainerMixin(_TrainerBase):
             tokens = global_loss_tokens(self._real_tokens, self.args.device).item()
             logs = {**logs, "real_tokens_per_s": tokens / max(now - self._real_tokens_since, 1e-9)}
             self._real_tokens, self._real_tokens_since = 0, now
+            if self._source_losses is not None:
+                logs.update({f"train_{name}_loss": loss for name, loss in self._source_losses.pop(distributed=True).items()
+                             if loss is not None})
         super().log(logs, *args, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
@@ -216,15 +226,23 @@ def _packed_trainer() -> type:
                      **kwargs: Any) -> None:
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
+            if isinstance(train_dataset, PackedMixture):
+                self._source_losses = SourceLosses(train_dataset.names, self.args.device)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            inputs = self.model_inputs(model, inputs)
-            if LOSS_WEIGHTS in inputs and not getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False):
+            batch, inputs = inputs, self.model_inputs(model, inputs)
+            head = getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False)
+            # A training batch of a mixture: its loss per source is counted too.
+            source_losses = self._source_losses if model.training and SOURCE_IDS in batch else None
+            if LOSS_WEIGHTS in inputs and not head:
                 outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", LOSS_WEIGHTS, LOSS_WEIGHT_SUM)})
                 loss = weighted_causal_lm_loss(outputs.logits, inputs["labels"], inputs[LOSS_WEIGHTS], num_items_in_batch)
             else:
-                outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+                per_sequence = {SEQUENCE_LOSSES: True} if head and source_losses is not None else {}
+                outputs = model(**inputs, num_items_in_batch=num_items_in_batch, **per_sequence)
                 loss = outputs.loss
+            if source_losses is not None:
+                source_losses.add_outputs(outputs, batch)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * world_size()
             return (loss, outputs) if return_outputs else loss

@@ -13,6 +13,11 @@ are those of ``model(**batch).loss``; only the unused logits are not computed::
 For example, with labels ``[-100, 5, 7, -100 | -100, 9]`` (two packed examples) the targets are
 positions 0, 1 and 4 predicting 5, 7 and 9: three rows go through the LM head, not six.
 
+Asked with ``sequence_losses=True`` (``SEQUENCE_LOSSES``), the output also holds each packed
+sequence's summed token loss and loss tokens, from the same cross-entropy and without a host
+sync: a mixture's loss per source (``loaders.train.source_loss``). The loss and its gradients
+are the same either way.
+
 Imports only torch at module import; transformers is imported inside the functions that need it.
 """
 
@@ -30,13 +35,16 @@ from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
 CHUNK_LOGITS = 2**27
 # A keyword the head takes besides a batch's: pad the labelled positions to this many rows (CUDA graphs).
 PADDED_LOSS_ROWS = "padded_loss_rows"
+# A keyword the head takes besides a batch's: also return each packed sequence's loss (``sequence_losses``).
+SEQUENCE_LOSSES = "sequence_losses"
 # Config attributes that change logits after the LM head's matmul; such models need their own head.
 LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scaling")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, each row times its
-    ``row_weights`` when given, chunk by chunk.
+    ``row_weights`` when given, chunk by chunk; and, with ``keep_rows``, each row's cross-entropy
+    (unweighted, fp32, without gradient; else an empty tensor).
 
     The forward pass computes each chunk's fp32 log-softmax and, when gradients are needed, its
     gradients for ``hidden``, ``weight`` and ``bias`` right away; backward only scales them.
@@ -44,9 +52,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                row_weights: torch.Tensor | None, chunk_rows: int) -> torch.Tensor:
+                row_weights: torch.Tensor | None, chunk_rows: int, keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        rows = torch.empty(hidden.shape[0] if keep_rows else 0, device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Accumulated over chunks in fp32, as one matmul over all rows would accumulate.
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
@@ -59,6 +68,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ce = lse - logits.gather(1, t[:, None]).squeeze(1)
             w = None if row_weights is None else row_weights[start : start + chunk_rows].float()
             total += (ce if w is None else ce * w).sum()
+            if keep_rows:
+                rows[start : start + chunk_rows] = ce
             if need_hidden or need_weight or need_bias:
                 # d(sum of CE)/d(logits) = softmax - one_hot, in the logits' dtype as autograd would have it.
                 grad = logits.sub_(lse[:, None]).exp_()
@@ -74,16 +85,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_bias += grad.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.weight_dtype = weight.dtype
-        return total
+        ctx.mark_non_differentiable(rows)
+        return total, rows
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx, grad_output: torch.Tensor, grad_rows: torch.Tensor):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_output.float()
         return (
             None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
             None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype),
             None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype),
+            None,
             None,
             None,
             None,
@@ -96,9 +109,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """Summed cross-entropy of the logits ``hidden @ weight.T + bias`` ([N, H] x [V, H]) against
     ``targets`` ([N], every one a class), each row times ``row_weights`` ([N]) when given: fp32
     softmax, never more than ``chunk_rows`` rows of logits."""
+    return _linear_cross_entropy(hidden, weight, targets, bias, chunk_rows, row_weights, keep_rows=False)[0]
+
+
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None,
+                          chunk_rows: int | None, row_weights: torch.Tensor | None,
+                          keep_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear_cross_entropy`` and, with ``keep_rows``, each row's unweighted cross-entropy (fp32 [N], no gradient)."""
     if chunk_rows is None:
         chunk_rows = max(1, CHUNK_LOGITS // weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_rows)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_rows, keep_rows)
 
 
 def loss_positions(labels: torch.Tensor, num_loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,11 +176,40 @@ def padded_loss_positions(labels: torch.Tensor, rows: int) -> tuple[torch.Tensor
     return index, torch.where(real, targets[index], 0), real
 
 
+def sequence_losses(token_losses: torch.Tensor, positions: torch.Tensor, labels_shape: torch.Size,
+                    cu_seqlens: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """Each packed sequence's summed token loss and loss tokens, ``[2, n]`` in the dtype of ``token_losses``.
+
+    ``token_losses`` are the losses at ``positions``, flat indices into ``labels[:, 1:]`` as
+    ``loss_positions`` gives them (``labels_shape`` is ``labels``' [B, S]); ``counted`` says which
+    of them count (``padded_loss_positions``' padding does not). A position's loss belongs to the
+    sequence of ``cu_seqlens`` that holds the label it predicts; without ``cu_seqlens`` each row
+    is a sequence. No host sync.
+
+    >>> sequence_losses(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0, 1, 4]), torch.Size([1, 6]), torch.tensor([0, 4, 6]))
+    tensor([[3., 4.],
+            [2., 1.]])
+    """
+    row = positions // (labels_shape[1] - 1)
+    if cu_seqlens is None:
+        sequence, count = row, labels_shape[0]
+    else:
+        # Position p of row b predicts token p + b + 1 of the flattened batch.
+        bounds = cu_seqlens.to(positions.device, non_blocking=True)
+        sequence = torch.searchsorted(bounds, (positions + row + 1).to(bounds.dtype), right=True) - 1
+        count = cu_seqlens.numel() - 1
+    weights = torch.ones_like(token_losses) if counted is None else counted.to(token_losses.dtype)
+    totals = torch.zeros(2, count, dtype=token_losses.dtype, device=token_losses.device)
+    return totals.index_add_(1, sequence, torch.stack((token_losses * weights, weights)))
+
+
 def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor,
                        num_items_in_batch: int | torch.Tensor | None = None, num_loss_tokens: int | None = None,
                        chunk_rows: int | None = None, loss_weights: torch.Tensor | None = None,
-                       padded_rows: int | None = None) -> torch.Tensor:
-    """The causal-LM loss of ``model``'s LM head on ``hidden_states`` [B, S, H], at labelled positions only.
+                       padded_rows: int | None = None, per_sequence: bool = False,
+                       cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The causal-LM loss of ``model``'s LM head on ``hidden_states`` [B, S, H], at labelled positions
+    only; and, with ``per_sequence``, each packed sequence's loss (else None).
 
     Equals transformers' ``ForCausalLMLoss``: the summed cross-entropy over labels that are not
     -100, divided by ``num_items_in_batch`` when given, else by their number. With
@@ -168,6 +217,8 @@ def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labe
     default divisor is the sum of the weights, as in ``loaders.train.loss.weighted_causal_lm_loss``.
     With ``padded_rows`` the labelled positions are padded to that many rows of weight 0
     (``padded_loss_positions``), so the shapes do not depend on the batch's labelled count.
+    ``per_sequence``: the summed, unweighted cross-entropy and the loss tokens of each sequence of
+    ``cu_seqlens`` (``sequence_losses``), detached; the loss is the same with it or without.
     """
     head = cast(torch.nn.Linear, output_embeddings(model))  # check_supported's condition
     real = None
@@ -181,12 +232,29 @@ def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labe
         row_weights = loss_weights[:, 1:].reshape(-1).to(states.device)[index]
     if real is not None:
         row_weights = real.to(torch.float32) if row_weights is None else row_weights * real
-    total = linear_cross_entropy(states, head.weight, targets, head.bias, chunk_rows, row_weights)
+    total, rows = _linear_cross_entropy(states, head.weight, targets, head.bias, chunk_rows, row_weights, per_sequence)
+    by_sequence = sequence_losses(rows, index, labels.shape, cu_seqlens, real) if per_sequence else None
     if num_items_in_batch is None:
-        return total / (targets.numel() if row_weights is None else row_weights.float().sum())
+        return total / (targets.numel() if row_weights is None else row_weights.float().sum()), by_sequence
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return total / num_items_in_batch, by_sequence
+
+
+@functools.cache
+def _output_type() -> type:
+    """transformers' ``CausalLMOutputWithPast`` with each packed sequence's loss (``sequence_losses``)."""
+    from dataclasses import dataclass
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclass
+    class LossPositionOutput(CausalLMOutputWithPast):
+        """The loss-position head's output: no logits; ``sequence_losses`` [2, n] when asked for."""
+
+        sequence_losses: torch.Tensor | None = None
+
+    return LossPositionOutput
 
 
 def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None) -> torch.nn.Module:
@@ -199,7 +267,8 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     is honoured as in transformers (the HF Trainer passes it), and a PackedIterableDataset
     batch's ``num_loss_tokens`` and ``num_real_tokens`` are consumed here, not passed to the
     layers, and its ``loss_weights`` (``loaders/loss_weights.py``) weigh the loss, so ``model(**batch)`` needs
-    no device sync and compiled layers see no int arguments.
+    no device sync and compiled layers see no int arguments. ``model(**batch, sequence_losses=True)``
+    also returns each sequence's summed token loss and loss tokens as ``.sequence_losses``.
     """
     check_supported(model)
     full_forward = model.forward
@@ -209,19 +278,18 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
                 num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any):
         num_loss_tokens = kwargs.pop(NUM_LOSS_TOKENS, None)
         padded_rows = kwargs.pop(PADDED_LOSS_ROWS, None)
+        per_sequence = bool(kwargs.pop(SEQUENCE_LOSSES, False))
         kwargs.pop(NUM_REAL_TOKENS, None)
         loss_weights = kwargs.pop(LOSS_WEIGHTS, None)
         kwargs.pop(LOSS_WEIGHT_SUM, None)
         if labels is None:
             return full_forward(input_ids=input_ids, **kwargs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         kwargs.pop("logits_to_keep", None)
         outputs = cast(torch.nn.Module, model.base_model)(input_ids=input_ids, **kwargs)
-        loss = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows,
-                                  loss_weights, padded_rows)
-        return CausalLMOutputWithPast(loss=loss, hidden_states=getattr(outputs, "hidden_states", None),
-                                      attentions=getattr(outputs, "attentions", None))
+        loss, by_sequence = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows,
+                                               loss_weights, padded_rows, per_sequence, kwargs.get("cu_seq_lens_q"))
+        return _output_type()(loss=loss, sequence_losses=by_sequence, hidden_states=getattr(outputs, "hidden_states", None),
+                              attentions=getattr(outputs, "attentions", None))
 
     model.forward = forward
     # nn.Module.__setattr__ is typed for tensors and modules only; a plain value is stored as it is.

@@ -21,7 +21,10 @@ leaves in it is read after the step::
 The first step runs uncaptured: it creates the optimizer's state. ``step.prepare(batches)``
 then captures the graphs of all the shapes among ``batches`` (an epoch's worth, say) at once.
 Each step is one micro-batch; the loss is divided by ``num_items_in_batch`` (default: the
-batch's loss tokens).
+batch's loss tokens). A batch with ``sequence_losses=True`` (``loaders.train.loss_head.SEQUENCE_LOSSES``)
+leaves each packed sequence's summed token loss and loss tokens of the step in
+``step.sequence_losses``, a second output of its graph (a mixture's loss per source:
+``loaders.train.source_loss``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class _Captured:
     inputs: dict[str, torch.Tensor]  # the graph reads its batch from these
     num_items: torch.Tensor  # and its loss divisor from this
     loss: torch.Tensor  # where it writes the loss
+    sequence_losses: torch.Tensor | None  # and, when the batch asks, each sequence's loss
 
 
 class GraphedStep:
@@ -80,6 +84,8 @@ class GraphedStep:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
+        # The last step's per-sequence losses ([2, n] on the GPU) when its batch asked for them, else None.
+        self.sequence_losses: torch.Tensor | None = None
         self._pool: Any = None
 
     def __call__(self, batch: dict, num_items_in_batch: float | None = None) -> torch.Tensor:
@@ -95,6 +101,8 @@ class GraphedStep:
         captured.num_items.fill_(num_items)
         captured.graph.replay()
         self.replays += 1
+        # Copied out: the next replay of any graph may reuse the pool memory they are in.
+        self.sequence_losses = None if captured.sequence_losses is None else captured.sequence_losses.clone()
         return captured.loss.clone()
 
     def prepare(self, batches: Iterable[dict]) -> int:
@@ -135,30 +143,31 @@ class GraphedStep:
         """A step without a graph: the first one, which creates the optimizer's state."""
         divisor = torch.tensor(num_items, device=self.params[0].device)
         with self._autocast():
-            loss = self.model(**tensors, **settings, num_items_in_batch=divisor).loss
-        self._update(loss)
+            outputs = self.model(**tensors, **settings, num_items_in_batch=divisor)
+        self._update(outputs.loss)
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        self.sequence_losses = outputs.sequence_losses
+        return outputs.loss.detach()
 
     def _capture(self, tensors: dict, settings: dict, rows: int) -> _Captured:
         """Capture the step for these shapes, after one uncaptured forward and backward (weights untouched)."""
         inputs = {name: value.detach().clone() for name, value in tensors.items()}
         num_items = torch.ones((), device=self.params[0].device)
 
-        def loss() -> torch.Tensor:
+        def forward() -> Any:
             with self._autocast():
-                return self.model(**inputs, **settings, num_items_in_batch=num_items, **{PADDED_LOSS_ROWS: rows}).loss
+                return self.model(**inputs, **settings, num_items_in_batch=num_items, **{PADDED_LOSS_ROWS: rows})
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            loss().backward()
+            forward().loss.backward()
         torch.cuda.current_stream().wait_stream(side)
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a DataLoader's pin-memory thread may allocate meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            value = loss()
-            self._update(value)
+            outputs = forward()
+            self._update(outputs.loss)
         self._pool = graph.pool()
-        return _Captured(graph, inputs, num_items, value.detach())
+        return _Captured(graph, inputs, num_items, outputs.loss.detach(), outputs.sequence_losses)
