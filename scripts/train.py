@@ -85,6 +85,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp32
     compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
     step_graph: bool = False  # with --compile: each step one CUDA graph replay (loaders.train.step_graph); one GPU
+    activation_memory_budget: float = 1.0  # with --compile: share of the activations compiled layers keep for backward
     full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
     loss_reduction: str = "token"  # token | sequence (loaders/loss_weights.py)
     log_every: int = 10
@@ -266,7 +267,7 @@ def train_plain(config: TrainConfig) -> None:
     if not config.full_logits:
         use_loss_position_head(model)
     if config.compile:
-        compile_layers(model)
+        compile_layers(model, activation_memory_budget=config.activation_memory_budget)
     if config.step_graph:  # a captured step reads the learning rate from a tensor the scheduler fills
         optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=device),
                                       weight_decay=config.weight_decay, fused=True, capturable=True)
@@ -405,7 +406,7 @@ def train_hf(config: TrainConfig) -> None:
     if not config.full_logits:
         use_loss_position_head(model)
     if config.compile:
-        compile_layers(model)
+        compile_layers(model, activation_memory_budget=config.activation_memory_budget)
     logger = Logger(out)
     sources = getattr(dataset, "names", [])
 
@@ -447,6 +448,9 @@ OPTION_HELP = {
     "compile": "fixed-shape batches and per-layer torch.compile",
     "step_graph": "with --compile: each optimizer step (forward, backward, clipping, AdamW) replayed as one CUDA graph "
                   "per batch shape; one GPU, --grad-accum 1, the plain loop",
+    "activation_memory_budget": "with --compile: the share of their activations the compiled layers keep for backward, "
+                                "recomputing the rest (0.9 cut peak memory by a quarter at 32k tokens a step for 1%% "
+                                "of the speed)",
     "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
     "loss_reduction": "token: every trained token weighs the same; sequence: every example weighs the same "
                       "(the plain loop needs the loss-position head for it)",
@@ -485,6 +489,10 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
             ("one process (not torchrun)", int(os.environ.get("WORLD_SIZE", "1")) > 1)) if broken]
         if needs:
             parser.error(f"--step-graph needs {', '.join(needs)}")
+    if not 0 < config.activation_memory_budget <= 1:
+        parser.error(f"--activation-memory-budget is {config.activation_memory_budget}; give a share in (0, 1]")
+    if config.activation_memory_budget < 1 and not config.compile:
+        parser.error("--activation-memory-budget applies to compiled layers; add --compile")
     if config.full_logits and config.loss_reduction != "token" and config.trainer == "plain":
         parser.error(f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
                      "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")

@@ -80,6 +80,16 @@ def test_step_graph_names_what_it_needs(capsys):
                           "--grad-accum 1" + ("" if torch.cuda.is_available() else ", a CUDA GPU")), needs
 
 
+@pytest.mark.parametrize(("args", "error"), [
+    (["--activation-memory-budget", "0.9"], "--activation-memory-budget applies to compiled layers; add --compile"),
+    (["--compile", "--activation-memory-budget", "0"], "--activation-memory-budget is 0.0; give a share in (0, 1]"),
+])
+def test_activation_memory_budget_is_checked(args, error, capsys):
+    with pytest.raises(SystemExit):
+        load_script().parse_args(args)
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(error)
+
+
 def test_help_describes_every_option_and_its_default(capsys):
     script = load_script()
     TrainConfig, main, make_parser = script.TrainConfig, script.main, script.make_parser
