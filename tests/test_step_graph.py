@@ -115,7 +115,7 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
         got_sequences.append(step.sequence_losses)
         scheduler.step()
         if prepared and i == 0:
-            captured = step.prepare(batches)
+            captured = step.prepare([{**b, **asked} for b in batches])  # as the steps will ask
             assert captured == len(step.graphs) >= 1
 
     assert step.replays == STEPS - 1 and len(step.graphs) < step.replays, "shapes should repeat across batches"
