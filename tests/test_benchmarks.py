@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from shard_factory import build_shard_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,21 +52,19 @@ def test_bench_runs_and_reports_its_anchor(script: str, args: list[str], anchors
 
 def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: Path) -> None:
     """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions) on a
-    tiny Llama on the CPU: the eager reference against varpack's eager mode."""
-    from pipeline.build import build
-    from pipeline.config import PackConfig
-
-    packed = build(PackConfig(dataset="synthetic-flan", num_examples=120, max_len=1024, overflow="drop",
-                              out=str(tmp_path / "shards"), progress=False), log=lambda _: None)
+    tiny Llama on the CPU: the eager reference against varpack's eager mode. The build holds whole
+    examples of random tokens from a vocabulary of 1000, which keeps the LM head as tiny as the layers."""
+    lengths = np.random.default_rng(0).integers(50, 1000, 120)
+    packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
     result = run_bench("bench_train.py", [
-        "--shards", f"flan={packed.out_dir}", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
+        "--shards", f"random={packed.path}", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
         "--num-heads", "2", "--num-kv-heads", "1", "--rows-per-step", "1", "--budget-rows", "0",
         "--warmup-steps", "1", "--timed-steps", "1", "--repeats", "2", "--num-workers", "1", "--modes", "flatten,ours_eager",
     ], tmp_path)
-    cell = result["headline"]["flan/small"]
+    cell = result["headline"]["random/small"]
     assert (cell["best_reference"], cell["best_ours"]) == ("flatten", "ours_eager")
     assert cell["best_speed_vs_best_reference"] > 0
-    modes = result["datasets"]["flan"]["cells"]["small"]["modes"]
+    modes = result["datasets"]["random"]["cells"]["small"]["modes"]
     assert [run["repetition"] for run in modes["ours_eager"]["runs"]] == [0, 1]
     # Same examples in every mode: the same real tokens per step.
     assert modes["flatten"]["runs"][0]["real_tokens_per_step"] == modes["ours_eager"]["runs"][0]["real_tokens_per_step"]

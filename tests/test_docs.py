@@ -107,18 +107,18 @@ def test_every_test_the_guarantees_name_exists():
 
 
 def environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    """The shell of a ``bash`` block: ``python`` is the interpreter running the tests, as in an activated environment."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+    return {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "NO_COLOR": "1"}
 
 
-@pytest.fixture(scope="session")
-def default_build(tmp_path_factory) -> Path:
+@pytest.fixture
+def default_build(quickstart) -> Path:
     """``shards/`` after the Quickstart's ``python -m pipeline.pack``: the embedded GSM8K test set."""
-    root = tmp_path_factory.mktemp("quickstart")
-    done = subprocess.run([sys.executable, "-m", "pipeline.pack", "--no-progress"], cwd=root, env=environment(),
-                          capture_output=True, text=True)
+    cwd, done = quickstart
     assert done.returncode == 0, done.stderr
-    return root / "shards"
+    return cwd / "shards"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -9,12 +9,13 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -52,6 +53,23 @@ def data(tmp_path_factory) -> Path:
 def config(data: Path, out: Path | str, **changes) -> PackConfig:
     return PackConfig(dataset=str(data), out=str(out), prompt_column="prompt", response_column="answer", max_len=256,
                       batch_size=256, progress=False, **changes)
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory) -> Callable[..., Path]:
+    """``finished(out, **changes)``: the build of ``config(data, out, **changes)`` finished in ``out``, as ``build``
+    leaves it; a copy of one packed once per module for each set of changes, since the tests damage theirs."""
+    packed: dict[tuple, Path] = {}
+
+    def copy(out: Path, **changes) -> Path:
+        key = tuple(sorted(changes.items()))
+        if key not in packed:
+            packed[key] = Path(build(config(data, tmp_path_factory.mktemp("finished"), **changes)).out_dir)
+        out_dir = out / packed[key].name
+        shutil.copytree(packed[key], out_dir)
+        return out_dir
+
+    return copy
 
 
 class Run:
@@ -141,13 +159,13 @@ def test_a_waiting_run_gives_up_naming_the_owner(data, tmp_path):
     assert "raise --lock-timeout" in line
 
 
-def test_runs_checking_a_finished_build_share_the_lock(data, tmp_path):
+def test_runs_checking_a_finished_build_share_the_lock(data, finished, tmp_path):
     out = tmp_path / "out"
-    first = build(config(data, out))
-    Path(lock_path(first.out_dir)).write_text("")  # the lock file exists while runs come and go
-    with build_lock(first.out_dir, None, lambda _: None, shared=True):  # another run checking it for reuse
+    out_dir = str(finished(out))
+    Path(lock_path(out_dir)).write_text("")  # the lock file exists while runs come and go
+    with build_lock(out_dir, None, lambda _: None, shared=True):  # another run checking it for reuse
         assert build(config(data, out, lock_timeout=0.5)).reused  # checks it alongside
-        with pytest.raises(OutputDirError, match=f"^{first.out_dir} is being built by another run"):
+        with pytest.raises(OutputDirError, match=f"^{out_dir} is being built by another run"):
             build(config(data, out, lock_timeout=0.5, force=True))  # a rebuild waits for the readers
 
 
@@ -163,12 +181,12 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(data, tmp_path):
     assert not Path(lock_path(out_dir)).exists()
 
 
-def test_an_interrupted_second_run_keeps_the_finished_first(data, tmp_path):
+def test_an_interrupted_second_run_keeps_the_finished_first(data, finished, tmp_path):
     out = tmp_path / "out"
-    first = build(config(data, out))
-    expected = shard_bytes(first.out_dir)
+    out_dir = str(finished(out))
+    expected = shard_bytes(out_dir)
     # A run that waits for the lock, and one that rebuilds in place with --force, both stopped by Ctrl-C.
-    with build_lock(first.out_dir, None, lambda _: None):
+    with build_lock(out_dir, None, lambda _: None):
         waiting = Run(data, out, "waiting")
         wait_for(lambda: "waiting for" in waiting.err(), "the run to wait")
         waiting.proc.send_signal(signal.SIGINT)
@@ -179,7 +197,7 @@ def test_an_interrupted_second_run_keeps_the_finished_first(data, tmp_path):
     forced.proc.send_signal(signal.SIGINT)
     # On a loaded machine the run may finish before the signal lands; it then exits as usual.
     assert forced.wait() in INTERRUPTED or forced.out().startswith("varpack: wrote"), (forced.err(), forced.out())
-    assert shard_bytes(first.out_dir) == expected
+    assert shard_bytes(out_dir) == expected
     messages: list[str] = []
     assert build(config(data, out), log=messages.append).reused, messages
 
@@ -219,15 +237,15 @@ def test_ctrl_c_in_a_terminal_stops_a_multi_process_run_in_one_line(data, tmp_pa
     assert [p.name for p in out.iterdir()] == []
 
 
-def test_kill_9_then_a_rerun_gives_the_same_shards(data, tmp_path):
-    clean = build(config(data, tmp_path / "clean"))
+def test_kill_9_then_a_rerun_gives_the_same_shards(data, finished, tmp_path):
+    clean = finished(tmp_path / "clean")
     out = tmp_path / "out"
     run = Run(data, out, "killed")
     wait_for(lambda: "packing" in run.err(), "the run to start packing")
     run.proc.kill()
     run.wait()
     rerun = build(config(data, out))
-    assert shard_bytes(rerun.out_dir) == shard_bytes(clean.out_dir)
+    assert shard_bytes(rerun.out_dir) == shard_bytes(clean)
     assert sorted(p.name for p in Path(rerun.out_dir).iterdir()) == sorted(
         [MANIFEST_NAME] + [s.path for s in rerun.manifest.shards]
     )
@@ -291,24 +309,24 @@ def test_a_worker_ends_with_the_command_from_its_first_import(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_corrupted_shard_is_rebuilt_on_reuse(data, tmp_path):
-    first = build(config(data, tmp_path / "out", rows_per_shard=40))
-    shard = Path(first.out_dir) / first.manifest.shards[1].path
+def test_a_corrupted_shard_is_rebuilt_on_reuse(data, finished, tmp_path):
+    out_dir = finished(tmp_path / "out", rows_per_shard=40)
+    shard = out_dir / read_manifest(out_dir).shards[1].path
     expected = shard.read_bytes()
     corrupt = bytearray(expected)
     corrupt[len(corrupt) // 2] ^= 0xFF
     shard.write_bytes(bytes(corrupt))
     with pytest.raises(ShardError, match=r"checksum mismatch: .* \(run the pack command that made it again\)"):
-        PackedIterableDataset(first.out_dir, batch_rows=1)
+        PackedIterableDataset(out_dir, batch_rows=1)
     messages: list[str] = []
     again = build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append)
     assert not again.reused
-    assert f"rebuilding {first.out_dir}: {shard.name} fails its checksum (the file is corrupt)" in messages
+    assert f"rebuilding {out_dir}: {shard.name} fails its checksum (the file is corrupt)" in messages
     assert shard.read_bytes() == expected
     assert build(config(data, tmp_path / "out", rows_per_shard=40)).reused
 
 
-def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(data, tmp_path, monkeypatch):
+def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(data, finished, tmp_path, monkeypatch):
     """Every node of a job runs pack before training: only the first check of a build on a host hashes it;
     a shard rewritten since (even with the same bytes) is hashed again, and a corrupt one still caught."""
     from pipeline.write import build_dir
@@ -324,12 +342,13 @@ def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(dat
         assert build(config(data, tmp_path / "out", rows_per_shard=40)).reused
         return len(hashed)
 
-    first = build(config(data, tmp_path / "out", rows_per_shard=40))
-    shards = [Path(first.out_dir) / info.path for info in first.manifest.shards]
+    out_dir = finished(tmp_path / "out", rows_per_shard=40)
+    manifest = read_manifest(out_dir)
+    shards = [out_dir / info.path for info in manifest.shards]
     assert len(shards) > 2
     assert reuse() == len(shards)
     assert reuse() == 0
-    assert verify_build(first.manifest, shards) == 0  # the loader finds pack's record
+    assert verify_build(manifest, shards) == 0  # the loader finds pack's record
     shards[1].write_bytes(shards[1].read_bytes())
     assert reuse() == 1
     corrupt = bytearray(shards[2].read_bytes())
@@ -337,23 +356,23 @@ def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(dat
     shards[2].write_bytes(bytes(corrupt))
     messages: list[str] = []
     assert not build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append).reused
-    assert f"rebuilding {first.out_dir}: {shards[2].name} fails its checksum (the file is corrupt)" in messages
+    assert f"rebuilding {out_dir}: {shards[2].name} fails its checksum (the file is corrupt)" in messages
 
 
-def test_swapped_manifest_entries_are_refused(data, tmp_path):
-    result = build(config(data, tmp_path / "out", rows_per_shard=40))
-    path = Path(result.out_dir) / MANIFEST_NAME
+def test_swapped_manifest_entries_are_refused(data, finished, tmp_path):
+    out_dir = finished(tmp_path / "out", rows_per_shard=40)
+    path = out_dir / MANIFEST_NAME
     manifest = json.loads(path.read_text())
     manifest["shards"][0], manifest["shards"][1] = manifest["shards"][1], manifest["shards"][0]
     path.write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="the shard list does not match shards_digest"):
-        PackedIterableDataset(result.out_dir, batch_rows=1)
+        PackedIterableDataset(out_dir, batch_rows=1)
     manifest["shards"][1] = manifest["shards"][0]  # one shard twice, the stats made to agree
     manifest["stats"]["rows"] = sum(s["rows"] for s in manifest["shards"])
     manifest["stats"]["tokens"] = sum(s["tokens"] for s in manifest["shards"])
     path.write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="the shard list does not match shards_digest"):
-        PackedIterableDataset(result.out_dir, batch_rows=1)
+        PackedIterableDataset(out_dir, batch_rows=1)
     messages: list[str] = []
     assert not build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append).reused
     assert any("its manifest is unreadable" in m for m in messages), messages
@@ -415,20 +434,19 @@ def test_runs_at_a_url_write_attempt_directories_and_the_first_manifest_wins(dat
 
 
 
-def test_a_reused_build_is_left_as_clean_as_a_fresh_one(data, tmp_path):
+def test_a_reused_build_is_left_as_clean_as_a_fresh_one(data, finished, tmp_path):
     """A run killed just after its manifest appeared leaves its spill directory, a killed --force run its
     temporary shards; the next run that reuses the build removes them, holding the build's lock alone."""
     out = tmp_path / "out"
-    first = build(config(data, out))
-    out_dir = Path(first.out_dir)
+    out_dir = finished(out)
     fresh = sorted(p.name for p in out_dir.iterdir())
     spill = out_dir / ".spill-0123456789ab"
     spill.mkdir()
     (spill / "0-0.arrow").write_bytes(b"\0" * 4096)
     (out_dir / ".shard-00000.arrow.tmp-4242-0badc0de").write_bytes(b"half a shard")
     (out_dir / ".manifest.json.tmp-4242-0badc0de").write_text("{")
-    Path(lock_path(first.out_dir)).write_text("")  # the lock file exists while runs come and go
-    with build_lock(first.out_dir, None, lambda _: None, shared=True):  # another run checking it for reuse
+    Path(lock_path(str(out_dir))).write_text("")  # the lock file exists while runs come and go
+    with build_lock(str(out_dir), None, lambda _: None, shared=True):  # another run checking it for reuse
         with pytest.raises(OutputDirError, match="is being built by"):
             build(config(data, out, lock_timeout=0.5))  # waits to remove them, removing nothing meanwhile
         assert spill.is_dir() and len(list(out_dir.iterdir())) == len(fresh) + 3
@@ -494,16 +512,17 @@ def test_a_manifest_rewritten_as_an_older_format_cannot_change_the_shard_list(tm
             arrow_dataset(written.path, verify_checksum=verify_checksum)
 
 
-def test_pack_does_not_reuse_a_build_whose_manifest_was_rewritten_as_an_older_format(data, tmp_path):
-    first = build(config(data, tmp_path / "out", rows_per_shard=40))
-    path = Path(first.out_dir) / MANIFEST_NAME
+def test_pack_does_not_reuse_a_build_whose_manifest_was_rewritten_as_an_older_format(data, finished, tmp_path):
+    out_dir = finished(tmp_path / "out", rows_per_shard=40)
+    first = read_manifest(out_dir)
+    path = out_dir / MANIFEST_NAME
     original = json.loads(path.read_text())
     path.write_text(json.dumps(rewritten_as_format_2(original, "drop")))
     messages: list[str] = []
     again = build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append)
     assert not again.reused
-    assert any(m.startswith(f"rebuilding {first.out_dir}: ") and "the manifest was rewritten" in m for m in messages)
-    assert again.manifest.shards == first.manifest.shards
+    assert any(m.startswith(f"rebuilding {out_dir}: ") and "the manifest was rewritten" in m for m in messages)
+    assert again.manifest.shards == first.shards
 
 
 @pytest.mark.parametrize(("field", "value"), [(("stats", "examples"), 1), (("created_at",), "2020-01-01T00:00:00+00:00")])
@@ -527,13 +546,13 @@ def test_an_edited_manifest_field_is_refused(tmp_path, field, value):
         PackedIterableDataset(written.path, batch_rows=1)
 
 
-def test_a_run_removing_leftovers_leaves_the_report_figure_another_run_is_writing(data, tmp_path, monkeypatch):
+def test_a_run_removing_leftovers_leaves_the_report_figure_another_run_is_writing(data, finished, tmp_path, monkeypatch):
     """pack writes report.png holding the build's lock, so a run cleaning the directory meanwhile waits."""
     import pipeline.report.figures
     from pipeline import storage
 
     out = tmp_path / "out"
-    out_dir = build(config(data, out)).out_dir  # without its figure
+    out_dir = finished(out)  # without its figure
     other_runs: list[Run] = []
 
     def write_report(profile, manifest, directory):

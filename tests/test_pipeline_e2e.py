@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -77,15 +78,8 @@ def assert_holds_encoded_examples(out_dir: str | Path, config: PackConfig, table
     assert manifest.stats.examples == table.num_rows and manifest.stats.tokens == int(batch.lengths.sum())
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """``python -m pipeline.pack`` with no arguments, in an empty directory."""
-    cwd = tmp_path_factory.mktemp("default")
-    return cwd, run_cli(["--no-progress"], cwd)
-
-
-def test_default_run_packs_gsm8k_into_shards(default_run):
-    cwd, result = default_run
+def test_default_run_packs_gsm8k_into_shards(quickstart):
+    cwd, result = quickstart
     assert result.returncode == 0, result.stderr
     (out_dir,) = (cwd / "shards").iterdir()
     assert out_dir.name.startswith("gsm8k-")
@@ -104,8 +98,8 @@ def build_files(cwd: Path) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
 
 
-def test_second_run_reuses_without_tokenizing(default_run, monkeypatch, capsys):
-    cwd, _ = default_run
+def test_second_run_reuses_without_tokenizing(quickstart, monkeypatch, capsys):
+    cwd, _ = quickstart
     before = build_files(cwd)
     result = run_cli(["--no-progress"], cwd)
     assert result.returncode == 0 and "reusing shards/gsm8k-" in result.stdout
@@ -117,12 +111,13 @@ def test_second_run_reuses_without_tokenizing(default_run, monkeypatch, capsys):
     assert build_files(cwd) == before
 
 
-def test_a_new_seed_is_a_new_build_of_the_same_tokens(default_run, tmp_path):
-    cwd, _ = default_run
-    (first,) = (cwd / "shards").iterdir()
-    result = build(PackConfig(out=str(cwd / "shards"), seed=1, progress=False))
+def test_a_new_seed_is_a_new_build_of_the_same_tokens(quickstart, tmp_path):
+    cwd, _ = quickstart
+    shutil.copytree(cwd / "shards", tmp_path / "shards")  # the other tests read the Quickstart's build as it is
+    (first,) = (tmp_path / "shards").iterdir()
+    result = build(PackConfig(out=str(tmp_path / "shards"), seed=1, progress=False))
     assert not result.reused and Path(result.out_dir) != first
-    assert len(list((cwd / "shards").iterdir())) == 2
+    assert len(list((tmp_path / "shards").iterdir())) == 2
     old, new = read_examples(first), read_examples(result.out_dir)
     assert old.keys() == new.keys() and all(np.array_equal(old[k][0], new[k][0]) for k in old)
     assert read_manifest(first).shards[0].sha256 != read_manifest(result.out_dir).shards[0].sha256
@@ -179,8 +174,8 @@ def test_grouped_multi_process_run_writes_the_same_shards(tmp_path):
     assert_holds_encoded_examples(multi.out_dir, config, table)
 
 
-def test_another_builds_directory_is_not_overwritten(default_run, tmp_path, capsys):
-    cwd, _ = default_run
+def test_another_builds_directory_is_not_overwritten(quickstart, tmp_path, capsys):
+    cwd, _ = quickstart
     source_dir = next((cwd / "shards").iterdir())
     config = PackConfig(out=str(tmp_path), num_examples=5, progress=False)
     out_dir = Path(plan_build(config).out_dir)

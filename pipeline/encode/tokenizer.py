@@ -461,11 +461,19 @@ def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
 
 
 def load_default_tokenizer() -> LoadedTokenizer:
-    """The embedded Mistral-7B v0.1 tokenizer, converted once and cached."""
+    """The embedded Mistral-7B v0.1 tokenizer, converted once and cached, and read once per process."""
     model_file = _default_model_file()
     target = cache_dir() / "tokenizers" / f"{DEFAULT_TOKENIZER}-{file_sha256(model_file)[:16]}"
     if not (target / "tokenizer.json").is_file():
         _convert_sentencepiece(model_file, target, MISTRAL_V01_TOKENIZER_CONFIG)
+    written = (target / "tokenizer.json").stat()
+    return _converted_default(target, (written.st_ino, written.st_size, written.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _converted_default(target: Path, written: tuple[int, int, int]) -> LoadedTokenizer:
+    """The default tokenizer from its converted files in ``target``; ``written`` (inode, size and modification time
+    of its tokenizer.json) is part of the key, so files converted again are read again."""
     return _from_files(
         DEFAULT_TOKENIZER, target / "tokenizer.json", target / "tokenizer_config.json", MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
     )
