@@ -72,8 +72,9 @@ class PackConfig:
     # Special tokens around each prompt/response or text example; None: the tokenizer's own.
     bos_token: str | None = None
     eos_token: str | None = None
-    # Chat data: drop assistant turns before the first user turn and a user turn after the last assistant turn.
-    drop_dangling_turns: bool = False
+    # Chat data: drop assistant turns before the first user turn and user turns after the last assistant turn
+    # (True), refuse such rows (False), or drop them in ShareGPT data and refuse them in messages data (None).
+    drop_dangling_turns: bool | None = None
     # Special tokens to add to the tokenizer (a tiktoken ranks file has none), each one token.
     special_tokens: tuple[str, ...] = ()
     train_on_prompt: bool = False
@@ -91,6 +92,8 @@ class PackConfig:
     # Write report.png (the build's histograms) beside the manifest; needs matplotlib.
     report: bool = True
     verbose: bool = False
+    # Input present but not used (a chat turn the template leaves out) is an error, not a warning.
+    strict: bool = False
     beam_args: tuple[str, ...] = ()
 
     @property
@@ -164,5 +167,5 @@ class PackConfig:
 # Beam elements, when it gives up) but never the bytes of its shards: not in the fingerprint.
 # Every other setting is, directly or through the dataset, tokenizer or template it resolves.
 RUN_SETTINGS = frozenset(
-    {"out", "force", "lock_timeout", "max_bad_rows", "batch_size", "progress", "report", "verbose", "beam_args"}
+    {"out", "force", "lock_timeout", "max_bad_rows", "batch_size", "progress", "report", "verbose", "strict", "beam_args"}
 )
