@@ -214,7 +214,9 @@ class PackingStats:
         return self.tokens / self.capacity_tokens if self.capacity_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "fill": self.fill}
+        data = {**dataclasses.asdict(self), "fill": self.fill}
+        # Written only for chat builds, so that other builds' manifests stay as they were.
+        return {key: value for key, value in data.items() if value or key not in ("chat_turns", "dangling_turns_dropped")}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PackingStats:
