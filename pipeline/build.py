@@ -80,6 +80,7 @@ def plan_build(config: PackConfig) -> BuildPlan:
         config, source.columns, config.dataset, source.default_format,
         resolve_chat_template(config.chat_template, tokenizer.chat_template),
     )
+    config = dataclasses.replace(config, overflow=config.resolved_overflow(example_format.is_chat))
     if not example_format.is_chat and not tokenizer.suffix_ids:
         raise ConfigError(
             f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "

@@ -54,7 +54,8 @@ class PackConfig:
     revision: str | None = None
     # The first N source rows; None: every row (synthetic datasets: 100,000).
     num_examples: int | None = None
-    overflow: str = Overflow.SPLIT
+    # None: split, but truncate chat data, whose later chunks would start mid-conversation (see resolved_overflow).
+    overflow: str | None = None
     packing: str = PackingAlgorithm.BEST_FIT_DECREASING
     seed: int = 0
     force: bool = False
@@ -106,6 +107,13 @@ class PackConfig:
         """Examples packed together as one group: ``examples_per_group``, else 50M."""
         return self.examples_per_group or EXAMPLES_PER_GROUP
 
+    def resolved_overflow(self, chat: bool) -> str:
+        """``--overflow``, else split, or for chat data truncate: a conversation keeps its start and is never cut
+        into chunks that start mid-conversation (examples truncation leaves untrained are dropped and counted)."""
+        if self.overflow is not None:
+            return self.overflow
+        return Overflow.TRUNCATE if chat else Overflow.SPLIT
+
     def build_inputs(
         self, dataset: DatasetInputs, tokenizer: TokenizerInputs, template: str, loss_masking: str, package_version: str
     ) -> BuildInputs:
@@ -113,8 +121,11 @@ class PackConfig:
 
         The dataset, tokenizer and template come resolved (by content, not by name); the
         settings that shape the rows come from here. Settings in RUN_SETTINGS are left out:
-        they change how a build runs, never the bytes it writes.
+        they change how a build runs, never the bytes it writes. ``overflow`` must be resolved
+        (``resolved_overflow``), as ``plan_build`` does.
         """
+        if self.overflow is None:
+            raise ValueError("build_inputs needs the resolved --overflow (PackConfig.resolved_overflow)")
         return BuildInputs(
             dataset=dataset,
             tokenizer=tokenizer,
@@ -138,7 +149,8 @@ class PackConfig:
             value = getattr(self, name)
             if value is not None:
                 positive_int(f"--{name.replace('_', '-')}", value, ConfigError)
-        one_of("--overflow", self.overflow, Overflow, ConfigError)
+        if self.overflow is not None:
+            one_of("--overflow", self.overflow, Overflow, ConfigError)
         one_of("--packing", self.packing, PackingAlgorithm, ConfigError)
         one_of("--on-bad-row", self.on_bad_row, BadRowPolicy, ConfigError)
         bound = self.max_bad_rows

@@ -77,7 +77,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--num-examples", type=int,
         help="pack only the first N rows of the dataset (synthetic datasets: generate N, default 100000)")
     add("--overflow", choices=[e.value for e in Overflow], default=default.overflow,
-        help="what to do with examples longer than --max-len (default: %(default)s)")
+        help="what to do with examples longer than --max-len (default: split; truncate for chat data, whose later "
+             "chunks would start mid-conversation)")
     add("--packing", choices=[e.value for e in PackingAlgorithm], default=default.packing,
         help="packing algorithm (default: %(default)s)")
     add("--seed", type=int, default=default.seed, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
