@@ -231,9 +231,11 @@ def test_the_issue_reproduction_packs_one_example_and_reports_one_row_left_out(t
         assert record["where"] == f"{path} line 2" and record["row"] == {"conversations": sharegpt(("gpt", "orphan"))}
 
 
-ROLE_NAMES = st.sampled_from(["system", "user", "human", "assistant", "gpt", "chatgpt", "model", "tool", "narrator"])
+ROLE_NAMES = st.sampled_from(["system", "user", "human", "assistant", "gpt", "chatgpt", "model", "tool", "observation",
+                              "function_call", "narrator"])
+CALL = json.dumps({"name": "add", "arguments": {"a": 1}})
 TURNS = st.lists(
-    st.fixed_dictionaries({"speaker": ROLE_NAMES, "text": st.sampled_from(["", "  ", "hi", "Hello there"]),
+    st.fixed_dictionaries({"speaker": ROLE_NAMES, "text": st.sampled_from(["", "  ", "hi", "Hello there", CALL]),
                            "sharegpt": st.booleans()}),
     max_size=8,
 )
@@ -252,7 +254,7 @@ def test_conversation_returns_a_well_ordered_chat_or_raises_the_bad_row_error(tu
     roles = [m["role"] for m in chat.messages]
     body = roles[1:] if roles[0] == "system" else roles
     assert body[0] == "user" and body[-1] == "assistant" and "system" not in body
-    assert all(m["content"].strip() for m in chat.messages)
+    assert all(m["content"].strip() or m.get("tool_calls") for m in chat.messages)
     speakers = [r for k, r in enumerate(body) if r != "tool" and (k == 0 or body[k - 1] != "tool")]
     assert all(a != b for a, b in zip(speakers, speakers[1:]))
     assert all(body[k - 1] in ("assistant", "tool") for k, r in enumerate(body) if r == "tool")

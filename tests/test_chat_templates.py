@@ -297,3 +297,57 @@ def test_a_role_the_template_leaves_out_is_a_warning_line_and_under_strict_an_er
     assert error == (f"varpack: error: {path} line 1: the chat template left out a tool turn (its content is not in the "
                      "rendered text); use a template that writes such turns, or leave out --strict to count them")
     assert not list((tmp_path / "strict").rglob("*.*"))
+
+
+# Qwen2.5's way of writing tool calls and tool outputs (its chat template, without the tool definitions part).
+TOOLS_TEMPLATE = """{%- for message in messages %}
+    {%- if message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant\n' + (message.content or '') }}
+        {%- for call in message.tool_calls %}
+            {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' }}
+            {{- (call.function.arguments | tojson) + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+def test_tool_calls_and_tool_turns_pass_through_a_template_that_writes_them_and_only_the_assistant_is_trained(
+    tmp_path, capsys
+):
+    """ShareGPT function calling (function_call and observation turns) as tool_calls and tool turns: the tokens are
+    transformers' apply_chat_template's, the loss covers the assistant's call and answer, not the tool's output; a
+    template that writes no tool calls is refused in one line naming the row."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    directory = byte_level_directory(tmp_path / "qwen", specials, {"eos_token": "<|im_end|>"})
+    turns = [("human", "What is 2 plus 3?"), ("function_call", json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}})),
+             ("observation", "5"), ("gpt", "It is 5.")]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n")
+    args = ["--dataset", str(path), "--tokenizer", str(directory), "--max-len", "256", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--chat-template", TOOLS_TEMPLATE]) == 0
+    assert "turns         1 user, 2 assistant, 1 tool\n" in capsys.readouterr().out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    tokens, mask = read_examples(out_dir)[0]
+    messages = [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
+    assert_tokens_as_transformers(directory, tokens, messages, TOOLS_TEMPLATE)
+    backend = load_tokenizer(str(directory)).backend()
+    assert backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False) == (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>It is 5.<|im_end|>'
+    )
+    assert main([*args, "--out", str(tmp_path / "chatml"), "--chat-template", "chatml"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"varpack: error: {path} line 1: the chat template writes no tool calls, so the call to 'add' would "
+                     "vanish; use a template that writes tool calls (the model's own, e.g. Qwen2.5's or Llama 3.1's)")
+    assert not list((tmp_path / "chatml").rglob("*.*"))

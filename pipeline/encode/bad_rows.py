@@ -39,6 +39,7 @@ class Reason(StrEnum):
     ROLES_NOT_ALTERNATING = "roles_not_alternating"
     NO_ASSISTANT_TURN = "no_assistant_turn"
     ONLY_DANGLING_TURNS = "only_dangling_turns"
+    BAD_TOOL_CALL = "bad_tool_call"
     ENDS_WITH_USER = "ends_with_user"
     TEMPLATE_REJECTED = "template_rejected"
     NO_TOKENS = "no_tokens"

@@ -6,7 +6,10 @@ template knows (ShareGPT's ``human``/``gpt``/``chatgpt`` and Gemini's ``model`` 
 empty turn, an unknown role, a system turn after the first, a conversation that starts with the
 assistant or ends with the user, or whose user and assistant turns do not alternate, or one with
 no assistant turn. A ``tool`` turn (a tool's output) follows an assistant turn or another tool
-turn, and the assistant speaks again after it.
+turn, and the assistant speaks again after it. ShareGPT's function calling turns (glaive,
+LLaMA-Factory) become tool calls: a ``function_call`` turn, whose value is a JSON object with
+``name`` and ``arguments``, is an assistant turn with ``tool_calls``, as chat templates take
+them, and an ``observation`` turn is a ``tool`` turn.
 
 ShareGPT dumps hold conversations split from longer ones, which often start with an assistant
 turn or end with a user turn. In ShareGPT data those dangling turns are dropped, as FastChat's
@@ -21,6 +24,7 @@ preprocessing and axolotl's ShareGPT strategies do, and counted (``Conversation.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +41,8 @@ ROLES = {
     "chatgpt": "assistant",
     "model": "assistant",
     "tool": "tool",
+    "observation": "tool",
+    "function_call": "assistant",
 }
 # The roles in the order the report lists them.
 ROLE_ORDER = ("system", "user", "assistant", "tool")
@@ -46,13 +52,13 @@ ROLE_ORDER = ("system", "user", "assistant", "tool")
 class Conversation:
     """One row's messages, normalised and checked, and the dangling turns dropped from it."""
 
-    messages: list[dict[str, str]]
-    read: list[dict[str, str]]  # every turn of the row, dangling ones included
+    messages: list[dict[str, Any]]
+    read: list[dict[str, Any]]  # every turn of the row, dangling ones included
     dropped_leading: int = 0
     dropped_trailing: int = 0
 
 
-def _turn(message: Any, number: int) -> dict[str, str]:
+def _turn(message: Any, number: int) -> dict[str, Any]:
     """One message as ``{role, content}``, from ``role``/``content`` or ShareGPT's ``from``/``value``."""
     if not isinstance(message, dict):
         raise RowProblem(Reason.NOT_A_CONVERSATION, f"turn {number} is not an object, got {message!r:.60}")
@@ -67,7 +73,34 @@ def _turn(message: Any, number: int) -> dict[str, str]:
         )
     if not isinstance(content, str) or not content.strip():
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
+    if speaker.strip().lower() == "function_call":
+        return {"role": role, "content": "", "tool_calls": [{"type": "function", "function": _function(content, number)}]}
     return {"role": role, "content": content}
+
+
+def _function(value: str, number: int) -> dict[str, Any]:
+    """A ``function_call`` turn's value as the ``function`` of a tool call: ``{"name", "arguments"}``."""
+    try:
+        call = json.loads(value)
+    except json.JSONDecodeError:
+        call = None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict | str)):
+        raise RowProblem(
+            Reason.BAD_TOOL_CALL,
+            f"turn {number} (function_call) must be a JSON object with a 'name' and 'arguments', got {value!r:.60}",
+        )
+    arguments = call["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # arguments a model wrote as text stay text
+    return {"name": call["name"], "arguments": arguments}
+
+
+def tool_call_names(message: dict[str, Any]) -> list[str]:
+    """The names of the functions an assistant turn calls."""
+    return [call["function"]["name"] for call in message.get("tool_calls", ())]
 
 
 def _is_sharegpt(value: list) -> bool:
@@ -75,7 +108,7 @@ def _is_sharegpt(value: list) -> bool:
     return any(isinstance(m, dict) and m.get("role") is None and m.get("from") is not None for m in value)
 
 
-def _without_dangling_turns(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], int, int]:
+def _without_dangling_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
     """``messages`` without the assistant turns before the first user turn and the user turns after the
     last assistant turn, and how many of each were dropped."""
     first = 1 if messages and messages[0]["role"] == "system" else 0
@@ -88,7 +121,7 @@ def _without_dangling_turns(messages: list[dict[str, str]]) -> tuple[list[dict[s
     return messages[:first] + messages[start:end], start - first, len(messages) - end
 
 
-def _check_order(messages: list[dict[str, str]], dropped: int) -> None:
+def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
     """An optional system turn, then user and assistant turns alternating from the user and ending with
     the assistant; tool turns follow an assistant turn (or a tool turn) and are followed by one."""
     first = 1 if messages and messages[0]["role"] == "system" else 0

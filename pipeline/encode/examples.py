@@ -28,13 +28,14 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow, Reason, RowProblem
-from pipeline.encode.chat import Conversation, as_read, conversation, count_turns
+from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, tool_call_names
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
@@ -55,6 +56,15 @@ PROBE_CHAT = (
 )
 # The system prompt a chat template is checked on: a template that does not write it has no system turn.
 PROBE_SYSTEM = "Answer in one word."
+# The tool call a chat template is checked on: a template that does not write its name writes no tool calls.
+PROBE_TOOL_CALL = (
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "probe_function_name", "arguments": {"x": 1}}}
+    ]},
+    {"role": "tool", "content": "2"},
+    {"role": "assistant", "content": "Sure"},
+)
 
 
 @dataclass
@@ -213,7 +223,8 @@ class Encoder:
         self.dtype = token_dtype(self.backend.get_vocab_size(with_added_tokens=True))
         self.piece_chars = PIECE_CHARS if cuts_between_words(self.backend) else None
         self.strict = strict
-        self.merges_system = example_format.is_chat and not self._writes_system_turns()
+        self.merges_system = example_format.is_chat and not self._writes("system", PROBE_SYSTEM)
+        self.writes_tool_calls = example_format.is_chat and self._writes("tool_calls", "probe_function_name")
 
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
@@ -358,6 +369,7 @@ class Encoder:
         for i, value in enumerate(conversations):
             try:
                 chat = conversation(value, self.format.drop_dangling_turns)
+                self._check_tool_calls(chat, rows, int(source_rows[i]))
                 text, assistant = self._render(self._with_system_merged(chat.messages), rows, int(source_rows[i]))
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
@@ -385,7 +397,7 @@ class Encoder:
     def _count_turns(self, chat: Conversation, text: str, rows: BatchRows, row: int) -> Counter[str]:
         """``chat``'s turns counted by role as read, used (their content is in ``text``) and merged, and its
         dropped dangling turns; under ``--strict`` a turn the template left out is an error naming the row."""
-        used = [message["content"].strip() in text for message in chat.messages]
+        used = [all(part in text for part in [message["content"].strip(), *tool_call_names(message)]) for message in chat.messages]
         if self.strict and not all(used):
             k = used.index(False)
             raise InputError(
@@ -395,21 +407,30 @@ class Encoder:
         merged = self.merges_system and chat.messages[0]["role"] == "system"
         return count_turns(chat, used, merged)
 
-    def _with_system_merged(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    def _check_tool_calls(self, chat: Conversation, rows: BatchRows, row: int) -> None:
+        """Raise InputError, naming the row, for tool calls a template that writes none would lose."""
+        calls = [name for message in chat.messages for name in tool_call_names(message)]
+        if calls and not self.writes_tool_calls:
+            raise InputError(
+                f"{rows.name(row)}: the chat template writes no tool calls, so the call to {calls[0]!r} would vanish; "
+                "use a template that writes tool calls (the model's own, e.g. Qwen2.5's or Llama 3.1's)"
+            )
+
+    def _with_system_merged(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with a system turn merged into the first user turn, for a template that writes none."""
         if not (self.merges_system and messages[0]["role"] == "system"):
             return messages
         system, user, *rest = messages
         return [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *rest]
 
-    def _writes_system_turns(self) -> bool:
-        """Whether the chat template writes a system turn's content (Phi-3's and Gemma's drop or refuse it)."""
-        probe = [{"role": "system", "content": PROBE_SYSTEM}, *PROBE_CHAT]
+    def _writes(self, what: str, marker: str) -> bool:
+        """Whether the chat template writes system turns (Phi-3's and Gemma's drop or refuse them) or tool calls."""
+        probe = [{"role": "system", "content": PROBE_SYSTEM}, *PROBE_CHAT] if what == "system" else list(PROBE_TOOL_CALL)
         try:
             text, _ = self._apply_template(probe)
         except RowProblem:
             return False
-        return PROBE_SYSTEM in text
+        return marker in text
 
     def chat_end_token(self) -> int:
         """The special token the chat template ends assistant turns with, checked on PROBE_CHAT.
@@ -449,7 +470,7 @@ class Encoder:
                 )
         return int(inside[-1])
 
-    def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages: list[dict[str, Any]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add, each up to its
         end-of-turn token: whitespace the template writes after it is not trained on, and after the
         last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``)."""
@@ -464,7 +485,7 @@ class Encoder:
             text = text[: spans[-1][1]]
         return text, spans
 
-    def _assistant_spans(self, messages: list[dict[str, str]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages: list[dict[str, Any]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
         """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it turn by turn."""
         spans = []
         for i, message in enumerate(messages):
