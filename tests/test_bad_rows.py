@@ -28,6 +28,15 @@ from schemas import MANIFEST_NAME, read_manifest
 from tests.test_pipeline_e2e import read_examples
 
 
+def transformers_tokens(plan, messages: list[dict], template: str | None = None) -> list[int]:
+    """The tokens of transformers' own ``apply_chat_template(messages, tokenize=True)`` with the build's tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=plan.tokenizer.backend(), bos_token="<s>", eos_token="</s>")
+    encoded = tokenizer.apply_chat_template(messages, chat_template=template or plan.example_format.chat_template, tokenize=True)
+    return list(encoded["input_ids"])
+
+
 def sharegpt(*turns: tuple[str | None, str | None]) -> list[dict]:
     return [{"from": speaker, "value": value} for speaker, value in turns]
 
@@ -97,7 +106,8 @@ def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
     # An example's id is its source row number: ids skip the rows left out.
     source_rows = [row for row, (_, _, reason) in enumerate(ROWS) if reason is None]
     assert sorted(examples) == source_rows and manifest.stats.num_example_ids == len(ROWS)
-    for row, end, n in zip(source_rows, ends.tolist(), expected.lengths.tolist()):
+    for row, end, n, messages in zip(source_rows, ends.tolist(), expected.lengths.tolist(), good):
+        assert examples[row][0].tolist() == transformers_tokens(plan, messages)
         assert np.array_equal(examples[row][0], expected.tokens[end - n : end])
         assert np.array_equal(examples[row][1], expected.loss_mask[end - n : end])
     # One weight per source row: the input's own column lines up; an array over the kept examples does not.
@@ -202,6 +212,10 @@ def test_dangling_sharegpt_turns_are_dropped_and_counted_by_default(tmp_path, ca
     trained = {i: backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False) for i, (tokens, mask) in examples.items()}
     assert trained == {0: "assistant: Sure.</s>", 1: "assistant: Hello!</s>", 2: "assistant: Yo</s>",
                        3: "assistant: It is 0.</s>"}
+    kept = [split[0][2:], split[1][:2], split[2][:1] + split[2][2:], split[3]]
+    for i, turns in enumerate(kept):
+        messages = [{"role": {"human": "user", "system": "system"}.get(t["from"], "assistant"), "content": t["value"]} for t in turns]
+        assert examples[i][0].tolist() == transformers_tokens(plan, messages, template)
 
 
 def test_messages_data_keeps_refusing_dangling_turns_unless_asked(tmp_path):
@@ -225,7 +239,11 @@ def test_the_issue_reproduction_packs_one_example_and_reports_one_row_left_out(t
                      "--no-progress"]) == 0, capsys.readouterr().err
         report = capsys.readouterr().out
         assert re.search(r"examples +1\n", report) and "rejected      1 row (1 only_dangling_turns)" in report
+    plan = plan_build(PackConfig(dataset=str(path), messages_column="conversations"))
+    hello = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     for build_dir in out.iterdir():
+        ((tokens, _),) = read_examples(build_dir).values()
+        assert tokens.tolist() == transformers_tokens(plan, hello)
         assert read_manifest(build_dir).rejected.by_reason == {"only_dangling_turns": 1}
         (record,) = map(json.loads, (build_dir / REJECTED_NAME).read_text().splitlines())
         assert record["where"] == f"{path} line 2" and record["row"] == {"conversations": sharegpt(("gpt", "orphan"))}

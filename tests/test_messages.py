@@ -16,11 +16,12 @@ import pytest
 
 from pipeline import pack
 from pipeline.report import progress
-from pipeline.build import build
+from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
 from pipeline.errors import InputError
 from pipeline.report.summary import format_report
 from schemas import PackingStats
+from tests.test_bad_rows import transformers_tokens
 from tests.test_pipeline_e2e import read_examples, run_cli
 
 RECORDS = [{"prompt": f"What is {i} times {i}?", "response": f"It is {i * i}."} for i in range(20)]
@@ -164,6 +165,7 @@ def test_long_conversations_are_truncated_by_default_never_split_into_chunks_tha
     whole = build(dataclasses.replace(config(path, tmp_path), max_len=1024))
     assert whole.manifest.inputs.overflow == "truncate" and whole.manifest.stats.examples_truncated == 0
     complete = read_examples(whole.out_dir)
+    assert complete[0][0].tolist() == transformers_tokens(plan_build(config(path, tmp_path)), long_chat)
     for i, (tokens, mask) in read_examples(result.out_dir).items():  # each example is the start of its conversation
         assert np.array_equal(tokens, complete[i][0][:64]) and np.array_equal(mask, complete[i][1][:64])
     split = build(config(path, tmp_path, overflow="split"))
