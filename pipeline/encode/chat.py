@@ -129,6 +129,12 @@ def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
     if "system" in roles:
         turn = first + roles.index("system") + 1
         raise RowProblem(Reason.ROLES_NOT_ALTERNATING, f"turn {turn} is a system turn; only the first turn may be one")
+    _check_ends(roles, dropped)
+    _check_alternation(roles, first)
+
+
+def _check_ends(roles: list[str], dropped: int) -> None:
+    """The turns after the system turn hold an assistant turn, start with the user and end with the assistant."""
     if "assistant" not in roles:
         if dropped:
             raise RowProblem(
@@ -143,20 +149,6 @@ def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
             f"the conversation starts with {'an assistant' if roles[0] == 'assistant' else 'a tool'} turn; pass "
             "--drop-dangling-turns to drop such turns",
         )
-    for k, role in enumerate(roles):
-        if role == "tool" and roles[k - 1] not in ("assistant", "tool"):
-            raise RowProblem(
-                Reason.ROLES_NOT_ALTERNATING, f"turn {first + k + 1} is a tool turn that follows no assistant turn"
-            )
-    # Tool turns, and the assistant turn after them, continue the assistant's turn.
-    speakers = [(k, role) for k, role in enumerate(roles) if role != "tool" and (k == 0 or roles[k - 1] != "tool")]
-    repeated = next((j for j in range(1, len(speakers)) if speakers[j][1] == speakers[j - 1][1]), None)
-    if repeated is not None:
-        (a, role), (b, _) = speakers[repeated - 1], speakers[repeated]
-        raise RowProblem(
-            Reason.ROLES_NOT_ALTERNATING,
-            f"turns {first + a + 1} and {first + b + 1} are both {role} turns; user and assistant turns must alternate",
-        )
     if roles[-1] == "user":
         raise RowProblem(
             Reason.ENDS_WITH_USER,
@@ -166,6 +158,22 @@ def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
     if roles[-1] == "tool":
         raise RowProblem(
             Reason.ROLES_NOT_ALTERNATING, "the conversation ends with a tool turn; the assistant must answer after it"
+        )
+
+
+def _check_alternation(roles: list[str], first: int) -> None:
+    """User and assistant turns alternate; tool turns, and the assistant turn after them, continue the assistant's."""
+    after_tool = [k > 0 and roles[k - 1] == "tool" for k in range(len(roles))]
+    stray = next((k for k, role in enumerate(roles) if role == "tool" and roles[k - 1] not in ("assistant", "tool")), None)
+    if stray is not None:
+        raise RowProblem(Reason.ROLES_NOT_ALTERNATING, f"turn {first + stray + 1} is a tool turn that follows no assistant turn")
+    speakers = [(k, role) for k, role in enumerate(roles) if role != "tool" and not after_tool[k]]
+    repeated = next((j for j in range(1, len(speakers)) if speakers[j][1] == speakers[j - 1][1]), None)
+    if repeated is not None:
+        (a, role), (b, _) = speakers[repeated - 1], speakers[repeated]
+        raise RowProblem(
+            Reason.ROLES_NOT_ALTERNATING,
+            f"turns {first + a + 1} and {first + b + 1} are both {role} turns; user and assistant turns must alternate",
         )
 
 
