@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import os
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +41,7 @@ from apache_beam.metrics import Metrics
 
 from pipeline import storage
 from pipeline.build_plan import BuildPlan
+from pipeline.encode.chat import turn_stats
 from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
 from pipeline.encode.examples import Encoder
 from pipeline.errors import InputError
@@ -82,7 +83,7 @@ class ReadAndEncode(beam.DoFn):
     def setup(self):
         exit_with_parent(self.main_pid)
         plan, config = self.plan, self.plan.config
-        self.encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row)
+        self.encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
         self.known_examples = plan.source.known_examples
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
@@ -119,8 +120,11 @@ class ReadAndEncode(beam.DoFn):
         """Stop early once this worker alone has met more bad rows than the whole build may hold (in the rows it read)."""
         if not rejected:
             return
-        self.bad_rows += len(rejected)
-        self.first_bad_row = self.first_bad_row or rejected[0]
+        bad = [row for row in rejected if row.is_bad]
+        if not bad:
+            return
+        self.bad_rows += len(bad)
+        self.first_bad_row = self.first_bad_row or bad[0]
         if self.bad_row_limit is not None and self.bad_rows > self.bad_row_limit:
             raise bound_error(self.bad_rows, self.rows_read, self.plan.config.max_bad_rows, self.first_bad_row)
 
@@ -128,30 +132,32 @@ class ReadAndEncode(beam.DoFn):
 @dataclass(frozen=True)
 class Filtered:
     """What reading and encoding left out: bad rows by reason, examples truncation left untrained, and
-    conversations --drop-dangling-turns shortened."""
+    chat turns read, used and dropped (``chat.count_turns``)."""
 
     rejected: RejectedRows
     untrained_examples: int
     untrained_tokens: int
-    conversations_trimmed: int = 0
+    turns: Counter[str] = dataclasses.field(default_factory=Counter)
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int], int]], out_dir: str, max_bad_rows: int | float
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int], Counter[str]]], out_dir: str,
+    max_bad_rows: int | float,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
     ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained
-    counts and its trimmed conversations.
+    counts and its chat turn counts.
     """
     notes = sorted(notes, key=lambda note: note[0])
     bad_rows = [row for _, _, rejected, _, _ in notes for row in rejected]
     rows_read = sum(rows for _, rows, _, _, _ in notes)
-    if bad_rows and bound_exceeded(len(bad_rows), rows_read, max_bad_rows):
-        raise bound_error(len(bad_rows), rows_read, max_bad_rows, bad_rows[0])
+    bad = [row for row in bad_rows if row.is_bad]
+    if bad and bound_exceeded(len(bad), rows_read, max_bad_rows):
+        raise bound_error(len(bad), rows_read, max_bad_rows, bad[0])
     write_rejected(bad_rows, out_dir)
     untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _ in notes))] or [0, 0]
-    return Filtered(summarize(bad_rows), untrained[0], untrained[1], sum(trimmed for *_, trimmed in notes))
+    return Filtered(summarize(bad_rows), untrained[0], untrained[1], sum((turns for *_, turns in notes), Counter()))
 
 
 def placements(counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int):
@@ -220,7 +226,7 @@ def write_build_manifest(joined: dict, out_dir: str, shard_prefix: str, inputs: 
     filtered: Filtered = joined["filtered"][0]
     stats = PackingStats.merged([g.stats for g in groups])
     stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
-    stats.conversations_trimmed = filtered.conversations_trimmed
+    stats.chat_turns, stats.dangling_turns_dropped, stats.conversations_trimmed = turn_stats(filtered.turns)
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
     if stats.rows == 0:
         raise InputError(
@@ -260,7 +266,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, spill_dir, main_pid))
     )
     filtered = _gather(
-        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained, b.trimmed))
+        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained, b.turns))
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.

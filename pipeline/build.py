@@ -30,6 +30,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.packing import spill
 from pipeline.read.formats import resolve_format
 from pipeline.read.sources import resolve_source
+from pipeline.report.summary import unused_input_warnings
 from pipeline.write.build_dir import (
     ATTEMPT_PREFIX,
     check_output,
@@ -79,6 +80,7 @@ def plan_build(config: PackConfig) -> BuildPlan:
         config, source.columns, config.dataset, source.default_format,
         resolve_chat_template(config.chat_template, tokenizer.chat_template),
     )
+    config = dataclasses.replace(config, overflow=config.resolved_overflow(example_format.is_chat))
     if not example_format.is_chat and not tokenizer.suffix_ids:
         raise ConfigError(
             f"tokenizer {tokenizer.name} has no known EOS token, so examples would not end with one and the model "
@@ -141,6 +143,8 @@ def build(
             remove_leftovers(plan.out_dir)  # of workers of a killed run that were still writing when it ended
         elapsed_s = time.perf_counter() - started
         figure = write_figure(plan.out_dir, manifest) if write_figure is not None else None
+        for warning in unused_input_warnings(manifest.stats):
+            log(warning)
     if not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards):
         log(f"another run published {plan.out_dir} first; using its build")
         discard(plan.out_dir, shard_dir)

@@ -54,7 +54,8 @@ class PackConfig:
     revision: str | None = None
     # The first N source rows; None: every row (synthetic datasets: 100,000).
     num_examples: int | None = None
-    overflow: str = Overflow.SPLIT
+    # None: split, but truncate chat data, whose later chunks would start mid-conversation (see resolved_overflow).
+    overflow: str | None = None
     packing: str = PackingAlgorithm.BEST_FIT_DECREASING
     seed: int = 0
     force: bool = False
@@ -72,8 +73,9 @@ class PackConfig:
     # Special tokens around each prompt/response or text example; None: the tokenizer's own.
     bos_token: str | None = None
     eos_token: str | None = None
-    # Chat data: drop assistant turns before the first user turn and a user turn after the last assistant turn.
-    drop_dangling_turns: bool = False
+    # Chat data: drop assistant turns before the first user turn and user turns after the last assistant turn
+    # (True), refuse such rows (False), or drop them in ShareGPT data and refuse them in messages data (None).
+    drop_dangling_turns: bool | None = None
     # Special tokens to add to the tokenizer (a tiktoken ranks file has none), each one token.
     special_tokens: tuple[str, ...] = ()
     train_on_prompt: bool = False
@@ -91,6 +93,8 @@ class PackConfig:
     # Write report.png (the build's histograms) beside the manifest; needs matplotlib.
     report: bool = True
     verbose: bool = False
+    # Input present but not used (a chat turn the template leaves out) is an error, not a warning.
+    strict: bool = False
     beam_args: tuple[str, ...] = ()
 
     @property
@@ -103,6 +107,13 @@ class PackConfig:
         """Examples packed together as one group: ``examples_per_group``, else 50M."""
         return self.examples_per_group or EXAMPLES_PER_GROUP
 
+    def resolved_overflow(self, chat: bool) -> str:
+        """``--overflow``, else split, or for chat data truncate: a conversation keeps its start and is never cut
+        into chunks that start mid-conversation (examples truncation leaves untrained are dropped and counted)."""
+        if self.overflow is not None:
+            return self.overflow
+        return Overflow.TRUNCATE if chat else Overflow.SPLIT
+
     def build_inputs(
         self, dataset: DatasetInputs, tokenizer: TokenizerInputs, template: str, loss_masking: str, package_version: str
     ) -> BuildInputs:
@@ -110,8 +121,11 @@ class PackConfig:
 
         The dataset, tokenizer and template come resolved (by content, not by name); the
         settings that shape the rows come from here. Settings in RUN_SETTINGS are left out:
-        they change how a build runs, never the bytes it writes.
+        they change how a build runs, never the bytes it writes. ``overflow`` must be resolved
+        (``resolved_overflow``), as ``plan_build`` does.
         """
+        if self.overflow is None:
+            raise ValueError("build_inputs needs the resolved --overflow (PackConfig.resolved_overflow)")
         return BuildInputs(
             dataset=dataset,
             tokenizer=tokenizer,
@@ -135,7 +149,8 @@ class PackConfig:
             value = getattr(self, name)
             if value is not None:
                 positive_int(f"--{name.replace('_', '-')}", value, ConfigError)
-        one_of("--overflow", self.overflow, Overflow, ConfigError)
+        if self.overflow is not None:
+            one_of("--overflow", self.overflow, Overflow, ConfigError)
         one_of("--packing", self.packing, PackingAlgorithm, ConfigError)
         one_of("--on-bad-row", self.on_bad_row, BadRowPolicy, ConfigError)
         bound = self.max_bad_rows
@@ -164,5 +179,5 @@ class PackConfig:
 # Beam elements, when it gives up) but never the bytes of its shards: not in the fingerprint.
 # Every other setting is, directly or through the dataset, tokenizer or template it resolves.
 RUN_SETTINGS = frozenset(
-    {"out", "force", "lock_timeout", "max_bad_rows", "batch_size", "progress", "report", "verbose", "beam_args"}
+    {"out", "force", "lock_timeout", "max_bad_rows", "batch_size", "progress", "report", "verbose", "strict", "beam_args"}
 )

@@ -77,7 +77,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--num-examples", type=int,
         help="pack only the first N rows of the dataset (synthetic datasets: generate N, default 100000)")
     add("--overflow", choices=[e.value for e in Overflow], default=default.overflow,
-        help="what to do with examples longer than --max-len (default: %(default)s)")
+        help="what to do with examples longer than --max-len (default: split; truncate for chat data, whose later "
+             "chunks would start mid-conversation)")
     add("--packing", choices=[e.value for e in PackingAlgorithm], default=default.packing,
         help="packing algorithm (default: %(default)s)")
     add("--seed", type=int, default=default.seed, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
@@ -106,10 +107,19 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="special tokens to add to the tokenizer, each then one token, e.g. '<|endoftext|>,<|im_start|>,<|im_end|>' "
              "for a tiktoken ranks file, which holds none (ids follow the vocabulary; for a model's own ids put them "
              "in NAME.tiktoken.json beside the file)")
-    add("--drop-dangling-turns", action="store_true",
-        help="chat data: drop assistant turns before the first user turn and a user turn after the last assistant turn "
-             "(conversations split from longer ones), as FastChat does, instead of rejecting such rows; counted in the "
-             "report and the manifest")
+    dangling = parser.add_mutually_exclusive_group()
+    dangling.add_argument(
+        "--drop-dangling-turns", dest="drop_dangling_turns", action="store_const", const=True,
+        default=default.drop_dangling_turns,
+        help="chat data: drop assistant turns before the first user turn and user turns after the last assistant turn "
+             "(conversations split from longer ones), as FastChat does, in {role, content} data too (ShareGPT data: the "
+             "default); counted in the report and the manifest")
+    dangling.add_argument(
+        "--keep-dangling-turns", dest="drop_dangling_turns", action="store_const", const=False,
+        help="chat data: refuse conversations that start with an assistant turn or end with a user turn, ShareGPT "
+             "ones too, as bad rows")
+    add("--strict", action="store_true",
+        help="input present but not used (a chat role the template leaves out) stops the build instead of a warning")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
     add("--on-bad-row", choices=[e.value for e in BadRowPolicy], default=default.on_bad_row,
         help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "

@@ -198,8 +198,13 @@ class PackingStats:
     # Example ids lie in [0, num_example_ids): a pipeline build's ids are source row numbers, so
     # this counts the source rows read, those left out included (format 5).
     num_example_ids: int = 0
-    # Conversations --drop-dangling-turns shortened (format 5).
+    # Conversations dangling turns were dropped from (format 5).
     conversations_trimmed: int = 0
+    # Chat turns by role: {"system": {"read": 346, "used": 346, "merged": 346}}; "used" turns reached the
+    # tokens, "merged" system turns went into the first user turn (a template without a system turn).
+    chat_turns: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Dangling chat turns dropped: {"leading_assistant": 212, "trailing_user": 3}.
+    dangling_turns_dropped: dict[str, int] = field(default_factory=dict)
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
 
@@ -209,7 +214,9 @@ class PackingStats:
         return self.tokens / self.capacity_tokens if self.capacity_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "fill": self.fill}
+        data = {**dataclasses.asdict(self), "fill": self.fill}
+        # Written only for chat builds, so that other builds' manifests stay as they were.
+        return {key: value for key, value in data.items() if value or key not in ("chat_turns", "dangling_turns_dropped")}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PackingStats:
@@ -224,6 +231,8 @@ class PackingStats:
                 if item.name == "segments_per_row":
                     for count, rows in part.segments_per_row.items():
                         total.segments_per_row[count] = total.segments_per_row.get(count, 0) + rows
+                elif item.name in ("chat_turns", "dangling_turns_dropped"):
+                    continue  # counted while reading, not per packing group
                 else:
                     setattr(total, item.name, getattr(total, item.name) + getattr(part, item.name))
         total.segments_per_row = dict(sorted(total.segments_per_row.items(), key=lambda item: int(item[0])))

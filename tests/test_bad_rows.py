@@ -12,17 +12,29 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loaders import PackedIterableDataset
 from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
+from pipeline.encode.bad_rows import Reason, RowProblem
 from pipeline.encode.chat import conversation
 from pipeline.encode.examples import Encoder
 from pipeline.pack import main
 from pipeline.read.readers import BatchRows
 from schemas import MANIFEST_NAME, read_manifest
 from tests.test_pipeline_e2e import read_examples
+
+
+def transformers_tokens(plan, messages: list[dict], template: str | None = None) -> list[int]:
+    """The tokens of transformers' own ``apply_chat_template(messages, tokenize=True)`` with the build's tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=plan.tokenizer.backend(), bos_token="<s>", eos_token="</s>")
+    encoded = tokenizer.apply_chat_template(messages, chat_template=template or plan.example_format.chat_template, tokenize=True)
+    return list(encoded["input_ids"])
 
 
 def sharegpt(*turns: tuple[str | None, str | None]) -> list[dict]:
@@ -39,13 +51,13 @@ ROWS = [
     (1, GOOD[0], None),
     (2, GOOD[1], None),
     (3, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], None),
-    (5, sharegpt(("gpt", "I speak first"), ("human", "Hi")), "starts_with_assistant"),
+    (5, sharegpt(("gpt", "I speak first"), ("human", "Hi")), "only_dangling_turns"),  # dropped whole, not broken
     (6, sharegpt(("human", "Hi"), ("gpt", "")), "empty_turn"),
     (7, sharegpt(("human", "Hi"), ("human", "Hello?"), ("gpt", "Yes")), "roles_not_alternating"),
     (8, None, "null"),
     (9, sharegpt(("human", "Hi"), ("gpt", None)), "empty_turn"),
     (10, sharegpt(("narrator", "Once"), ("gpt", "upon")), "unknown_role"),
-    (11, sharegpt(("system", "Be brief"), ("human", "Hi"), ("gpt", "Yo")), "template_rejected"),  # Mistral's refuses system
+    (11, sharegpt(("system", "Be brief"), ("human", "Hi"), ("gpt", "Yo")), None),  # merged: Mistral's template has no system
     (12, sharegpt(("human", "Only a question")), "no_assistant_turn"),
 ] + [(13 + i, GOOD[i], None) for i in range(2, 12)]
 
@@ -60,7 +72,7 @@ def chats(tmp_path):
 
 
 def test_sharegpt_turns_become_messages():
-    assert conversation(sharegpt(("system", "s"), ("human", "q"), ("gpt", "a"))) == [
+    assert conversation(sharegpt(("system", "s"), ("human", "q"), ("gpt", "a"))).messages == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
     ]
 
@@ -73,15 +85,18 @@ def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
     (build_dir,) = out.iterdir()
     manifest = read_manifest(build_dir)
     bad = [(line, reason) for line, _, reason in ROWS if reason]
-    assert manifest.rejected.rows == len(bad) == 8 and manifest.inputs.on_bad_row == "skip"
-    assert manifest.rejected.by_reason == {"empty_turn": 2, "no_assistant_turn": 1, "null": 1, "roles_not_alternating": 1,
-                                           "starts_with_assistant": 1, "template_rejected": 1, "unknown_role": 1}
-    assert re.search(r"rejected +8 rows \(2 empty_turn, 1 no_assistant_turn, 1 null, .*\), listed in rejected.jsonl", report)
+    assert manifest.rejected.rows == len(bad) == 7 and manifest.inputs.on_bad_row == "skip"
+    assert manifest.rejected.by_reason == {"empty_turn": 2, "no_assistant_turn": 1, "null": 1, "only_dangling_turns": 1,
+                                           "roles_not_alternating": 1, "unknown_role": 1}
+    assert re.search(r"rejected +7 rows \(2 empty_turn, 1 no_assistant_turn, 1 null, .*\), listed in rejected.jsonl", report)
     records = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
     assert [(r["where"], r["reason"]) for r in records] == [(f"{chats} line {line}", reason) for line, reason in bad]
     assert records[0]["row"] == {"conversations": ROWS[3][1]}  # the row as the file holds it
     good = [[{"role": t.get("role") or {"human": "user", "gpt": "assistant"}[t["from"]], "content": t.get("content") or t["value"]}
-             for t in value] for _, value, reason in ROWS if reason is None]
+             for t in value if t.get("from") != "system"] for _, value, reason in ROWS if reason is None]
+    # Mistral's template has no system turn: the system prompt goes into the first user turn, as Gemma's template does.
+    assert good[3] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    good[3][0]["content"] = "Be brief\n\nHi"
     plan = plan_build(PackConfig(dataset=str(chats)))
     expected = Encoder(plan.tokenizer, plan.example_format, 4096, "split").encode(
         pa.table({"conversations": good}), BatchRows("expected")
@@ -91,7 +106,8 @@ def test_skip_leaves_out_bad_rows_and_lists_them(chats, tmp_path, capsys):
     # An example's id is its source row number: ids skip the rows left out.
     source_rows = [row for row, (_, _, reason) in enumerate(ROWS) if reason is None]
     assert sorted(examples) == source_rows and manifest.stats.num_example_ids == len(ROWS)
-    for row, end, n in zip(source_rows, ends.tolist(), expected.lengths.tolist()):
+    for row, end, n, messages in zip(source_rows, ends.tolist(), expected.lengths.tolist(), good):
+        assert examples[row][0].tolist() == transformers_tokens(plan, messages)
         assert np.array_equal(examples[row][0], expected.tokens[end - n : end])
         assert np.array_equal(examples[row][1], expected.loss_mask[end - n : end])
     # One weight per source row: the input's own column lines up; an array over the kept examples does not.
@@ -112,8 +128,8 @@ def test_error_names_the_first_bad_line(chats, tmp_path, capsys):
     assert main(["--dataset", str(chats), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == (
-        f"varpack: error: {chats} line 5: 'conversations': the conversation starts with an assistant turn; pass "
-        "--drop-dangling-turns to drop such turns; fix or remove it, or pass --on-bad-row skip to leave such rows out"
+        f"varpack: error: {chats} line 6: 'conversations': turn 2 (assistant) is empty; fix or remove it, or pass "
+        "--on-bad-row skip to leave such rows out"
     )
     assert not list((tmp_path / "out").rglob("*.*"))
 
@@ -123,8 +139,8 @@ def test_too_many_bad_rows_stop_the_run(chats, tmp_path, capsys, bound):
     args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--max-bad-rows", bound]
     assert main([*args, "--no-progress"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("varpack: error:")]
-    assert len(errors) == 1 and f"more than --max-bad-rows {bound} (first: {chats} line 5:" in errors[0], errors
-    assert f"error: 8 of {len(ROWS)} rows read are bad" in errors[0]
+    assert len(errors) == 1 and f"more than --max-bad-rows {bound} (first: {chats} line 6:" in errors[0], errors
+    assert f"error: 6 of {len(ROWS)} rows read are bad" in errors[0]  # the row of dangling turns only is no bad row
     assert not list(tmp_path.rglob(MANIFEST_NAME)) and not list(tmp_path.rglob(REJECTED_NAME))
 
 
@@ -155,10 +171,11 @@ def test_lines_that_are_not_objects_are_bad_rows(tmp_path, capsys):
     assert [r["where"] for r in records] == [f"{path} line {n}" for n in (1, 5, 6, 12)]
 
 
-def test_dangling_turns_are_refused_or_dropped_and_counted(tmp_path, capsys):
-    """ShareGPT conversations split from longer ones start with the assistant or end with the user."""
+def test_dangling_sharegpt_turns_are_dropped_and_counted_by_default(tmp_path, capsys):
+    """ShareGPT conversations split from longer ones start with the assistant or end with the user: FastChat and
+    axolotl drop those turns, and so does a default build, saying how many; --keep-dangling-turns refuses them."""
     split = [
-        sharegpt(("gpt", "...and that is all."), ("human", "Thanks! Another?"), ("gpt", "Sure.")),
+        sharegpt(("gpt", "...and that is all."), ("gpt", "Really."), ("human", "Thanks! Another?"), ("gpt", "Sure.")),
         sharegpt(("human", "Hi"), ("gpt", "Hello!"), ("human", "And then?")),
         sharegpt(("system", "Be brief"), ("chatgpt", "(cut)"), ("human", "Hi"), ("model", "Yo")),
         GOOD[0],
@@ -167,20 +184,96 @@ def test_dangling_turns_are_refused_or_dropped_and_counted(tmp_path, capsys):
     path.write_text("".join(json.dumps({"conversations": value}) + "\n" for value in split))
     template = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
     args = ["--dataset", str(path), "--chat-template", template, "--no-progress", "--max-len", "256"]
-    assert main([*args, "--out", str(tmp_path / "refused")]) == 1
+    assert main([*args, "--out", str(tmp_path / "refused"), "--keep-dangling-turns"]) == 1
     assert f"{path} line 1: 'conversations': the conversation starts with an assistant turn" in capsys.readouterr().err
-    assert main([*args, "--out", str(tmp_path / "skipped"), "--on-bad-row", "skip", "--max-bad-rows", "3"]) == 0
+    assert main([*args, "--out", str(tmp_path / "skipped"), "--keep-dangling-turns", "--on-bad-row", "skip",
+                 "--max-bad-rows", "3"]) == 0
     (skipped,) = (tmp_path / "skipped").iterdir()
     assert read_manifest(skipped).rejected.by_reason == {"ends_with_user": 1, "starts_with_assistant": 2}
     capsys.readouterr()
-    assert main([*args, "--out", str(tmp_path / "dropped"), "--drop-dangling-turns"]) == 0
-    assert re.search(r"trimmed +3 conversations of a leading assistant or trailing user turn", capsys.readouterr().out)
-    (dropped,) = (tmp_path / "dropped").iterdir()
+    for flags in ([], ["--drop-dangling-turns"]):  # the old flag still works, and means the default here
+        assert main([*args, "--out", str(tmp_path / f"dropped{len(flags)}"), *flags]) == 0
+        report = capsys.readouterr().out
+        assert re.search(r"trimmed +dropped 3 leading assistant turns and 1 trailing user turn in 3 conversations", report)
+        assert re.search(r"turns +1 system, 4 of 5 user, 4 of 7 assistant\n", report)
+    (dropped,) = (tmp_path / "dropped0").iterdir()
     manifest = read_manifest(dropped)
     assert manifest.stats.conversations_trimmed == 3 and manifest.rejected.rows == 0
-    plan = plan_build(PackConfig(dataset=str(path), chat_template=template, drop_dangling_turns=True))
+    assert manifest.stats.dangling_turns_dropped == {"leading_assistant": 3, "trailing_user": 1}
+    assert manifest.stats.chat_turns["assistant"] == {"read": 7, "used": 4}
+    plan = plan_build(PackConfig(dataset=str(path), chat_template=template))
     backend = plan.tokenizer.backend()
-    texts = {i: backend.decode(tokens.tolist(), skip_special_tokens=False) for i, (tokens, _) in read_examples(dropped).items()}
+    examples = read_examples(dropped)
+    texts = {i: backend.decode(tokens.tolist(), skip_special_tokens=False) for i, (tokens, _) in examples.items()}
     assert texts[0] == "user: Thanks! Another?</s>assistant: Sure.</s>"
     assert texts[1] == "user: Hi</s>assistant: Hello!</s>"
     assert texts[2] == "system: Be brief</s>user: Hi</s>assistant: Yo</s>"
+    # The loss covers exactly the assistant turns that remain.
+    trained = {i: backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False) for i, (tokens, mask) in examples.items()}
+    assert trained == {0: "assistant: Sure.</s>", 1: "assistant: Hello!</s>", 2: "assistant: Yo</s>",
+                       3: "assistant: It is 0.</s>"}
+    kept = [split[0][2:], split[1][:2], split[2][:1] + split[2][2:], split[3]]
+    for i, turns in enumerate(kept):
+        messages = [{"role": {"human": "user", "system": "system"}.get(t["from"], "assistant"), "content": t["value"]} for t in turns]
+        assert examples[i][0].tolist() == transformers_tokens(plan, messages, template)
+
+
+def test_messages_data_keeps_refusing_dangling_turns_unless_asked(tmp_path):
+    messages = [{"role": "assistant", "content": "cut"}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    with pytest.raises(RowProblem, match="starts with an assistant turn") as refused:
+        conversation(messages)
+    assert refused.value.reason == "starts_with_assistant"
+    assert conversation(messages, drop_dangling_turns=True).messages == messages[1:]
+    with pytest.raises(RowProblem, match="starts with an assistant turn"):
+        conversation(sharegpt(("gpt", "cut"), ("human", "Hi"), ("gpt", "Yo")), drop_dangling_turns=False)
+
+
+def test_the_issue_reproduction_packs_one_example_and_reports_one_row_left_out(tmp_path, capsys):
+    """A conversation with nothing left once its dangling turns are dropped is left out with its own reason, never a crash."""
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"conversations": sharegpt(("human", "Hi"), ("gpt", "Hello"))}) + "\n"
+                    + json.dumps({"conversations": sharegpt(("gpt", "orphan"))}) + "\n")
+    out = tmp_path / "o"
+    for flags in (["--on-bad-row", "skip", "--drop-dangling-turns"], []):
+        assert main(["--dataset", str(path), "--messages-column", "conversations", *flags, "--out", str(out),
+                     "--no-progress"]) == 0, capsys.readouterr().err
+        report = capsys.readouterr().out
+        assert re.search(r"examples +1\n", report) and "rejected      1 row (1 only_dangling_turns)" in report
+    plan = plan_build(PackConfig(dataset=str(path), messages_column="conversations"))
+    hello = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    for build_dir in out.iterdir():
+        ((tokens, _),) = read_examples(build_dir).values()
+        assert tokens.tolist() == transformers_tokens(plan, hello)
+        assert read_manifest(build_dir).rejected.by_reason == {"only_dangling_turns": 1}
+        (record,) = map(json.loads, (build_dir / REJECTED_NAME).read_text().splitlines())
+        assert record["where"] == f"{path} line 2" and record["row"] == {"conversations": sharegpt(("gpt", "orphan"))}
+
+
+ROLE_NAMES = st.sampled_from(["system", "user", "human", "assistant", "gpt", "chatgpt", "model", "tool", "observation",
+                              "function_call", "narrator"])
+CALL = json.dumps({"name": "add", "arguments": {"a": 1}})
+TURNS = st.lists(
+    st.fixed_dictionaries({"speaker": ROLE_NAMES, "text": st.sampled_from(["", "  ", "hi", "Hello there", CALL]),
+                           "sharegpt": st.booleans()}),
+    max_size=8,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(TURNS, st.sampled_from([None, True, False]))
+def test_conversation_returns_a_well_ordered_chat_or_raises_the_bad_row_error(turns, drop):
+    value = [{"from": t["speaker"], "value": t["text"]} if t["sharegpt"] else {"role": t["speaker"], "content": t["text"]}
+             for t in turns]
+    try:
+        chat = conversation(value, drop)
+    except RowProblem as problem:
+        assert isinstance(problem.reason, Reason) and problem.message
+        return
+    roles = [m["role"] for m in chat.messages]
+    body = roles[1:] if roles[0] == "system" else roles
+    assert body[0] == "user" and body[-1] == "assistant" and "system" not in body
+    assert all(m["content"].strip() or m.get("tool_calls") for m in chat.messages)
+    speakers = [r for k, r in enumerate(body) if r != "tool" and (k == 0 or body[k - 1] != "tool")]
+    assert all(a != b for a, b in zip(speakers, speakers[1:]))
+    assert all(body[k - 1] in ("assistant", "tool") for k, r in enumerate(body) if r == "tool")
+    assert len(chat.read) == len(value) == len(chat.messages) + chat.dropped_leading + chat.dropped_trailing

@@ -173,3 +173,181 @@ def test_tiktokens_possessive_patterns_split_as_tiktoken_does(tmp_path):
         backend = load_tokenizer(str(ranks)).backend()
         for text in texts:
             assert backend.encode(text, add_special_tokens=False).ids == reference.encode(text), text
+
+
+# Gemma 3's own chat template, its text-only part: a system turn goes into the first user turn.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}{%- set role = "model" -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"""
+# Phi-3-mini's chat template as its GGUF files carry it: no system branch, so system turns vanish.
+PHI3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}"
+    "{{'<|user|>' + '\n' + message['content'] + '<|end|>' + '\n' + '<|assistant|>' + '\n'}}"
+    "{% elif (message['role'] == 'assistant') %}{{message['content'] + '<|end|>' + '\n'}}{% endif %}{% endfor %}"
+)
+SYSTEM_CHATS = [[{"role": "system", "content": f"Answer as number {i}."}, *chat] for i, chat in enumerate(CHATS[:4])]
+
+
+def reference_tokens(directory: Path, messages: list[dict], template: str) -> list[int]:
+    """The tokens of transformers' own ``apply_chat_template(messages, tokenize=True)`` with the tokenizer in ``directory``."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **config)
+    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def assert_tokens_as_transformers(directory: Path, tokens, messages: list[dict], template: str) -> None:
+    """``tokens`` are transformers' tokens of the chat up to its last end-of-turn token (an example ends there)."""
+    reference = reference_tokens(directory, messages, template)
+    assert list(tokens) == reference[: len(tokens)]
+    backend = load_tokenizer(str(directory)).backend()
+    assert not backend.decode(reference[len(tokens):], skip_special_tokens=False).strip()
+
+
+def write_chats(path: Path, chats: list[list[dict]]) -> Path:
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
+    return path
+
+
+def test_gemma_merges_a_system_turn_into_the_first_user_turn_as_gemmas_own_template_does(tmp_path, capsys):
+    config = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    directory = byte_level_directory(tmp_path / "gemma", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], config)
+    path = write_chats(tmp_path / "system.jsonl", SYSTEM_CHATS)
+    args = ["--dataset", str(path), "--out", str(tmp_path / "out"), "--tokenizer", str(directory), "--chat-template", "gemma",
+            "--max-len", "256", "--no-progress"]
+    assert main(args) == 0
+    assert "turns         4 system, 6 user, 6 assistant\n" in capsys.readouterr().out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    examples = read_examples(out_dir)
+    backend = load_tokenizer(str(directory)).backend()
+    for i, chat in enumerate(SYSTEM_CHATS):
+        tokens, mask = examples[i]
+        assert_tokens_as_transformers(directory, tokens, chat, GEMMA3_TEMPLATE)
+        text = backend.decode(tokens.tolist(), skip_special_tokens=False)
+        assert text.startswith(f"<bos><start_of_turn>user\nAnswer as number {i}.\n\n{chat[1]['content']}<end_of_turn>")
+        trained = backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+        assert trained == "".join(turn["content"] + "<end_of_turn>" for turn in chat if turn["role"] == "assistant")
+
+
+PHI3_SPECIALS = ["<s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def test_a_template_that_drops_system_turns_gets_them_merged_into_the_first_user_turn(tmp_path, capsys):
+    """Phi-3's GGUF template writes no system turn: the system prompt goes into the first user turn, and the report says so."""
+    directory = byte_level_directory(tmp_path / "phi3", PHI3_SPECIALS, {"bos_token": "<s>", "eos_token": "<|endoftext|>"})
+    path = write_chats(tmp_path / "system.jsonl", SYSTEM_CHATS)
+    args = ["--dataset", str(path), "--out", str(tmp_path / "out"), "--tokenizer", str(directory), "--chat-template",
+            PHI3_TEMPLATE, "--max-len", "256", "--no-progress"]
+    assert main(args) == 0
+    assert "turns         4 system (merged into the first user turn), 6 user, 6 assistant\n" in capsys.readouterr().out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["stats"]["chat_turns"] == {
+        "system": {"read": 4, "used": 4, "merged": 4}, "user": {"read": 6, "used": 6}, "assistant": {"read": 6, "used": 6}
+    }
+    examples = read_examples(out_dir)
+    backend = load_tokenizer(str(directory)).backend()
+    for i, (system, user, *rest) in enumerate(SYSTEM_CHATS):
+        merged = [{"role": "user", "content": f"{system['content']}\n\n{user['content']}"}, *rest]
+        tokens, mask = examples[i]
+        assert_tokens_as_transformers(directory, tokens, merged, PHI3_TEMPLATE)
+        trained = backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+        assert trained == "".join(turn["content"] + "<|end|>" for turn in rest if turn["role"] == "assistant")
+
+
+def test_a_role_the_template_leaves_out_is_a_warning_line_and_under_strict_an_error(tmp_path, capsys):
+    """Phi-3's template writes no tool turns either: counted, warned about in one line, and refused under --strict."""
+    directory = byte_level_directory(tmp_path / "phi3", PHI3_SPECIALS, {"bos_token": "<s>", "eos_token": "<|endoftext|>"})
+    tool_chats = [
+        [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "Let me add."},
+         {"role": "tool", "content": "{\"sum\": 4}"}, {"role": "assistant", "content": "It is 4."}],
+        CHATS[0],
+    ]
+    path = write_chats(tmp_path / "tools.jsonl", tool_chats)
+    args = ["--dataset", str(path), "--tokenizer", str(directory), "--chat-template", PHI3_TEMPLATE, "--max-len", "256",
+            "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert warnings == ["varpack: warning: 1 tool turn read, none in the tokens: the chat template leaves tool turns out; "
+                        "use a template that writes them (--chat-template), or pass --strict to stop on this"]
+    assert "turns         2 user, 3 assistant, 0 of 1 tool\n" in captured.out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    for i, chat in enumerate(tool_chats):
+        assert_tokens_as_transformers(directory, read_examples(out_dir)[i][0], chat, PHI3_TEMPLATE)
+    assert main([*args, "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"varpack: error: {path} line 1: the chat template left out a tool turn (its content is not in the "
+                     "rendered text); use a template that writes such turns, or leave out --strict to count them")
+    assert not list((tmp_path / "strict").rglob("*.*"))
+
+
+# Qwen2.5's way of writing tool calls and tool outputs (its chat template, without the tool definitions part).
+TOOLS_TEMPLATE = """{%- for message in messages %}
+    {%- if message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant\n' + (message.content or '') }}
+        {%- for call in message.tool_calls %}
+            {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' }}
+            {{- (call.function.arguments | tojson) + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+def test_tool_calls_and_tool_turns_pass_through_a_template_that_writes_them_and_only_the_assistant_is_trained(
+    tmp_path, capsys
+):
+    """ShareGPT function calling (function_call and observation turns) as tool_calls and tool turns: the tokens are
+    transformers' apply_chat_template's, the loss covers the assistant's call and answer, not the tool's output; a
+    template that writes no tool calls is refused in one line naming the row."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    directory = byte_level_directory(tmp_path / "qwen", specials, {"eos_token": "<|im_end|>"})
+    turns = [("human", "What is 2 plus 3?"), ("function_call", json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}})),
+             ("observation", "5"), ("gpt", "It is 5.")]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n")
+    args = ["--dataset", str(path), "--tokenizer", str(directory), "--max-len", "256", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--chat-template", TOOLS_TEMPLATE]) == 0
+    assert "turns         1 user, 2 assistant, 1 tool\n" in capsys.readouterr().out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    tokens, mask = read_examples(out_dir)[0]
+    messages = [
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
+    assert_tokens_as_transformers(directory, tokens, messages, TOOLS_TEMPLATE)
+    backend = load_tokenizer(str(directory)).backend()
+    assert backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False) == (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>It is 5.<|im_end|>'
+    )
+    assert main([*args, "--out", str(tmp_path / "chatml"), "--chat-template", "chatml"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"varpack: error: {path} line 1: the chat template writes no tool calls, so the call to 'add' would "
+                     "vanish; use a template that writes tool calls (the model's own, e.g. Qwen2.5's or Llama 3.1's)")
+    assert not list((tmp_path / "chatml").rglob("*.*"))

@@ -5,6 +5,7 @@ plurals, progress bars that clean up after themselves, and a quiet multi-process
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import io
 import json
 
@@ -15,11 +16,12 @@ import pytest
 
 from pipeline import pack
 from pipeline.report import progress
-from pipeline.build import build
+from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
 from pipeline.errors import InputError
 from pipeline.report.summary import format_report
 from schemas import PackingStats
+from tests.test_bad_rows import transformers_tokens
 from tests.test_pipeline_e2e import read_examples, run_cli
 
 RECORDS = [{"prompt": f"What is {i} times {i}?", "response": f"It is {i * i}."} for i in range(20)]
@@ -149,3 +151,25 @@ def test_a_multi_process_run_prints_only_its_own_lines(tmp_path):
     assert result.returncode == 0, result.stderr
     assert [line.split(" ", 2)[:2] for line in result.stderr.splitlines()] == [["varpack:", "packing"]], result.stderr
     assert np.all([line.startswith(("varpack: wrote", "  ")) for line in result.stdout.splitlines()])
+
+
+def test_long_conversations_are_truncated_by_default_never_split_into_chunks_that_start_mid_conversation(tmp_path, capsys):
+    long_chat = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"Turn {k}: " + "words " * 12} for k in range(8)]
+    short_chat = long_chat[:2]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in (long_chat, short_chat)))
+    result = build(config(path, tmp_path))
+    stats = result.manifest.stats
+    assert result.manifest.inputs.overflow == "truncate"
+    assert stats.examples == 2 and stats.examples_truncated == 1 and stats.segments == 2 and stats.examples_split == 0
+    whole = build(dataclasses.replace(config(path, tmp_path), max_len=1024))
+    assert whole.manifest.inputs.overflow == "truncate" and whole.manifest.stats.examples_truncated == 0
+    complete = read_examples(whole.out_dir)
+    assert complete[0][0].tolist() == transformers_tokens(plan_build(config(path, tmp_path)), long_chat)
+    for i, (tokens, mask) in read_examples(result.out_dir).items():  # each example is the start of its conversation
+        assert np.array_equal(tokens, complete[i][0][:64]) and np.array_equal(mask, complete[i][1][:64])
+    split = build(config(path, tmp_path, overflow="split"))
+    assert split.manifest.inputs.overflow == "split" and split.manifest.stats.examples_split == 1
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "words " * 100}) + "\n")
+    assert build(config(text, tmp_path)).manifest.inputs.overflow == "split"  # text data splits, as before

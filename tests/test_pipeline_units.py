@@ -210,8 +210,9 @@ def test_bad_chats_are_clear_errors(tokenizer):
         enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}]]}), BatchRows("t", 0))
     with pytest.raises(InputError, match="t row 3: 'm': the chat template rejected the messages"):
         enc.encode(pa.table({"m": [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 2,
-                                    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                                     {"role": "assistant", "content": "yo"}]]}), BatchRows("t", 2))
+                                    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "adding"},
+                                     {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]]}),
+                   BatchRows("t", 2))
 
 
 # --- sources -----------------------------------------------------------------------------
@@ -365,6 +366,7 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "progress": {"progress": False},
         "report": {"report": False},
         "verbose": {"verbose": True},
+        "strict": {"strict": True},
         "beam_args": {"beam_args": ("--direct_num_workers=2",)},
     }
     for name, change in run_settings.items():

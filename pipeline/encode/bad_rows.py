@@ -38,9 +38,16 @@ class Reason(StrEnum):
     STARTS_WITH_ASSISTANT = "starts_with_assistant"
     ROLES_NOT_ALTERNATING = "roles_not_alternating"
     NO_ASSISTANT_TURN = "no_assistant_turn"
+    ONLY_DANGLING_TURNS = "only_dangling_turns"
+    BAD_TOOL_CALL = "bad_tool_call"
     ENDS_WITH_USER = "ends_with_user"
     TEMPLATE_REJECTED = "template_rejected"
     NO_TOKENS = "no_tokens"
+
+
+# Rows the dangling-turn policy drops whole: listed and counted like bad rows, but they are what
+# splitting conversations leaves, not broken data, so they stop no build and count against no --max-bad-rows.
+DROPPED_WHOLE = frozenset({Reason.ONLY_DANGLING_TURNS})
 
 
 class RowProblem(Exception):
@@ -60,6 +67,11 @@ class BadRow:
     reason: Reason
     message: str
     row: dict[str, Any]
+
+    @property
+    def is_bad(self) -> bool:
+        """Whether the row is broken data, which ``--on-bad-row error`` stops on and ``--max-bad-rows`` bounds."""
+        return self.reason not in DROPPED_WHOLE
 
     def error(self) -> InputError:
         """The error that stops a build under ``--on-bad-row error``."""

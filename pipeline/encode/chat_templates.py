@@ -38,12 +38,16 @@ CHAT_TEMPLATES = {
         "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     ),
     "mistral": MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE,
-    # Gemma: the assistant's role is "model"; no system role.
+    # Gemma: the assistant's role is "model"; a system turn goes into the first user turn, as Gemma 3's own template
+    # writes it (Gemma has no system role).
     "gemma": (
-        "{{ bos_token }}{% for message in messages %}"
-        "{% if message['role'] == 'system' %}{{ raise_exception('Gemma has no system role') }}{% endif %}"
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+        "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+        "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+        "{% for message in loop_messages %}"
+        "{% if message['role'] == 'system' %}{{ raise_exception('Gemma has a system turn only first') }}{% endif %}"
         "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' "
-        "+ message['content'] | trim + '<end_of_turn>\n' }}"
+        "+ (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
     ),
 }

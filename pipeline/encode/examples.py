@@ -10,6 +10,10 @@
   rendered with the chat template and tokenized whole; mask 1 on the characters each assistant
   turn adds (its content and the template's end-of-turn token, not the whitespace after it).
   The example ends with the last turn's end-of-turn token, which must be a special token.
+  A template that writes no system turn (it drops it, or refuses it) gets the system content
+  merged into the first user turn, ``system\n\nuser``, as Gemma's own template does. Each turn
+  whose content is not in the rendered text is counted as unused (``EncodedBatch.turns``), and
+  under ``--strict`` stops the build.
 
 Rows that cannot make an example (null or empty text, broken conversations, no tokens) stop the
 batch with an error naming the first one, or under ``--on-bad-row skip`` are left out and
@@ -22,14 +26,16 @@ from __future__ import annotations
 import array
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.encode.bad_rows import BadRow, Reason, RowProblem
-from pipeline.encode.chat import as_read, conversation
+from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow, Reason, RowProblem
+from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, tool_call_names
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
@@ -48,6 +54,17 @@ PROBE_CHAT = (
     {"role": "user", "content": "Again"},
     {"role": "assistant", "content": "Sure"},
 )
+# The system prompt a chat template is checked on: a template that does not write it has no system turn.
+PROBE_SYSTEM = "Answer in one word."
+# The tool call a chat template is checked on: a template that does not write its name writes no tool calls.
+PROBE_TOOL_CALL = (
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "probe_function_name", "arguments": {"x": 1}}}
+    ]},
+    {"role": "tool", "content": "2"},
+    {"role": "assistant", "content": "Sure"},
+)
 
 
 @dataclass
@@ -57,7 +74,7 @@ class EncodedBatch:
     ``rows`` gives each example's row within the batch (rows left out have no example; None:
     one example per row). ``rejected`` lists the batch's rows left out under ``--on-bad-row
     skip``; ``untrained`` counts the examples and tokens ``--overflow truncate`` left with
-    nothing to train on; ``trimmed`` counts the conversations ``--drop-dangling-turns`` shortened.
+    nothing to train on; ``turns`` counts chat turns read, used and dropped (``chat.count_turns``).
     """
 
     lengths: np.ndarray  # int64 [examples]
@@ -66,7 +83,7 @@ class EncodedBatch:
     rows: np.ndarray | None = None  # int64 [examples], ascending
     rejected: list[BadRow] = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
-    trimmed: int = 0
+    turns: Counter[str] = field(default_factory=Counter)
 
     @property
     def starts(self) -> np.ndarray:
@@ -82,7 +99,7 @@ class EncodedBatch:
         index = gather_index(self.starts[keep], self.lengths[keep])
         return EncodedBatch(
             self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
-            self.untrained, self.trimmed,
+            self.untrained, self.turns,
         )
 
 
@@ -188,7 +205,13 @@ class Encoder:
     """Encodes tables of source rows in one format with one tokenizer; checks every value on the way."""
 
     def __init__(
-        self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, max_len: int, overflow: str, on_bad_row: str = BadRowPolicy.ERROR
+        self,
+        tokenizer: LoadedTokenizer,
+        example_format: ExampleFormat,
+        max_len: int,
+        overflow: str,
+        on_bad_row: str = BadRowPolicy.ERROR,
+        strict: bool = False,
     ):
         self.tokenizer = tokenizer
         self.format = example_format
@@ -199,6 +222,9 @@ class Encoder:
         self.prefix, self.suffix = special_affixes(tokenizer)
         self.dtype = token_dtype(self.backend.get_vocab_size(with_added_tokens=True))
         self.piece_chars = PIECE_CHARS if cuts_between_words(self.backend) else None
+        self.strict = strict
+        self.merges_system = example_format.is_chat and not self._writes("system", PROBE_SYSTEM)
+        self.writes_tool_calls = example_format.is_chat and self._writes("tool_calls", "probe_function_name")
 
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
@@ -238,12 +264,14 @@ class Encoder:
     ) -> tuple[list[BadRow], pa.Table, np.ndarray]:
         """The bad rows of ``problems`` (index in ``table`` -> reason and message), and ``table`` and
         ``source_rows`` (each row's index in the batch) without them; under ``--on-bad-row error``
-        the error for the first one."""
+        the error for the first one that is broken data (``BadRow.is_bad``)."""
         if not problems:
             return [], table, source_rows
         indices = sorted(problems)
         if self.on_bad_row == BadRowPolicy.ERROR:
-            raise BadRow(rows.name(source_rows[indices[0]]), *problems[indices[0]], {}).error()
+            bad = [BadRow(rows.name(source_rows[i]), *problems[i], {}) for i in indices if problems[i][0] not in DROPPED_WHOLE]
+            if bad:
+                raise bad[0].error()
         values = table.take(pa.array(indices, type=pa.int64())).to_pylist()
         if self.format.kind == ExampleKind.CHAT:
             values = [{column: as_read(value) for column, value in row.items()} for row in values]
@@ -337,15 +365,16 @@ class Encoder:
     ) -> tuple[EncodedBatch, dict[int, tuple[Reason, str]]]:
         """The conversations rendered and tokenized, and those that could not be (by index)."""
         label = "/".join(self.format.columns)
-        rendered, spans, problems, trimmed = [], [], {}, 0
+        rendered, spans, problems, turns = [], [], {}, Counter()
         for i, value in enumerate(conversations):
             try:
-                messages = conversation(value, self.format.drop_dangling_turns)
-                text, assistant = self._render(messages, rows, int(source_rows[i]))
+                chat = conversation(value, self.format.drop_dangling_turns)
+                self._check_tool_calls(chat, rows, int(source_rows[i]))
+                text, assistant = self._render(self._with_system_merged(chat.messages), rows, int(source_rows[i]))
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
                 continue
-            trimmed += len(messages) < len(value)
+            turns += self._count_turns(chat, text, rows, int(source_rows[i]))
             rendered.append(text)
             spans.append(assistant)
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
@@ -363,7 +392,45 @@ class Encoder:
                 mask = (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
-        return EncodedBatch(lengths, tokens, loss_mask, trimmed=trimmed), problems
+        return EncodedBatch(lengths, tokens, loss_mask, turns=turns), problems
+
+    def _count_turns(self, chat: Conversation, text: str, rows: BatchRows, row: int) -> Counter[str]:
+        """``chat``'s turns counted by role as read, used (their content is in ``text``) and merged, and its
+        dropped dangling turns; under ``--strict`` a turn the template left out is an error naming the row."""
+        used = [all(part in text for part in [message["content"].strip(), *tool_call_names(message)]) for message in chat.messages]
+        if self.strict and not all(used):
+            k = used.index(False)
+            raise InputError(
+                f"{rows.name(row)}: the chat template left out a {chat.messages[k]['role']} turn (its content is not in "
+                "the rendered text); use a template that writes such turns, or leave out --strict to count them"
+            )
+        merged = self.merges_system and chat.messages[0]["role"] == "system"
+        return count_turns(chat, used, merged)
+
+    def _check_tool_calls(self, chat: Conversation, rows: BatchRows, row: int) -> None:
+        """Raise InputError, naming the row, for tool calls a template that writes none would lose."""
+        calls = [name for message in chat.messages for name in tool_call_names(message)]
+        if calls and not self.writes_tool_calls:
+            raise InputError(
+                f"{rows.name(row)}: the chat template writes no tool calls, so the call to {calls[0]!r} would vanish; "
+                "use a template that writes tool calls (the model's own, e.g. Qwen2.5's or Llama 3.1's)"
+            )
+
+    def _with_system_merged(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` with a system turn merged into the first user turn, for a template that writes none."""
+        if not (self.merges_system and messages[0]["role"] == "system"):
+            return messages
+        system, user, *rest = messages
+        return [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *rest]
+
+    def _writes(self, what: str, marker: str) -> bool:
+        """Whether the chat template writes system turns (Phi-3's and Gemma's drop or refuse them) or tool calls."""
+        probe = [{"role": "system", "content": PROBE_SYSTEM}, *PROBE_CHAT] if what == "system" else list(PROBE_TOOL_CALL)
+        try:
+            text, _ = self._apply_template(probe)
+        except RowProblem:
+            return False
+        return marker in text
 
     def chat_end_token(self) -> int:
         """The special token the chat template ends assistant turns with, checked on PROBE_CHAT.
@@ -403,7 +470,7 @@ class Encoder:
                 )
         return int(inside[-1])
 
-    def _render(self, messages: list[dict[str, str]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages: list[dict[str, Any]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add, each up to its
         end-of-turn token: whitespace the template writes after it is not trained on, and after the
         last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``)."""
@@ -418,7 +485,7 @@ class Encoder:
             text = text[: spans[-1][1]]
         return text, spans
 
-    def _assistant_spans(self, messages: list[dict[str, str]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages: list[dict[str, Any]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
         """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it turn by turn."""
         spans = []
         for i, message in enumerate(messages):

@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import shutil
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +36,7 @@ class SpilledBatch:
     """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]``
     tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
 
-    ``rejected``, ``untrained`` and ``trimmed`` are the batch's bad rows, untrained and trimmed counts (see EncodedBatch).
+    ``rejected``, ``untrained`` and ``turns`` are the batch's bad rows, untrained and chat turn counts (see EncodedBatch).
     """
 
     path: str
@@ -44,7 +45,7 @@ class SpilledBatch:
     rows_read: int
     rejected: list = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
-    trimmed: int = 0
+    turns: Counter[str] = field(default_factory=Counter)
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -63,7 +64,7 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str, rows_read: int) -> Spi
     release_freed_memory()
     rows = batch.example_rows.astype(np.int32)
     return SpilledBatch(
-        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.trimmed
+        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns
     )
 
 

@@ -60,8 +60,9 @@ class ExampleFormat:
     # Prompt/response only: how they are joined, or rendered as a user/assistant chat instead.
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     as_chat: bool = False
-    # Chat only: drop assistant turns before the first user turn and a user turn after the last assistant turn.
-    drop_dangling_turns: bool = False
+    # Chat only: drop assistant turns before the first user turn and user turns after the last assistant turn
+    # (True), refuse them (False), or drop them in ShareGPT data only (None; see encode/chat.py).
+    drop_dangling_turns: bool | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -89,7 +90,7 @@ class ExampleFormat:
                 f"[bos] prompt response [eos] joined as {self.prompt_template!r}"
             )
         if self.kind == ExampleKind.CHAT:
-            dropped = " without dangling turns" if self.drop_dangling_turns else ""
+            dropped = {True: " without dangling turns", None: " without dangling ShareGPT turns"}.get(self.drop_dangling_turns, "")
             return (
                 f"varpack.chat.v2 messages={self.columns[0]}{dropped}: the chat template below, tokenized whole, ending "
                 f"with the last end-of-turn token\n{self.chat_template}"
@@ -107,7 +108,9 @@ class ExampleFormat:
         """The layout of one example, for the report."""
         if self.is_chat:
             source = "messages" if self.kind == ExampleKind.CHAT else "prompt as user, response as assistant"
-            source += ", dangling turns dropped" if self.drop_dangling_turns else ""
+            source += {True: ", dangling turns dropped", None: ", dangling ShareGPT turns dropped"}.get(
+                self.drop_dangling_turns, ""
+            )
             return f"chat template ({source}); loss on {'every token' if self.train_on_prompt else 'assistant turns'}"
         if self.kind == ExampleKind.TEXT:
             return "[bos] text [eos]; loss on every token"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from pipeline.encode.bad_rows import REJECTED_NAME
+from pipeline.encode.chat import ROLE_ORDER
 from schemas import PackingStats, RejectedRows
+
+# The dangling chat turns a build drops, as the manifest and the report name them.
+DANGLING_TURNS = {"leading_assistant": "leading assistant", "trailing_user": "trailing user"}
 
 
 def examples_per_row(stats: PackingStats) -> tuple[float, int, int]:
@@ -46,6 +50,8 @@ def format_report(
         lines.append(("rejected", describe_rejected(rejected)))
     if stats.conversations_trimmed:
         lines.append(("trimmed", describe_trimmed(stats)))
+    if stats.chat_turns:
+        lines.append(("turns", describe_turns(stats)))
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
@@ -69,11 +75,46 @@ def describe_overflow(stats: PackingStats) -> str:
 
 
 def describe_trimmed(stats: PackingStats) -> str:
-    """Conversations --drop-dangling-turns shortened."""
+    """The dangling chat turns dropped, and from how many conversations.
+
+    >>> stats = PackingStats(conversations_trimmed=144, dangling_turns_dropped={"leading_assistant": 212})
+    >>> describe_trimmed(stats)
+    'dropped 212 leading assistant turns in 144 conversations (--keep-dangling-turns refuses them)'
+    """
+    dropped = stats.dangling_turns_dropped
+    turns = [plural(dropped[key], f"{name} turn") for key, name in DANGLING_TURNS.items() if dropped.get(key)]
     return (
-        f"{plural(stats.conversations_trimmed, 'conversation')} of a leading assistant or trailing user turn "
-        "(--drop-dangling-turns)"
+        f"dropped {' and '.join(turns) or 'dangling turns'} in {plural(stats.conversations_trimmed, 'conversation')} "
+        "(--keep-dangling-turns refuses them)"
     )
+
+
+def describe_turns(stats: PackingStats) -> str:
+    """Chat turns by role that reached the tokens, of those read.
+
+    >>> describe_turns(PackingStats(chat_turns={"system": {"read": 2, "used": 2, "merged": 2},
+    ...                                         "user": {"read": 3, "used": 3}, "assistant": {"read": 4, "used": 3}}))
+    '2 system (merged into the first user turn), 3 user, 3 of 4 assistant'
+    """
+    parts = []
+    for role, counts in sorted(stats.chat_turns.items(), key=lambda item: ROLE_ORDER.index(item[0])):
+        read, used = counts.get("read", 0), counts.get("used", 0)
+        part = f"{used:,} {role}" if used == read else f"{used:,} of {read:,} {role}"
+        merged = counts.get("merged", 0)
+        if merged:
+            part += f" ({'' if merged == read else f'{merged:,} '}merged into the first user turn)"
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def unused_input_warnings(stats: PackingStats) -> list[str]:
+    """One line for each chat role present in the input of which no turn reached the tokens."""
+    return [
+        f"warning: {plural(counts['read'], f'{role} turn')} read, none in the tokens: the chat template leaves "
+        f"{role} turns out; use a template that writes them (--chat-template), or pass --strict to stop on this"
+        for role, counts in stats.chat_turns.items()
+        if counts.get("read") and not counts.get("used")
+    ]
 
 
 def describe_rejected(rejected: RejectedRows) -> str:
