@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from schemas.errors import WriteError
+from schemas.errors import LinkError, WriteError
 from schemas.io import atomic_write, cache_dir, open_own
 from schemas.manifest import Manifest, shards_digest
 
@@ -78,6 +78,9 @@ class VerifiedShards:
                 known = json.loads(f.read())
         except (OSError, ValueError):
             known = {}
+        except LinkError:
+            self.__exit__(None, None, None)
+            raise
         self.known = known if isinstance(known, dict) else {}
         return self
 
