@@ -35,6 +35,7 @@ from schemas import (
     cache_dir,
     read_manifest,
 )
+from schemas.io import make_own_dir
 from schemas.manifest import shards_digest
 
 
@@ -68,8 +69,7 @@ class BuildLocation:
         """
         if self.is_local:
             return [Path(self.root) / shard.path for shard in manifest.shards]
-        directory = Path(cache_root if cache_root is not None else cache_dir()) / cache_name(manifest)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = make_own_dir(Path(cache_root if cache_root is not None else cache_dir()) / cache_name(manifest))
         paths = [self._cached_copy(shard, directory, verify_checksum) for shard in manifest.shards]
         manifest_copy = directory / MANIFEST_NAME
         if not manifest_copy.is_file():
@@ -79,7 +79,7 @@ class BuildLocation:
     def _cached_copy(self, shard: ShardInfo, directory: Path, verify_checksum: bool) -> Path:
         """The cached copy of ``shard``: reused when it checks out, else fetched and verified."""
         path = directory / shard.path
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():  # a link is no copy of varpack's: replaced below
             try:
                 check_shard_file(path, shard, verify_checksum)
                 return path

@@ -109,6 +109,16 @@ def open_own(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int
     return fd
 
 
+def make_own_dir(directory: str | os.PathLike[str]) -> Path:
+    """Make ``directory`` (and its parents) if missing; LinkError if it is a symbolic link, whose name varpack
+    chose and would otherwise write through."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if directory.is_symlink():
+        raise link_error(directory, "a symbolic link")
+    return directory
+
+
 def link_error(path: str | os.PathLike[str], what: str) -> LinkError:
     """The error that refuses ``path``, ``what`` varpack did not make, in one line naming it."""
     return LinkError(

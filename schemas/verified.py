@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 
 from schemas.errors import LinkError, WriteError
-from schemas.io import atomic_write, cache_dir, open_own
+from schemas.io import atomic_write, cache_dir, make_own_dir, open_own
 from schemas.manifest import Manifest, shards_digest
 
 RECORD_DIR = "verified"
@@ -67,7 +67,7 @@ class VerifiedShards:
     def __enter__(self) -> VerifiedShards:
         assert self.path is not None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_own_dir(self.path.parent)
             self._lock_fd = open_own(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT)
         except OSError:
             self.path = None

@@ -121,3 +121,33 @@ def test_a_link_planted_at_the_verification_record_is_refused(tmp_path, victim, 
     with pytest.raises(LinkError, match=f"{path}: is a symbolic link, which varpack did not make"):
         PackedIterableDataset(build.path)
     assert victim.read_text() == VICTIM_TEXT
+
+
+def test_links_planted_in_the_cache_of_remote_builds_are_neither_served_nor_written_through(tmp_path, victim):
+    import fsspec
+    import torch
+    from shard_factory import build_shard_dir
+
+    from loaders.remote import cache_name
+
+    build = build_shard_dir(tmp_path / "build", [10, 20, 30, 40] * 4, capacity=64, rows_per_shard=2)
+    url = f"memory://build-{tmp_path.name}"
+    for path in build.path.iterdir():
+        fsspec.filesystem("memory").pipe_file(f"{url.removeprefix('memory://')}/{path.name}", path.read_bytes())
+    expected = [b["input_ids"] for b in PackedIterableDataset(build.path, batch_rows=2, seed=3)]
+    cache = tmp_path / "cache"
+    shard = build.manifest.shards[0]
+    other = tmp_path / "same-size-other-bytes.arrow"
+    other.write_bytes(bytes(shard.bytes))
+    (cache / cache_name(build.manifest)).mkdir(parents=True)
+    os.symlink(other, cache / cache_name(build.manifest) / shard.path)
+    got = [b["input_ids"] for b in PackedIterableDataset(url, batch_rows=2, seed=3, cache_dir=cache, verify_checksum=False)]
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert other.read_bytes() == bytes(shard.bytes)
+
+    linked = tmp_path / "linked-cache"
+    linked.mkdir()
+    os.symlink(victim.parent, linked / cache_name(build.manifest))
+    with pytest.raises(LinkError, match=f"{linked / cache_name(build.manifest)}: is a symbolic link"):
+        PackedIterableDataset(url, cache_dir=linked)
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
