@@ -332,7 +332,8 @@ class PackedIterableDataset(IterableDataset):
         """(shard, row in the shard) of each global row id."""
         shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
         local = rows - self._first_row[shard_of_row]
-        return [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
+        shards = {s: self._shard(s) for s in dict.fromkeys(shard_of_row.tolist())}  # each checked once per batch
+        return [(shards[s], r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
 
     def _start_reading(self) -> None:
         """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no shard open."""
