@@ -1,6 +1,8 @@
 """Checksums of a local build, verified once per build on a host (``schemas/verified.py``).
 
-A shard reopened later (after the loader closed it to bound its open files) is checked by size.
+A shard opened later (after the loader closed it to bound its open files, or in a DataLoader
+worker) is compared with its identity on disk when it was first opened, and hashed again if it
+changed (``loaders/shard_reader.py``).
 """
 
 from __future__ import annotations
