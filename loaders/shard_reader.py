@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +186,7 @@ def _map_shard(
     segment_offsets, example_ids = list_parts(table.column("example_ids"))
     _, example_offsets = list_parts(table.column("example_offsets"))
     max_seqlen = _column(table, "max_seqlen").to_numpy(zero_copy_only=True)
-    return Shard(
+    shard = Shard(
         path=name,
         file=file,
         identity=identity,
@@ -200,6 +201,8 @@ def _map_shard(
         example_offsets=example_offsets,
         segment_offsets=segment_offsets,
     )
+    weakref.finalize(shard, file.close)  # the map needs no descriptor; the check does, while the shard lives
+    return shard
 
 
 def _raise_problem(path: str | os.PathLike[str], problem: str | None) -> None:
