@@ -192,10 +192,10 @@ class PackedIterableDataset(IterableDataset):
             raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
         self.bucket_shapes = bool(bucket_shapes)
         self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
-        if verify_checksum and location.is_local:
-            verify_build(manifest, self._paths)
-        # Each shard's identity on disk when it was first opened: a reopen (here or in a worker) compares with it.
+        # Each shard's identity on disk when it was verified (or first opened): a reopen, here or in a worker, compares.
         self._identities: list[Identity | None] = [None] * len(self._paths)
+        if verify_checksum and location.is_local:
+            self._identities = list(verify_build(manifest, self._paths).identities)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.num_example_ids, location.source,
             [self._open(index) for index in range(len(self._paths))]

@@ -89,9 +89,9 @@ class VerifiedShards:
         key = str(shard.resolve())
         return key in self.known and shard.is_file() and self.known[key] == _identity(shard)
 
-    def add(self, shard: Path) -> None:
-        """Record ``shard``, just hashed and found whole."""
-        self.known[str(shard.resolve())] = _identity(shard)
+    def add(self, shard: Path, identity: tuple[int, int, int, int, int] | None = None) -> None:
+        """Record ``shard``, just hashed and found whole; ``identity``: its identity on disk when it was hashed."""
+        self.known[str(shard.resolve())] = list(identity) if identity is not None else _identity(shard)
         self.added = True
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:

@@ -169,8 +169,8 @@ def test_fixed_shape_refuses_a_wrong_segment_histogram(build):
 def test_checksums_are_verified_once_per_build_on_a_host(build, tmp_path, monkeypatch):
     monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
     paths = [build.path / s.path for s in build.manifest.shards]
-    assert verify_build(build.manifest, paths) == len(paths)
-    assert verify_build(build.manifest, paths) == 0  # recorded: the other ranks and later runs skip the hashing
+    assert verify_build(build.manifest, paths).hashed == len(paths)
+    assert verify_build(build.manifest, paths).hashed == 0  # recorded: the other ranks and later runs skip the hashing
     PackedIterableDataset(build.path)
     path = shard_file(build, 1)
     data = bytearray(path.read_bytes())
@@ -185,8 +185,8 @@ def test_an_unreadable_verification_record_means_hashing_again(build, tmp_path, 
     paths = [build.path / s.path for s in build.manifest.shards]
     verify_build(build.manifest, paths)
     record_path(build.manifest).write_text("{not json")
-    assert verify_build(build.manifest, paths) == len(paths)
-    assert verify_build(build.manifest, paths) == 0
+    assert verify_build(build.manifest, paths).hashed == len(paths)
+    assert verify_build(build.manifest, paths).hashed == 0
 
 
 def flip_a_byte_in_place(path):
