@@ -303,9 +303,9 @@ class PackedIterableDataset(IterableDataset):
     def _shard(self, index: int) -> Shard:
         """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound.
 
-        Asked before every row read: a shard truncated or rewritten since it was mapped is opened
-        (and checked) again, so a truncated shard is refused, naming it, instead of killing the
-        process with SIGBUS."""
+        Asked before every batch that reads from it: a shard truncated or rewritten since it was
+        mapped is opened (and checked) again, so a truncated shard is refused, naming it, instead of
+        killing the process with SIGBUS."""
         shard = self._open_shards.get(index)
         if shard is not None and not shard.unchanged():
             del self._open_shards[index]
