@@ -22,7 +22,7 @@ from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weig
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import Position, check_position, from_state_dict, to_state_dict
-from loaders.shard_reader import Shard, open_build_shard
+from loaders.shard_reader import Identity, Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import verify_build
 from schemas import Manifest, ManifestError, positive_int
@@ -192,11 +192,13 @@ class PackedIterableDataset(IterableDataset):
             raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
         self.bucket_shapes = bool(bucket_shapes)
         self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
+        # Each shard's identity on disk when it was verified (or first opened): a reopen, here or in a worker, compares.
+        self._identities: list[Identity | None] = [None] * len(self._paths)
         if verify_checksum and location.is_local:
-            verify_build(manifest, self._paths)
+            self._identities = list(verify_build(manifest, self._paths).identities)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.num_example_ids, location.source,
-            [open_build_shard(path, manifest, index) for index, path in enumerate(self._paths)]
+            [self._open(index) for index in range(len(self._paths))]
             if loss_reduction == LossReduction.SEQUENCE else (),
         )
         row_tokens, row_segments = self._read_row_index()
@@ -225,7 +227,7 @@ class PackedIterableDataset(IterableDataset):
         """Tokens and segments of every row, read (and checked) from each shard once."""
         tokens, segments = [], []
         for index, (path, info) in enumerate(zip(self._paths, self.manifest.shards)):
-            shard = open_build_shard(path, self.manifest, index)
+            shard = self._open(index)
             tokens.append(np.diff(shard.token_offsets).astype(np.int32))
             segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
             if int(tokens[-1].sum()) != info.tokens:
@@ -292,11 +294,24 @@ class PackedIterableDataset(IterableDataset):
             np.diff(self._first_row), seed=self.seed, epoch=epoch, shuffle=self.shuffle, buffer_rows=self.shuffle_buffer_rows
         )
 
+    def _open(self, index: int) -> Shard:
+        """Open shard ``index``; one changed on disk since it was first opened is hashed again (refused unless whole)."""
+        shard = open_build_shard(self._paths[index], self.manifest, index, verified=self._identities[index])
+        self._identities[index] = shard.identity
+        return shard
+
     def _shard(self, index: int) -> Shard:
-        """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound."""
+        """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound.
+
+        Asked before every batch that reads from it: a shard truncated or rewritten since it was
+        mapped is opened (and checked) again, so a truncated shard is refused, naming it, instead of
+        killing the process with SIGBUS."""
         shard = self._open_shards.get(index)
+        if shard is not None and not shard.unchanged():
+            del self._open_shards[index]
+            shard = None
         if shard is None:
-            shard = open_build_shard(self._paths[index], self.manifest, index)
+            shard = self._open(index)
             self._open_shards[index] = shard
             window_shards = -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard)
             while len(self._open_shards) > 2 * window_shards + 2:
@@ -317,7 +332,8 @@ class PackedIterableDataset(IterableDataset):
         """(shard, row in the shard) of each global row id."""
         shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
         local = rows - self._first_row[shard_of_row]
-        return [(self._shard(s), r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
+        shards = {s: self._shard(s) for s in dict.fromkeys(shard_of_row.tolist())}  # each checked once per batch
+        return [(shards[s], r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
 
     def _start_reading(self) -> None:
         """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no shard open."""

@@ -1,15 +1,19 @@
 """Where a build lives: a local directory, or any fsspec URL whose shards are cached locally.
 
 A local path (or ``file://`` URL) is read in place. Any other URL (``s3://``, ``gs://``,
-``memory://``, ...) is copied shard by shard into ``<cache_dir>/<fingerprint>/``, once: a
-later run finds the copies there and reuses them after checking their size and (unless
-``verify_checksum=False``) checksum; a copy that fails is fetched again.
+``memory://``, ...) is copied shard by shard into ``<cache_dir>/<fingerprint>-<shards_digest>/``,
+once: a later run finds the copies there and reuses them after checking their size and (unless
+``verify_checksum=False``) checksum; a copy that fails is fetched again. The directory is
+named by the content of the build (``shards_digest`` covers every shard's sha256), not by its
+fingerprint alone, so another build that claims the same fingerprint with other bytes never
+gets this one's copies, nor they its.
 Every copy is verified against the manifest before it is renamed into place, so a reader
 never sees a partial or corrupt file, and concurrent ranks copying the same shard are safe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import warnings
@@ -31,6 +35,8 @@ from schemas import (
     cache_dir,
     read_manifest,
 )
+from schemas.io import make_own_dir
+from schemas.manifest import shards_digest
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,7 @@ class BuildLocation:
         """
         if self.is_local:
             return [Path(self.root) / shard.path for shard in manifest.shards]
-        directory = Path(cache_root if cache_root is not None else cache_dir()) / manifest.fingerprint
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = make_own_dir(Path(cache_root if cache_root is not None else cache_dir()) / cache_name(manifest))
         paths = [self._cached_copy(shard, directory, verify_checksum) for shard in manifest.shards]
         manifest_copy = directory / MANIFEST_NAME
         if not manifest_copy.is_file():
@@ -74,7 +79,7 @@ class BuildLocation:
     def _cached_copy(self, shard: ShardInfo, directory: Path, verify_checksum: bool) -> Path:
         """The cached copy of ``shard``: reused when it checks out, else fetched and verified."""
         path = directory / shard.path
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():  # a link is no copy of varpack's: replaced below
             try:
                 check_shard_file(path, shard, verify_checksum)
                 return path
@@ -94,6 +99,11 @@ class BuildLocation:
                     url, f"the copy does not match the manifest ({err}); the source shard is corrupt, rebuild it"
                 ) from err
         return path
+
+
+def cache_name(manifest: Manifest) -> str:
+    """The name of the cache directory of a remote build's copies: its fingerprint and the digest of its shard list."""
+    return f"{manifest.fingerprint}-{shards_digest([dataclasses.asdict(s) for s in manifest.shards])}"
 
 
 def locate(source: str | os.PathLike[str]) -> BuildLocation:

@@ -1,17 +1,31 @@
-"""Open one shard file by memory map, verify it, and expose its columns without copying."""
+"""Open one shard file by memory map, verify it, and expose its columns without copying.
+
+A shard is mapped through the descriptor it was checked on, and keeps it: ``Shard.unchanged()``
+compares the file's identity on disk (device, inode, size, modification and change time) with
+the one it had when it was opened, so a reader can ask before each read whether the file was
+truncated or rewritten since (reading a truncated mapping kills the process with SIGBUS). A
+shard reopened later is compared with the identity it had when it was verified: a file
+replaced or rewritten since is hashed again, and refused unless it still matches the manifest.
+"""
 
 from __future__ import annotations
 
+import mmap
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 
-from schemas import Manifest, ShardError, ShardInfo, file_sha256, list_parts, validate_table
+from schemas import Manifest, ShardError, ShardInfo, list_parts, stream_sha256, validate_table
 from schemas.shard_identity import file_identity_problem, identity_problem
+from schemas.verified import disk_identity
+
+Identity = tuple[int, int, int, int, int]
 
 
 def _column(table: pa.Table, name: str) -> pa.Array:
@@ -29,6 +43,8 @@ class Shard:
     """
 
     path: str
+    file: BinaryIO  # the open file mapped; its identity is compared before reads
+    identity: Identity  # the file's identity on disk when it was checked (``schemas.verified.disk_identity``)
     table: pa.Table
     input_ids: np.ndarray  # int32 [tokens]
     loss_mask: np.ndarray  # uint8 [tokens]
@@ -39,6 +55,10 @@ class Shard:
     example_ids: np.ndarray  # int64 [segments]
     example_offsets: np.ndarray  # int32 [segments]
     segment_offsets: np.ndarray  # int32 [rows + 1]
+
+    def unchanged(self) -> bool:
+        """Whether the mapped file is still as it was checked: not truncated, rewritten or touched since."""
+        return disk_identity(os.fstat(self.file.fileno())) == self.identity
 
     @property
     def num_rows(self) -> int:
@@ -72,17 +92,32 @@ REBUILD = " (run the pack command that made it again)"
 def check_shard_file(path: Path, expected: ShardInfo | None, verify_checksum: bool) -> None:
     """Check that the shard file exists, has the size in ``expected``, and its sha256 when
     ``verify_checksum``; raise ShardError naming the file. Opens nothing but the file itself."""
-    name = str(path)
-    if not path.is_file():
-        raise ShardError(name, "shard file is missing; rebuild the shards or fix the path")
-    if expected is not None:
-        size = path.stat().st_size
-        if size != expected.bytes:
-            raise ShardError(
-                name, f"is {size} bytes, the manifest says {expected.bytes}: truncated or replaced; rebuild it{REBUILD}"
-            )
-        if verify_checksum and file_sha256(path) != expected.sha256:
-            raise ShardError(name, f"checksum mismatch: the file is corrupt; rebuild it{REBUILD}")
+    with _open_file(path) as file:
+        _check_file(file, str(path), expected, verify_checksum)
+
+
+def _open_file(path: Path) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError as err:
+        raise ShardError(str(path), "shard file is missing; rebuild the shards or fix the path") from err
+    except IsADirectoryError as err:
+        raise ShardError(str(path), "is a directory, not a shard file; rebuild the shards or fix the path") from err
+
+
+def _check_file(file: BinaryIO, name: str, expected: ShardInfo | None, verify_checksum: bool, why: str = "") -> None:
+    """``check_shard_file`` on an open file; ``why`` says why it is hashed, for the message."""
+    if expected is None:
+        return
+    size = os.fstat(file.fileno()).st_size
+    if size != expected.bytes:
+        raise ShardError(
+            name, f"is {size} bytes, the manifest says {expected.bytes}: truncated or replaced{why}; rebuild it{REBUILD}"
+        )
+    if verify_checksum:
+        file.seek(0)
+        if stream_sha256(file) != expected.sha256:
+            raise ShardError(name, f"checksum mismatch{why}: the file is corrupt; rebuild it{REBUILD}")
 
 
 def open_shard(
@@ -92,20 +127,49 @@ def open_shard(
     verify_checksum: bool = False,
     num_example_ids: int | None = None,
     schema_problem: Callable[[pa.Schema], str | None] | None = None,
+    verified: Identity | None = None,
 ) -> Shard:
     """Memory-map a shard and check it: size and row count against ``expected``, the sha256
     when ``verify_checksum`` (which needs ``expected``), ``schema_problem`` of its schema before
     its rows, and every row invariant, example ids below the manifest's ``num_example_ids`` when
-    given. Raises ShardError naming the file."""
+    given. A file whose identity on disk is no longer ``verified`` (the one it had when it was
+    last checked) is hashed again. Raises ShardError naming the file."""
     if verify_checksum and expected is None:
         raise ValueError("verify_checksum needs the shard's manifest entry as expected")
+    if verified is not None and expected is None:
+        raise ValueError("verified needs the shard's manifest entry as expected, to check a changed file against")
     path = Path(path)
     name = str(path)
-    check_shard_file(path, expected, verify_checksum)
+    file = _open_file(path)
     try:
-        reader = pa.ipc.open_file(pa.memory_map(name, "r"))
+        return _map_shard(file, name, capacity, expected, verify_checksum, num_example_ids, schema_problem, verified)
+    except BaseException:
+        file.close()
+        raise
+
+
+def _map_shard(
+    file: BinaryIO,
+    name: str,
+    capacity: int,
+    expected: ShardInfo | None,
+    verify_checksum: bool,
+    num_example_ids: int | None,
+    schema_problem: Callable[[pa.Schema], str | None] | None,
+    verified: Identity | None,
+) -> Shard:
+    """``open_shard`` on the open ``file``."""
+    identity = disk_identity(os.fstat(file.fileno()))
+    changed = verified is not None and identity != verified
+    _check_file(file, name, expected, verify_checksum or changed, " (it was changed on disk since it was verified)" if changed else "")
+    try:
+        # Mapped through the descriptor just checked, so the map is of that file, whatever is renamed onto its path.
+        mapped = pa.py_buffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+        reader = pa.ipc.open_file(pa.BufferReader(mapped))
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
+    if disk_identity(os.fstat(file.fileno())) != identity:
+        raise ShardError(name, f"was changed on disk while it was opened; rebuild it{REBUILD}, or stop what writes it")
     if schema_problem is not None:
         _raise_problem(name, schema_problem(reader.schema))
     try:
@@ -122,8 +186,10 @@ def open_shard(
     segment_offsets, example_ids = list_parts(table.column("example_ids"))
     _, example_offsets = list_parts(table.column("example_offsets"))
     max_seqlen = _column(table, "max_seqlen").to_numpy(zero_copy_only=True)
-    return Shard(
+    shard = Shard(
         path=name,
+        file=file,
+        identity=identity,
         table=table,
         input_ids=input_ids,
         loss_mask=loss_mask,
@@ -135,6 +201,8 @@ def open_shard(
         example_offsets=example_offsets,
         segment_offsets=segment_offsets,
     )
+    weakref.finalize(shard, file.close)  # the map needs no descriptor; the check does, while the shard lives
+    return shard
 
 
 def _raise_problem(path: str | os.PathLike[str], problem: str | None) -> None:
@@ -142,11 +210,13 @@ def _raise_problem(path: str | os.PathLike[str], problem: str | None) -> None:
         raise ShardError(str(path), problem)
 
 
-def open_build_shard(path: str | os.PathLike[str], manifest: Manifest, index: int) -> Shard:
+def open_build_shard(
+    path: str | os.PathLike[str], manifest: Manifest, index: int, verified: Identity | None = None
+) -> Shard:
     """``open_shard`` for shard ``index`` of ``manifest``'s list, its example ids bounded by the build's,
     checking first that the file names itself that shard of that build (``schemas/shard_identity.py``)."""
     return open_shard(path, manifest.capacity, expected=manifest.shards[index], num_example_ids=manifest.num_example_ids,
-                      schema_problem=lambda schema: identity_problem(schema, manifest, index))
+                      schema_problem=lambda schema: identity_problem(schema, manifest, index), verified=verified)
 
 
 def check_build_shard(path: Path, manifest: Manifest, index: int, verify_checksum: bool) -> None:

@@ -1,28 +1,54 @@
 """Checksums of a local build, verified once per build on a host (``schemas/verified.py``).
 
-A shard reopened later (after the loader closed it to bound its open files) is checked by size.
+A shard opened later (after the loader closed it to bound its open files, or in a DataLoader
+worker) is compared with its identity on disk when it was verified, and hashed again if it
+changed (``loaders/shard_reader.py``).
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from loaders.shard_reader import check_shard_file
-from schemas import Manifest
-from schemas.verified import VerifiedShards
+from loaders.shard_reader import Identity, check_shard_file
+from schemas import Manifest, ShardError
+from schemas.verified import VerifiedShards, disk_identity
 
 
-def verify_build(manifest: Manifest, paths: list[Path]) -> int:
-    """Check every shard's sha256 unless this host recorded it unchanged since; returns how many were hashed.
+@dataclass(frozen=True)
+class VerifiedBuild:
+    """The outcome of ``verify_build``: how many shards were hashed, and each one's identity on disk when it was
+    found whole."""
 
-    Raises ShardError naming the first shard that is missing, truncated or corrupt.
+    hashed: int
+    identities: list[Identity]
+
+
+def verify_build(manifest: Manifest, paths: list[Path]) -> VerifiedBuild:
+    """Check every shard's sha256 unless this host recorded it unchanged since.
+
+    Raises ShardError naming the first shard that is missing, truncated or corrupt, or that changed while it was hashed.
     """
     hashed = 0
+    identities = []
     with VerifiedShards(manifest) as record:
         for path, info in zip(paths, manifest.shards):
             if record.unchanged(path):
+                identities.append(_identity(path))
                 continue
+            before = _identity(path)
             check_shard_file(path, info, verify_checksum=True)
-            record.add(path)
+            if _identity(path) != before:
+                raise ShardError(str(path), "was changed on disk while it was hashed; run again once nothing writes it")
+            record.add(path, before)
+            identities.append(before)
             hashed += 1
-    return hashed
+    return VerifiedBuild(hashed, identities)
+
+
+def _identity(path: Path) -> Identity:
+    try:
+        return disk_identity(os.stat(path))
+    except FileNotFoundError as err:
+        raise ShardError(str(path), "shard file is missing; rebuild the shards or fix the path") from err

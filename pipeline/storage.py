@@ -11,12 +11,14 @@ import contextlib
 import glob as globlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from schemas.io import UPLOAD_MARK, atomic_output, write_error
+from schemas.errors import LinkError
+from schemas.io import UPLOAD_MARK, atomic_output, link_error, open_own, write_error
 
 HUB_SCHEME = "hf://"
 
@@ -151,16 +153,34 @@ def output(dest: str) -> Iterator[Path]:
 def write_scratch(path: str, write: Callable[[str], None]) -> None:
     """Write a scratch file (spilled tokens, a shard's plan) that one run alone reads: ``write(local_path)``
     writes the content. Locally in place, with no rename or fsync: a crash loses the run anyway.
-    At a URL written locally, then uploaded. An OSError becomes a WriteError naming ``path``."""
+    At a URL written locally, then uploaded. An OSError becomes a WriteError naming ``path``.
+
+    Locally the file's directory is this user's alone (made with mode 0700; one of another user,
+    or a link, is refused with LinkError), so nobody else can plant a link at the file's
+    predictable name, and the file itself is made without following one."""
     if is_url(path):
         with output(path) as tmp:
             write(str(tmp))
         return
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _make_private_dir(os.path.dirname(path))
+        os.close(open_own(path, os.O_WRONLY | os.O_CREAT))
         write(path)
     except OSError as err:
         raise write_error(path, err) from err
+
+
+def _make_private_dir(directory: str) -> None:
+    """Make ``directory`` (mode 0700), or check that the one there is a directory of this user's that no one else can write."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise link_error(directory, "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise LinkError(
+            f"{directory}: is not a directory of this user's alone (another user's, or one others can write into), so "
+            "links could be planted in it; varpack keeps scratch files only in its own: remove it, then run again"
+        )
 
 
 def publish(local_path: str, dest: str) -> None:

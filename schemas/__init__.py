@@ -4,7 +4,7 @@ Imports only numpy and pyarrow, so it loads on a GPU box without Beam or dataset
 """
 
 from schemas.checksum import file_sha256, stream_sha256
-from schemas.errors import FormatVersionError, ManifestError, PackingError, ShardError, VarpackError, WriteError
+from schemas.errors import FormatVersionError, LinkError, ManifestError, PackingError, ShardError, VarpackError, WriteError
 from schemas.io import atomic_output, atomic_write, cache_dir, read_manifest, write_manifest
 from schemas.manifest import (
     FORMAT_VERSION,
@@ -41,6 +41,7 @@ __all__ = [
     "FormatVersionError",
     "LossMasking",
     "Manifest",
+    "LinkError",
     "ManifestError",
     "Overflow",
     "PackingAlgorithm",

@@ -75,3 +75,8 @@ class WriteError(VarpackError):
     """A file could not be written: the disk is full, or the directory is not writable."""
 
     kind = "write"
+
+
+
+class LinkError(WriteError):
+    """A file varpack keeps in a shared place (a lock, a temporary file, the cache) is a link it did not make."""

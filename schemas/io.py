@@ -11,6 +11,7 @@ shards. It imports only the standard library (and fsspec, for a manifest at a UR
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from schemas.errors import ManifestError, WriteError
+from schemas.errors import LinkError, ManifestError, WriteError
 from schemas.manifest import MANIFEST_NAME, Manifest, validate_manifest
 
 CACHE_ENV = "VARPACK_CACHE_DIR"
@@ -88,9 +89,47 @@ def temporary_target(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+def open_own(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """``os.open`` for a file varpack keeps in a shared place (a lock, a record, a temporary file): a descriptor
+    of the regular file at ``path`` itself, never of what a symbolic or hard link planted there points to.
+
+    Raises LinkError naming ``path`` when it is a symbolic link, a hard link to another name or no
+    regular file; an OSError (a missing file, a read-only directory) passes through.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise link_error(path, "a symbolic link") from err
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise link_error(path, "a hard link" if stat.S_ISREG(info.st_mode) else "not a regular file")
+    return fd
+
+
+def make_own_dir(directory: str | os.PathLike[str]) -> Path:
+    """Make ``directory`` (and its parents) if missing; LinkError if it is a symbolic link, whose name varpack
+    chose and would otherwise write through."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if directory.is_symlink():
+        raise link_error(directory, "a symbolic link")
+    return directory
+
+
+def link_error(path: str | os.PathLike[str], what: str) -> LinkError:
+    """The error that refuses ``path``, ``what`` varpack did not make, in one line naming it."""
+    return LinkError(
+        f"{path}: is {what}, which varpack did not make; it writes through no link it did not make (one planted "
+        "there could make it overwrite another file): remove it, then run again"
+    )
+
+
 def fsync_path(path: str | os.PathLike[str]) -> None:
     """Flush a file's (or a directory's entries') data to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -106,11 +145,13 @@ def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_output(path: str | os.PathLike[str], directory: bool = False) -> Iterator[Path]:
     """A temporary path to write ``path``'s content to; made durable and renamed onto ``path`` when the block ends.
 
-    The temporary file (or directory) is removed if the block raises; then ``path`` is untouched.
-    An OSError (a full disk, a read-only directory) becomes a WriteError naming ``path``.
+    The temporary file is made before the block, empty and new (or, with ``directory``, an empty
+    new directory), so no link planted at its name is followed. It is removed if the block
+    raises; then ``path`` is untouched. An OSError (a full disk, a read-only directory) becomes a
+    WriteError naming ``path``.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as directory:
@@ -121,6 +162,13 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     path = Path(path)
     tmp = temporary_name(path)
+    try:
+        if directory:
+            tmp.mkdir()
+        else:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
+    except OSError as err:
+        raise write_error(path, err) from err
     try:
         yield tmp
         fsync_path(tmp)

@@ -24,8 +24,8 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from schemas.errors import WriteError
-from schemas.io import atomic_write, cache_dir
+from schemas.errors import LinkError, WriteError
+from schemas.io import atomic_write, cache_dir, make_own_dir, open_own
 from schemas.manifest import Manifest, shards_digest
 
 RECORD_DIR = "verified"
@@ -37,9 +37,17 @@ def record_path(manifest: Manifest) -> Path:
     return cache_dir() / RECORD_DIR / f"{manifest.fingerprint}-{digest[:16]}.json"
 
 
+def disk_identity(stat: os.stat_result) -> tuple[int, int, int, int, int]:
+    """A file's identity on disk: device, inode, size, modification and change time (ns).
+
+    Any write, truncation, ``touch`` or rename changes it, and the change time cannot be set
+    from user space; a file replaced by another has another inode.
+    """
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
 def _identity(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+    return list(disk_identity(path.stat()))
 
 
 class VerifiedShards:
@@ -59,16 +67,20 @@ class VerifiedShards:
     def __enter__(self) -> VerifiedShards:
         assert self.path is not None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            make_own_dir(self.path.parent)
+            self._lock_fd = open_own(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT)
         except OSError:
             self.path = None
             return self
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            known = json.loads(self.path.read_text())
+            with os.fdopen(open_own(self.path, os.O_RDONLY), encoding="utf-8") as f:
+                known = json.loads(f.read())
         except (OSError, ValueError):
             known = {}
+        except LinkError:
+            self.__exit__(None, None, None)
+            raise
         self.known = known if isinstance(known, dict) else {}
         return self
 
@@ -77,9 +89,9 @@ class VerifiedShards:
         key = str(shard.resolve())
         return key in self.known and shard.is_file() and self.known[key] == _identity(shard)
 
-    def add(self, shard: Path) -> None:
-        """Record ``shard``, just hashed and found whole."""
-        self.known[str(shard.resolve())] = _identity(shard)
+    def add(self, shard: Path, identity: tuple[int, int, int, int, int] | None = None) -> None:
+        """Record ``shard``, just hashed and found whole; ``identity``: its identity on disk when it was hashed."""
+        self.known[str(shard.resolve())] = list(identity) if identity is not None else _identity(shard)
         self.added = True
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
@@ -163,8 +169,8 @@ def test_fixed_shape_refuses_a_wrong_segment_histogram(build):
 def test_checksums_are_verified_once_per_build_on_a_host(build, tmp_path, monkeypatch):
     monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
     paths = [build.path / s.path for s in build.manifest.shards]
-    assert verify_build(build.manifest, paths) == len(paths)
-    assert verify_build(build.manifest, paths) == 0  # recorded: the other ranks and later runs skip the hashing
+    assert verify_build(build.manifest, paths).hashed == len(paths)
+    assert verify_build(build.manifest, paths).hashed == 0  # recorded: the other ranks and later runs skip the hashing
     PackedIterableDataset(build.path)
     path = shard_file(build, 1)
     data = bytearray(path.read_bytes())
@@ -179,5 +185,70 @@ def test_an_unreadable_verification_record_means_hashing_again(build, tmp_path, 
     paths = [build.path / s.path for s in build.manifest.shards]
     verify_build(build.manifest, paths)
     record_path(build.manifest).write_text("{not json")
-    assert verify_build(build.manifest, paths) == len(paths)
-    assert verify_build(build.manifest, paths) == 0
+    assert verify_build(build.manifest, paths).hashed == len(paths)
+    assert verify_build(build.manifest, paths).hashed == 0
+
+
+def flip_a_byte_in_place(path):
+    """Rewrite ``path`` in place, same size, one byte changed (the inode stays)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_shard_rewritten_in_place_after_it_was_opened_is_refused(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    dataset = PackedIterableDataset(build.path, batch_rows=2, shuffle=False)
+    batches = iter(dataset)
+    next(batches)
+    for shard in build.manifest.shards:
+        flip_a_byte_in_place(build.path / shard.path)
+    with pytest.raises(ShardError, match=r"shard-0000\d.arrow: checksum mismatch \(it was changed on disk since it was verified\)"):
+        list(batches)
+    # A dataset made before the change, iterated after it, refuses it too (it compares with what it verified).
+    with pytest.raises(ShardError, match="changed on disk since it was verified"):
+        list(dataset)
+
+
+def test_dataloader_workers_started_after_a_same_size_overwrite_refuse_the_shard(build, tmp_path, monkeypatch):
+    from torch.utils.data import DataLoader
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    dataset = PackedIterableDataset(build.path, batch_rows=2)
+    for shard in build.manifest.shards:
+        flip_a_byte_in_place(build.path / shard.path)
+    # torch re-raises a worker's ShardError as a RuntimeError carrying its message.
+    with pytest.raises((ShardError, RuntimeError), match=r"shard-0000\d.arrow: checksum mismatch \(it was changed"):
+        list(DataLoader(dataset, batch_size=None, num_workers=1))
+
+
+def test_a_shard_replaced_by_the_same_bytes_is_read_on(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    expected = [b["input_ids"] for b in PackedIterableDataset(build.path, batch_rows=2, seed=1)]
+    dataset = PackedIterableDataset(build.path, batch_rows=2, seed=1)
+    for shard in build.manifest.shards:  # as a --force rebuild of the same inputs does: a new file, renamed into place
+        path = build.path / shard.path
+        shutil.copyfile(path, tmp_path / "copy")
+        os.replace(tmp_path / "copy", path)
+    got = [b["input_ids"] for b in dataset]
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_shard_truncated_while_it_is_read_is_one_error_naming_it_not_sigbus(build):
+    script = textwrap.dedent(f"""
+        import os
+        from loaders import PackedIterableDataset
+
+        batches = iter(PackedIterableDataset({str(build.path)!r}, batch_rows=2, shuffle=False, verify_checksum=False))
+        next(batches)
+        for name in {[s.path for s in build.manifest.shards]!r}:
+            os.truncate(os.path.join({str(build.path)!r}, name), 0)
+        for batch in batches:
+            pass
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])  # not -7 (SIGBUS; 135 in a shell)
+    assert re.search(r"ShardError: \S+/shard-0000\d\.arrow: is 0 bytes, the manifest says \d+: truncated",
+                     run.stderr.strip().splitlines()[-1]), run.stderr[-2000:]

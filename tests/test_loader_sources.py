@@ -13,6 +13,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
+from loaders.remote import cache_name
+from pipeline.write.shard_writer import ShardWriter
 from schemas import ManifestError, ShardError
 
 
@@ -25,12 +27,18 @@ def shards(tmp_path_factory):
 @pytest.fixture
 def remote(shards):
     """The build uploaded to fsspec's in-memory filesystem; yields its memory:// URL."""
+    url = upload(shards.path)
+    yield url
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def upload(directory):
+    """A build directory copied to fsspec's in-memory filesystem; its memory:// URL."""
     fs = fsspec.filesystem("memory")
     root = f"/build-{uuid.uuid4().hex}"
-    for path in sorted(shards.path.iterdir()):
+    for path in sorted(directory.iterdir()):
         fs.pipe_file(f"{root}/{path.name}", path.read_bytes())
-    yield f"memory://{root}"
-    fs.rm(root, recursive=True)
+    return f"memory://{root}"
 
 
 @pytest.fixture
@@ -56,7 +64,7 @@ def test_remote_build_is_cached_once_and_reused(shards, remote, fetches, tmp_pat
     expected = all_batches(shards.path)
     assert_same(all_batches(remote, cache_dir=tmp_path), expected)
     assert len(fetches) == len(shards.manifest.shards)
-    cached = tmp_path / shards.manifest.fingerprint
+    cached = tmp_path / cache_name(shards.manifest)
     assert sorted(p.name for p in cached.glob("*.arrow")) == sorted(s.path for s in shards.manifest.shards)
     assert (cached / "manifest.json").is_file()
 
@@ -71,6 +79,31 @@ def test_remote_build_is_cached_once_and_reused(shards, remote, fetches, tmp_pat
     damaged.write_bytes(bytes(data))
     assert_same(all_batches(remote, cache_dir=tmp_path), expected)
     assert fetches == [f"{remote.removeprefix('memory://')}/{shards.manifest.shards[1].path}"]
+
+
+@pytest.mark.parametrize("verify_checksum", [False, True])
+def test_a_build_claiming_the_same_fingerprint_never_gets_another_builds_cached_copies(
+    shards, remote, tmp_path, verify_checksum
+):
+    # The same inputs, so the same fingerprint, and shards of the same sizes, but other tokens.
+    forged_dir = tmp_path / "forged"
+    with ShardWriter(forged_dir, shards.manifest.inputs, rows_per_shard=16) as writer:
+        writer.write_examples(shards.tokens % 997 + 1, shards.lengths, shards.loss_mask)
+    forged = writer.manifest
+    assert forged.fingerprint == shards.manifest.fingerprint
+    assert [s.bytes for s in forged.shards] == [s.bytes for s in shards.manifest.shards]
+    assert [s.sha256 for s in forged.shards] != [s.sha256 for s in shards.manifest.shards]
+    forged_url = upload(forged_dir)
+    try:
+        # Opened first on the host, the forged build fills the cache; the real one must not be served its bytes.
+        assert_same(all_batches(forged_url, cache_dir=tmp_path / "cache", verify_checksum=verify_checksum),
+                    all_batches(forged_dir))
+        assert_same(all_batches(remote, cache_dir=tmp_path / "cache", verify_checksum=verify_checksum),
+                    all_batches(shards.path))
+        assert_same(all_batches(forged_url, cache_dir=tmp_path / "cache", verify_checksum=verify_checksum),
+                    all_batches(forged_dir))
+    finally:
+        fsspec.filesystem("memory").rm(forged_url.removeprefix("memory://"), recursive=True)
 
 
 def test_corrupt_or_missing_remote_shard_is_refused(shards, remote, tmp_path):

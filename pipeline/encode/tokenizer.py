@@ -276,11 +276,10 @@ def _save_converted(tokenizer: Any, target: Path) -> None:
     """Save a transformers tokenizer (or a ``tokenizers.Tokenizer``) under ``target``, atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with atomic_output(target) as converted:
+        with atomic_output(target, directory=True) as converted:
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(str(converted))
             else:
-                converted.mkdir()
                 tokenizer.save(str(converted / "tokenizer.json"))
     except WriteError:
         if not (target / "tokenizer.json").is_file():  # another process may have won the race

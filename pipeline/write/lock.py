@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 
 from pipeline.errors import OutputDirError
-from schemas.io import write_error
+from schemas.io import link_error, open_own, write_error
 
 POLL_S = 0.2
 
@@ -61,10 +61,11 @@ def describe_owner(text: str) -> str:
 
 def _read(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        fd = open_own(path, os.O_RDONLY)
     except OSError:
         return ""
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        return f.read(4096)
 
 
 # What _try_lock returns for a shared lock on a file that does not exist: no run holds or held it.
@@ -72,9 +73,12 @@ _NO_LOCK_FILE = -1
 
 
 def _try_lock(path: str, shared: bool) -> int | None:
-    """An open descriptor holding the lock on the file at ``path``, or None when another process holds it."""
+    """An open descriptor holding the lock on the file at ``path``, or None when another process holds it.
+
+    A link planted at ``path`` (its name is predictable) is refused, not followed: LinkError.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
     except FileNotFoundError:
         return _NO_LOCK_FILE
     except OSError as err:  # a read-only or unwritable --out
@@ -98,6 +102,13 @@ def _try_lock(path: str, shared: bool) -> int | None:
         os.close(fd)
         return _try_lock(path, shared)
     return fd
+
+
+def _refuse_link(build_dir: str) -> None:
+    """Raise LinkError when the build directory is a symbolic link: its name is predictable too, and what
+    pack writes or deletes there would land where the link points."""
+    if os.path.islink(os.path.normpath(build_dir)):
+        raise link_error(build_dir, "a symbolic link")
 
 
 @contextlib.contextmanager
@@ -129,9 +140,11 @@ def build_lock(
             waiting = True
         time.sleep(POLL_S)
     if fd == _NO_LOCK_FILE:
+        _refuse_link(build_dir)
         yield
         return
     try:
+        _refuse_link(build_dir)
         if not shared:
             previous = os.read(fd, 4096).decode("utf-8", "replace")
             if previous:
