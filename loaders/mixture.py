@@ -37,11 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from loaders.blend import BlendState, blend, check_weights
+from loaders.blend import BlendState, blend, check_weights, integer_weights
 from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
 from loaders.partition import resolve_rank
+from loaders.resume import from_state_dict
 from loaders.shard_reader import Shard
 from schemas import ManifestError, VarpackError, one_of, positive_int
 
@@ -74,6 +75,11 @@ class _StreamPosition:
 
     epoch: int = 0
     offset: int = 0
+
+
+_EpochStart = tuple[BlendState, tuple[_StreamPosition, ...]]
+SCHEDULE = "mixture_schedule"  # the state dict's key for where the state's mixture epoch starts
+MAX_UNITS = 1 << 53  # units a float counts exactly; no run reads as many
 
 
 def row_loss_tokens(shard: Shard) -> np.ndarray:
@@ -197,9 +203,9 @@ class PackedMixture(PackedIterableDataset):
             raise ValueError(f"world size {self.world_size} is larger than the {num_rows} rows of the {self.source}: "
                              "some ranks would get no data; use fewer ranks or more data")
         self.fixed_shape = self._batch_shape(_summed_histograms(self._readers)) if pad_to_fixed_shape else None
-        # Where each mixture epoch starts: the schedule's state and each source's stream position.
-        self._epoch_starts: list[tuple[BlendState, tuple[_StreamPosition, ...]]] = [
-            (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))]
+        # Where each mixture epoch starts (the schedule's state and each source's stream position), by epoch.
+        self._epoch_starts: dict[int, _EpochStart] = {
+            0: (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))}
         self._latest_rows: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))  # the last epoch blended
         self._start_reading()
         if len(self) == 0:
@@ -238,13 +244,15 @@ class PackedMixture(PackedIterableDataset):
         ]
 
     def _identity(self) -> dict[str, Any]:
-        """The single build's settings, with the mixture (builds, weights, unit, caps) in place of one fingerprint."""
+        """The single build's settings, with the mixture (builds in order, weights, unit, caps) in place of one
+        fingerprint. The order counts: ties in the schedule go to the earlier source."""
         mixture = {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)}
         weights = dict(zip(self.names, self.weights.tolist()))
         max_epochs = dict(zip(self.names, self.max_epochs.tolist()))
-        described = json.dumps([mixture, weights, self.unit.value, max_epochs], sort_keys=True)
+        described = json.dumps([self.names, mixture, weights, self.unit.value, max_epochs], sort_keys=True)
         return {
             "fingerprint": hashlib.sha256(described.encode()).hexdigest()[:16],
+            "sources": list(self.names),
             "mixture": mixture,
             "weights": weights,
             "unit": self.unit.value,
@@ -260,18 +268,26 @@ class PackedMixture(PackedIterableDataset):
     # ---- the schedule -------------------------------------------------------------------
 
     def _epoch_rows(self, epoch: int) -> np.ndarray:
-        """Global row ids (source ``i``'s rows after those of the sources before it) of mixture epoch ``epoch``."""
-        while len(self._epoch_starts) <= epoch + 1:
-            last = len(self._epoch_starts) - 1
-            rows, end = self._blend_epoch(last)
-            self._epoch_starts.append(end)
-            self._latest_rows = (last, rows)
-        return self._latest_rows[1] if self._latest_rows[0] == epoch else self._blend_epoch(epoch)[0]
+        """Global row ids (source ``i``'s rows after those of the sources before it) of mixture epoch ``epoch``.
+
+        Blends from the latest epoch whose start is known (epoch 0, or one a loaded state names).
+        """
+        if self._latest_rows[0] != epoch:
+            for known in range(max(e for e in self._epoch_starts if e <= epoch), epoch + 1):
+                rows, end = self._blend_epoch(known)
+                self._epoch_starts.setdefault(known + 1, end)
+            self._latest_rows = (epoch, rows)
+        return self._latest_rows[1]
+
+    def _epoch_start(self, epoch: int) -> _EpochStart:
+        """Where mixture epoch ``epoch`` starts: the schedule's state and each source's stream position."""
+        if epoch not in self._epoch_starts:
+            self._epoch_rows(epoch)
+        return self._epoch_starts[epoch]
 
     def source_epochs(self, epoch: int) -> dict[str, float]:
         """How many epochs of each build the stream has read by the end of mixture epoch ``epoch``: the repetition."""
-        self._epoch_rows(epoch + 1)
-        positions = self._epoch_starts[epoch + 1][1]
+        positions = self._epoch_start(epoch + 1)[1]
         return {name: p.epoch + p.offset / reader.manifest.num_rows
                 for name, reader, p in zip(self.names, self._readers, positions)}
 
@@ -321,6 +337,83 @@ class PackedMixture(PackedIterableDataset):
         offset = position.offset + rows
         return _StreamPosition(position.epoch + offset // per_epoch, offset % per_epoch)
 
+    # ---- resume ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``PackedIterableDataset``'s state, with where the schedule of its mixture epoch starts
+        (``mixture_schedule``), so that a resume does not blend every epoch before it again."""
+        schedule, positions = self._epoch_start(self.epoch)
+        return {**super().state_dict(), SCHEDULE: {
+            "total": int(schedule.total),
+            "consumed": {name: int(c) for name, c in zip(self.names, schedule.consumed)},
+            "source_epochs": {name: p.epoch for name, p in zip(self.names, positions)},
+            "source_offsets": {name: p.offset for name, p in zip(self.names, positions)}}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the position in ``state_dict`` (see ``PackedIterableDataset``), its epoch's schedule starting
+        where the state says, once that start is checked against the builds and the weights."""
+        epoch = from_state_dict(state_dict, self._identity()).epoch
+        start = self._saved_epoch_start(epoch, _reader_state(state_dict).get(SCHEDULE))
+        if self._epoch_starts.setdefault(epoch, start) != start:
+            raise ValueError(f"loader state: {SCHEDULE} is not where mixture epoch {epoch} starts; the state is "
+                             "corrupt or was edited")
+        before = dict(self._epoch_starts), self._latest_rows, self._plan_cache
+        try:
+            super().load_state_dict(state_dict)
+        except ValueError:
+            self._epoch_starts, self._latest_rows, self._plan_cache = before
+            raise
+
+    def _saved_epoch_start(self, epoch: int, saved: Any) -> _EpochStart:
+        """The start of mixture epoch ``epoch`` that a state saved; ValueError naming a field that cannot be one.
+
+        Checks what the schedule keeps at every prefix: the units taken in all end the epoch before
+        (less than a row past its last unit), each source is within a row of its share, and each
+        source's stream position holds exactly the units it has taken, within its ``max_epochs``.
+        """
+        largest = max(int(u.max()) for u in self._row_units)
+        epoch_units = int(sum(int(u.sum()) for u in self._row_units))
+        if (epoch + 1) * epoch_units >= MAX_UNITS:
+            raise ValueError(f"loader state: epoch {epoch} is beyond any run's (it starts {epoch} x {epoch_units} "
+                             f"{self.unit.value} in); the state is corrupt or was edited")
+        if saved is None:
+            raise ValueError(f"loader state: {SCHEDULE} is missing; the state is incomplete or was saved by an older "
+                             "varpack, save it again")
+
+        def refuse(field: str, must: str) -> None:
+            raise ValueError(f"loader state: {SCHEDULE} {field} must {must}; the state is corrupt or was edited")
+
+        if not isinstance(saved, dict):
+            raise ValueError(f"loader state: {SCHEDULE} must be an object; the state is corrupt or was edited")
+        fields = {}
+        for field in ("consumed", "source_epochs", "source_offsets"):
+            value = saved.get(field)
+            if not (isinstance(value, dict) and list(value) == self.names
+                    and all(type(v) is int and 0 <= v < MAX_UNITS for v in value.values())):
+                refuse(field, f"be {{name: non-negative integer}} for the sources {', '.join(self.names)}")
+            fields[field] = list(value.values())
+        consumed, total = fields["consumed"], saved.get("total")
+        if type(total) is not int or total != sum(consumed) or not 0 <= total - epoch * epoch_units < largest:
+            refuse("total", f"be the sum of consumed, where mixture epoch {epoch - 1} ends: in "
+                            f"[{epoch * epoch_units}, {epoch * epoch_units + largest})")
+        shares = integer_weights(self.weights)
+        whole = sum(shares)
+        for c, m in zip(consumed, shares):
+            if abs(c * whole - m * total) >= largest * whole:
+                refuse("consumed", "keep every source within a row of its share of total")
+        positions = []
+        for i, (reader, units, cap) in enumerate(zip(self._readers, self._row_units, self.max_epochs.tolist())):
+            build_epoch, offset = fields["source_epochs"][i], fields["source_offsets"][i]
+            if offset >= reader.manifest.num_rows or (cap and (build_epoch, offset) > (cap, 0)):
+                refuse("source_offsets", f"stand within {self.names[i]!r}'s {reader.manifest.num_rows} rows and its "
+                                         f"max_epochs")
+            held = build_epoch * int(units.sum()) + int(units[reader._epoch_rows(build_epoch)[:offset]].sum())
+            if held != consumed[i]:
+                refuse(f"source_epochs and source_offsets of {self.names[i]!r}",
+                       f"hold the {consumed[i]} {self.unit.value} it consumed")
+            positions.append(_StreamPosition(build_epoch, offset))
+        return BlendState(tuple(consumed), total), tuple(positions)
+
     # ---- batches --------------------------------------------------------------------------
 
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
@@ -333,6 +426,15 @@ class PackedMixture(PackedIterableDataset):
         if self.loss_weighting.is_plain_token_mean:
             return batch
         return add_loss_weights(batch, shard_rows, self.loss_weighting, self._id_offsets[source_of_row].tolist())
+
+
+def _reader_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The reader's own state in a dataset or StatefulDataLoader state dict (one ``from_state_dict`` has read)."""
+    if "_snapshot" in state:
+        return _reader_state(next(iter(state["_snapshot"]["_worker_snapshots"].values()))["dataset_state"])
+    if "_num_yielded" in state and "dataset_state" in state:
+        return _reader_state(state["dataset_state"])
+    return state
 
 
 def _check_max_epochs(max_epochs: dict[str, Any], names: list[str]) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +267,55 @@ def test_a_state_of_another_mixture_or_other_weights_is_refused(builds):
         PackedIterableDataset(builds["flan"].path, batch_rows=2, seed=3).load_state_dict(state)
     with pytest.raises(ValueError, match="mixture"):
         mixture(builds).load_state_dict(PackedIterableDataset(builds["flan"].path, batch_rows=2, seed=3).state_dict())
+
+
+def test_a_state_of_the_same_mixture_with_its_sources_reordered_is_refused(builds):
+    """Ties go to the earlier source, so the order of the sources is part of the schedule."""
+    reordered = {name: builds[name].path for name in ("chat", "gsm8k", "flan")}
+
+    def rows(data):
+        return [sequences(batch) for batch in data]
+
+    assert rows(mixture(builds, unit="rows")) != rows(PackedMixture(reordered, weights=WEIGHTS, unit="rows", batch_rows=2,
+                                                                     seed=3))
+    first = mixture(builds, unit="rows")
+    iterator = iter(first)
+    next(iterator)
+    with pytest.raises(ValueError, match=r"sources \['flan', 'gsm8k', 'chat'\] -> \['chat', 'gsm8k', 'flan'\]") as raised:
+        PackedMixture(reordered, weights=WEIGHTS, unit="rows", batch_rows=2, seed=3).load_state_dict(first.state_dict())
+    assert "\n" not in str(raised.value)
+
+
+def test_a_state_of_a_late_epoch_resumes_without_replaying_the_epochs_before_it(builds):
+    """The state carries where its epoch's schedule starts; a forged epoch or schedule is refused at once."""
+    late = mixture(builds)
+    late.set_epoch(40)
+    state = late.state_dict()
+    expected = list(late)
+    resumed = mixture(builds)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert sorted(resumed._epoch_starts) == [0, 1, 40, 41]  # epochs 1 to 39 were not blended again
+    assert_same_batches(list(resumed), expected)
+    started = time.perf_counter()
+    for edit, message in (
+        ({"epoch": 10**9}, "mixture_schedule total"),
+        ({"epoch": 10**30}, f"epoch {10**30} is beyond"),
+        ({"mixture_schedule": None}, "mixture_schedule is missing"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "total": state["mixture_schedule"]["total"] + 1}},
+         "mixture_schedule total"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "consumed": {"flan": 0, "gsm8k": 0, "chat": state["mixture_schedule"]["total"]}}},
+         "mixture_schedule consumed"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "source_offsets": {"flan": 1, "gsm8k": 2, "chat": 3}}},
+         "mixture_schedule source_epochs and source_offsets of 'flan' must hold the"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "source_offsets": {"flan": 10**6, "gsm8k": 0, "chat": 0}}},
+         "mixture_schedule source_offsets must stand within 'flan'"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "source_epochs": {"flan": True, "gsm8k": 0, "chat": 0}}},
+         "mixture_schedule source_epochs"),
+    ):
+        with pytest.raises(ValueError, match=message) as raised:
+            mixture(builds).load_state_dict({**state, **edit})
+        assert "\n" not in str(raised.value)
+    assert time.perf_counter() - started < 1.5
 
 
 def test_fixed_shapes_and_sequence_loss_weights(builds):
