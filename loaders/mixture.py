@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import reprlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ class _StreamPosition:
 
 _EpochStart = tuple[BlendState, tuple[_StreamPosition, ...]]
 SCHEDULE = "mixture_schedule"  # the state dict's key for where the state's mixture epoch starts
-MAX_UNITS = 1 << 53  # units a float counts exactly; no run reads as many
+MAX_COUNT = 1 << 53  # units or epochs a float counts exactly; no run reads as many
 
 
 def row_loss_tokens(shard: Shard) -> np.ndarray:
@@ -153,9 +154,11 @@ class PackedMixture(PackedIterableDataset):
         if tokens_per_batch is not None and batch_rows != 1:
             raise ValueError("give batch_rows or tokens_per_batch, not both")
         self.names = list(sources)
+        for name, path in sources.items():
+            _check_build(name, path)
         self.unit = one_of("unit", unit, MixtureUnit)
-        self.weights = check_weights(dict(weights), self.names)
-        self.max_epochs = _check_max_epochs(dict(max_epochs or {}), self.names)
+        self.weights = check_weights(weights, self.names)
+        self.max_epochs = _check_max_epochs(max_epochs, self.names)
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # Each build read alone, by one rank, in rows: it checks the options, the build and its shuffle.
         self._readers: list[PackedIterableDataset] = []
@@ -373,7 +376,7 @@ class PackedMixture(PackedIterableDataset):
         """
         largest = max(int(u.max()) for u in self._row_units)
         epoch_units = int(sum(int(u.sum()) for u in self._row_units))
-        if (epoch + 1) * epoch_units >= MAX_UNITS:
+        if (epoch + 1) * epoch_units >= MAX_COUNT:
             raise ValueError(f"loader state: epoch {epoch} is beyond any run's (it starts {epoch} x {epoch_units} "
                              f"{self.unit.value} in); the state is corrupt or was edited")
         if saved is None:
@@ -389,7 +392,7 @@ class PackedMixture(PackedIterableDataset):
         for field in ("consumed", "source_epochs", "source_offsets"):
             value = saved.get(field)
             if not (isinstance(value, dict) and list(value) == self.names
-                    and all(type(v) is int and 0 <= v < MAX_UNITS for v in value.values())):
+                    and all(type(v) is int and 0 <= v < MAX_COUNT for v in value.values())):
                 refuse(field, f"be {{name: non-negative integer}} for the sources {', '.join(self.names)}")
             fields[field] = list(value.values())
         consumed, total = fields["consumed"], saved.get("total")
@@ -437,14 +440,27 @@ def _reader_state(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _check_max_epochs(max_epochs: dict[str, Any], names: list[str]) -> np.ndarray:
+def _check_build(name: str, build: Any) -> None:
+    """ValueError naming source ``name`` unless ``build`` can name a build (a non-empty path or URL)."""
+    if isinstance(build, os.PathLike):
+        build = os.fspath(build)
+    if not isinstance(build, str) or not build or "\0" in build:
+        raise ValueError(f"sources[{name!r}] must be a build directory, manifest or URL (a non-empty string without "
+                         f"NUL), got {reprlib.repr(build)}")
+
+
+def _check_max_epochs(max_epochs: Any, names: list[str]) -> np.ndarray:
     """Each source's epoch cap (0: none), in source order; ValueError naming an unknown source or a bad cap."""
+    if max_epochs is None:
+        max_epochs = {}
+    if not isinstance(max_epochs, Mapping):
+        raise ValueError(f"max_epochs must be {{source name: positive integer}}, got {reprlib.repr(max_epochs)}")
     for name, cap in max_epochs.items():
         if name not in names:
             raise ValueError(f"max_epochs names {name!r}, which is not a source of the mixture (sources: "
                              f"{', '.join(names)})")
-        if cap is not None:
-            positive_int(f"max_epochs[{name!r}]", cap)
+        if cap is not None and positive_int(f"max_epochs[{name!r}]", cap) > MAX_COUNT:
+            raise ValueError(f"max_epochs[{name!r}] must be at most 2**53 (or absent, for no cap), got {cap!r}")
     return np.array([max_epochs.get(name) or 0 for name in names], dtype=np.int64)
 
 
@@ -497,10 +513,14 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read the mixture file ({err.strerror})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read the mixture file ({getattr(err, 'strerror', None) or err})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_object_without_repeats)
+    except _RepeatedKey as err:
+        raise ValueError(f"{path}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a JSON mixture file (nested too deeply)") from None
     except ValueError as err:
         raise ValueError(f"{path}: not a JSON mixture file ({err})") from None
     if not isinstance(data, dict):
@@ -511,10 +531,31 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     for key in ("sources", "weights"):
         if not isinstance(data.get(key), dict) or not data[key]:
             raise ValueError(f"{path}: {key!r} must be a non-empty object of {{name: value}}")
-    sources = {name: str(path.parent / build) if "://" not in str(build) else str(build)
-               for name, build in data["sources"].items()}
-    return {"sources": sources, "weights": data["weights"], "unit": data.get("unit", "tokens"),
-            "max_epochs": data.get("max_epochs")}
+    unit, max_epochs = data.get("unit", "tokens"), data.get("max_epochs")
+    try:  # each field as PackedMixture checks it, so that the error names the file
+        for name, build in data["sources"].items():
+            _check_build(name, build)
+        check_weights(data["weights"], list(data["sources"]))
+        one_of("unit", unit, MixtureUnit)
+        _check_max_epochs(max_epochs, list(data["sources"]))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    sources = {name: str(path.parent / build) if "://" not in build else build for name, build in data["sources"].items()}
+    return {"sources": sources, "weights": data["weights"], "unit": unit, "max_epochs": max_epochs}
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object names a key twice (``json`` would keep the last silently)."""
+
+
+def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; _RepeatedKey naming a key given twice."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _RepeatedKey(f"{key!r} is given twice in one object; name each source, weight and cap once")
+        found[key] = value
+    return found
 
 
 def units_per_step(mixture: PackedMixture, steps: int) -> np.ndarray:

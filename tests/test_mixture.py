@@ -5,6 +5,10 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from schemas import ManifestError
 from tests.shard_factory import build_shard_dir
 
 CAPACITY = 64
+ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = {"flan": 0.5, "gsm8k": 0.3, "chat": 0.2}
 
 
@@ -368,6 +373,80 @@ def test_mixture_file(builds, tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_mixture_file(path)
+
+
+SOURCES = '"sources": {"flan": "flan", "gsm8k": "gsm8k"}'
+EQUAL = '"weights": {"flan": 1, "gsm8k": 1}'
+BAD_MIXTURE_FILES = {  # the file's text, and what the error says after the file's name
+    "weights-whose-sum-overflows": ('{%s, "weights": {"flan": 1e308, "gsm8k": 1e308}, "unit": "rows"}' % SOURCES, None),
+    "integer-weight-of-1e38": ('{%s, "weights": {"flan": %d, "gsm8k": 1}}' % (SOURCES, 10**38), None),
+    "integer-weight-past-floats": ('{%s, "weights": {"flan": %d, "gsm8k": 1}}' % (SOURCES, 10**400),
+                                   "source 'flan' has weight 1000"),
+    "build-path-not-a-string": ('{"sources": {"flan": 5, "gsm8k": "gsm8k"}, %s}' % EQUAL,
+                                "sources['flan'] must be a build directory"),
+    "max-epochs-a-list": ('{%s, %s, "max_epochs": [1]}' % (SOURCES, EQUAL), "max_epochs must be {source name"),
+    "max-epochs-a-number": ('{%s, %s, "max_epochs": 3}' % (SOURCES, EQUAL), "max_epochs must be {source name"),
+    "max-epochs-of-1e23": ('{%s, %s, "max_epochs": {"gsm8k": %d}}' % (SOURCES, EQUAL, 10**23),
+                           "max_epochs['gsm8k'] must be at most 2**53"),
+    "nan-weight": ('{%s, "weights": {"flan": NaN, "gsm8k": 1}}' % SOURCES, "source 'flan' has weight nan"),
+    "infinite-weight": ('{%s, "weights": {"flan": 1, "gsm8k": Infinity}}' % SOURCES, "source 'gsm8k' has weight inf"),
+    "negative-weight": ('{%s, "weights": {"flan": -0.5, "gsm8k": 1}}' % SOURCES, "source 'flan' has weight -0.5"),
+    "boolean-weight": ('{%s, "weights": {"flan": true, "gsm8k": 1}}' % SOURCES, "source 'flan' has weight True"),
+    "weight-too-small-for-a-share": ('{%s, "weights": {"flan": 5e-324, "gsm8k": 1e308}}' % SOURCES,
+                                     "source 'flan' has weight 5e-324, too small"),
+    "weights-not-an-object": ('{%s, "weights": [1, 1]}' % SOURCES, "'weights' must be a non-empty object"),
+    "no-sources": ('{"sources": {}, %s}' % EQUAL, "'sources' must be a non-empty object"),
+    "a-source-named-twice": ('{"sources": {"flan": "flan", "flan": "gsm8k"}, "weights": {"flan": 1}}',
+                             "'flan' is given twice in one object"),
+    "a-weight-named-twice": ('{%s, "weights": {"flan": 1, "gsm8k": 1, "gsm8k": 9}}' % SOURCES,
+                             "'gsm8k' is given twice"),
+    "empty-build-path": ('{"sources": {"flan": "flan", "gsm8k": ""}, %s}' % EQUAL, "sources['gsm8k'] must be"),
+    "nul-in-build-path": ('{"sources": {"flan": "fl\\u0000an", "gsm8k": "gsm8k"}, %s}' % EQUAL,
+                          "sources['flan'] must be"),
+    "boolean-max-epochs": ('{%s, %s, "max_epochs": {"flan": true}}' % (SOURCES, EQUAL),
+                           "max_epochs['flan'] must be a positive integer, got True"),
+    "unit-not-a-string": ('{%s, %s, "unit": 5}' % (SOURCES, EQUAL), "unit must be one of"),
+    "nested-too-deeply": ("[" * 100_000 + "]" * 100_000, "not a JSON mixture file"),
+}
+
+
+AUDITED = {"weights-whose-sum-overflows", "integer-weight-of-1e38", "build-path-not-a-string", "max-epochs-a-list",
+           "max-epochs-a-number", "max-epochs-of-1e23"}  # run as a subprocess too: the tracebacks an audit found
+
+
+@pytest.mark.parametrize("case", BAD_MIXTURE_FILES)
+def test_bad_mixture_files_are_one_line_errors(builds, tmp_path, case, capsys):
+    """A mixture file that is not one is a one-line error naming the file and the field, from the Python API,
+    ``varpack inspect`` and ``train.py --mixture``; weights that overflow a float sum, or integers as weights,
+    are read as the shares they stand for."""
+    from pipeline import cli
+
+    for name in ("flan", "gsm8k"):
+        (tmp_path / name).symlink_to(builds[name].path)
+    text, message = BAD_MIXTURE_FILES[case]
+    path = tmp_path / "mixture.json"
+    path.write_text(text)
+    inspect = ["inspect", str(path), "--steps", "3"]
+    if case in AUDITED:
+        run = subprocess.run([sys.executable, "-m", "pipeline.cli", *inspect], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        returncode, stderr = run.returncode, run.stderr
+    else:
+        returncode, stderr = cli.main(inspect), capsys.readouterr().err
+    if message is None:  # read as the shares it stands for
+        assert returncode == 0, stderr
+        data = PackedMixture(**load_mixture_file(path), batch_rows=2)
+        assert np.all(data.weights > 0) and data.weights.sum() == pytest.approx(1)
+        return
+    pattern = re.escape(f"{path}: {message}")
+    with pytest.raises(ValueError, match=pattern) as raised:
+        PackedMixture(**load_mixture_file(path), batch_rows=2)
+    assert "\n" not in str(raised.value)
+    assert returncode == 1 and re.fullmatch(rf"varpack inspect: error: {pattern}.*\n", stderr), stderr
+    from tests.test_train import MODEL, load_script
+
+    with pytest.raises(SystemExit, match=rf"train.py: error: {pattern}"):
+        load_script().main(["--mixture", str(path), "--random-init", MODEL, "--out", str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("trainer", ["plain", "hf"])
