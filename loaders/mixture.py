@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -383,7 +383,7 @@ class PackedMixture(PackedIterableDataset):
             raise ValueError(f"loader state: {SCHEDULE} is missing; the state is incomplete or was saved by an older "
                              "varpack, save it again")
 
-        def refuse(field: str, must: str) -> None:
+        def refuse(field: str, must: str) -> NoReturn:
             raise ValueError(f"loader state: {SCHEDULE} {field} must {must}; the state is corrupt or was edited")
 
         if not isinstance(saved, dict):
@@ -618,6 +618,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loaders.mixture")
                         "--steps batches against its weight, as a PNG (needs matplotlib: pip install 'varpack[plot]')")
     args = parser.parse_args(argv)
     try:
+        for option, value in (("--steps", args.steps), ("--batch-rows", args.batch_rows)):
+            if value < 1:
+                raise ValueError(f"{option} must be a positive integer, got {value}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib, which is not installed; pip install 'varpack[plot]'")
         mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,

@@ -302,13 +302,14 @@ def test_a_state_of_a_late_epoch_resumes_without_replaying_the_epochs_before_it(
     assert sorted(resumed._epoch_starts) == [0, 1, 40, 41]  # epochs 1 to 39 were not blended again
     assert_same_batches(list(resumed), expected)
     started = time.perf_counter()
+    total = state["mixture_schedule"]["total"]
     for edit, message in (
         ({"epoch": 10**9}, "mixture_schedule total"),
         ({"epoch": 10**30}, f"epoch {10**30} is beyond"),
         ({"mixture_schedule": None}, "mixture_schedule is missing"),
-        ({"mixture_schedule": {**state["mixture_schedule"], "total": state["mixture_schedule"]["total"] + 1}},
+        ({"mixture_schedule": {**state["mixture_schedule"], "total": total + 1}},
          "mixture_schedule total"),
-        ({"mixture_schedule": {**state["mixture_schedule"], "consumed": {"flan": 0, "gsm8k": 0, "chat": state["mixture_schedule"]["total"]}}},
+        ({"mixture_schedule": {**state["mixture_schedule"], "consumed": {"flan": 0, "gsm8k": 0, "chat": total}}},
          "mixture_schedule consumed"),
         ({"mixture_schedule": {**state["mixture_schedule"], "source_offsets": {"flan": 1, "gsm8k": 2, "chat": 3}}},
          "mixture_schedule source_epochs and source_offsets of 'flan' must hold the"),
