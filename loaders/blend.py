@@ -39,9 +39,11 @@ Three sources of rows (unit ``"rows"``) at 0.5, 0.3 and 0.2; after seven rows so
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import reprlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +60,14 @@ class BlendState:
         return cls(consumed=(0,) * num_sources, total=0)
 
 
-def check_weights(weights: dict[str, float], sources: Sequence[str]) -> np.ndarray:
-    """The weights of ``sources``, in that order, normalised to sum to 1; ValueError naming a bad one."""
+def check_weights(weights: Mapping[str, Any], sources: Sequence[str]) -> np.ndarray:
+    """The weights of ``sources``, in that order, normalised to sum to 1; ValueError naming a bad one.
+
+    Any positive finite numbers: they are scaled by the largest before they are added up, so that
+    their sum cannot overflow. A weight too small beside the largest to keep a share is refused.
+    """
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"weights must be {{source name: positive weight}}, got {reprlib.repr(weights)}")
     unknown = sorted(set(weights) - set(sources))
     if unknown:
         raise ValueError(f"weights name {unknown[0]!r}, which is not a source of the mixture (sources: "
@@ -67,12 +75,27 @@ def check_weights(weights: dict[str, float], sources: Sequence[str]) -> np.ndarr
     missing = [name for name in sources if name not in weights]
     if missing:
         raise ValueError(f"source {missing[0]!r} has no weight; give every source a positive weight")
-    for name in sources:
-        value = weights[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
-            raise ValueError(f"source {name!r} has weight {value!r}; weights must be positive numbers")
-    values = np.array([float(weights[name]) for name in sources])
-    return values / values.sum()
+    values = np.array([_positive_weight(name, weights[name]) for name in sources])
+    shares = values / values.max()
+    shares /= shares.sum()
+    if not shares.min() > 0:
+        name = sources[int(shares.argmin())]
+        raise ValueError(f"source {name!r} has weight {weights[name]!r}, too small beside the largest "
+                         f"({float(values.max())!r}) to get any share; raise it or drop the source")
+    return shares
+
+
+def _positive_weight(name: str, value: Any) -> float:
+    """``value`` as a positive finite float; ValueError naming the source otherwise."""
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past the largest float
+            number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"source {name!r} has weight {reprlib.repr(value)}; weights must be positive finite numbers")
+    return number
 
 
 def integer_weights(weights: np.ndarray) -> list[int]:

@@ -27,21 +27,23 @@ import hashlib
 import importlib.util
 import json
 import os
+import reprlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from loaders.blend import BlendState, blend, check_weights
+from loaders.blend import BlendState, blend, check_weights, integer_weights
 from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
 from loaders.partition import resolve_rank
+from loaders.resume import from_state_dict
 from loaders.shard_reader import Shard
 from schemas import ManifestError, VarpackError, one_of, positive_int
 
@@ -74,6 +76,11 @@ class _StreamPosition:
 
     epoch: int = 0
     offset: int = 0
+
+
+_EpochStart = tuple[BlendState, tuple[_StreamPosition, ...]]
+SCHEDULE = "mixture_schedule"  # the state dict's key for where the state's mixture epoch starts
+MAX_COUNT = 1 << 53  # units or epochs a float counts exactly; no run reads as many
 
 
 def row_loss_tokens(shard: Shard) -> np.ndarray:
@@ -147,9 +154,11 @@ class PackedMixture(PackedIterableDataset):
         if tokens_per_batch is not None and batch_rows != 1:
             raise ValueError("give batch_rows or tokens_per_batch, not both")
         self.names = list(sources)
+        for name, path in sources.items():
+            _check_build(name, path)
         self.unit = one_of("unit", unit, MixtureUnit)
-        self.weights = check_weights(dict(weights), self.names)
-        self.max_epochs = _check_max_epochs(dict(max_epochs or {}), self.names)
+        self.weights = check_weights(weights, self.names)
+        self.max_epochs = _check_max_epochs(max_epochs, self.names)
         self.rank, self.world_size = resolve_rank(rank, world_size)
         # Each build read alone, by one rank, in rows: it checks the options, the build and its shuffle.
         self._readers: list[PackedIterableDataset] = []
@@ -197,9 +206,9 @@ class PackedMixture(PackedIterableDataset):
             raise ValueError(f"world size {self.world_size} is larger than the {num_rows} rows of the {self.source}: "
                              "some ranks would get no data; use fewer ranks or more data")
         self.fixed_shape = self._batch_shape(_summed_histograms(self._readers)) if pad_to_fixed_shape else None
-        # Where each mixture epoch starts: the schedule's state and each source's stream position.
-        self._epoch_starts: list[tuple[BlendState, tuple[_StreamPosition, ...]]] = [
-            (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))]
+        # Where each mixture epoch starts (the schedule's state and each source's stream position), by epoch.
+        self._epoch_starts: dict[int, _EpochStart] = {
+            0: (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))}
         self._latest_rows: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))  # the last epoch blended
         self._start_reading()
         if len(self) == 0:
@@ -238,13 +247,15 @@ class PackedMixture(PackedIterableDataset):
         ]
 
     def _identity(self) -> dict[str, Any]:
-        """The single build's settings, with the mixture (builds, weights, unit, caps) in place of one fingerprint."""
+        """The single build's settings, with the mixture (builds in order, weights, unit, caps) in place of one
+        fingerprint. The order counts: ties in the schedule go to the earlier source."""
         mixture = {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)}
         weights = dict(zip(self.names, self.weights.tolist()))
         max_epochs = dict(zip(self.names, self.max_epochs.tolist()))
-        described = json.dumps([mixture, weights, self.unit.value, max_epochs], sort_keys=True)
+        described = json.dumps([self.names, mixture, weights, self.unit.value, max_epochs], sort_keys=True)
         return {
             "fingerprint": hashlib.sha256(described.encode()).hexdigest()[:16],
+            "sources": list(self.names),
             "mixture": mixture,
             "weights": weights,
             "unit": self.unit.value,
@@ -260,18 +271,26 @@ class PackedMixture(PackedIterableDataset):
     # ---- the schedule -------------------------------------------------------------------
 
     def _epoch_rows(self, epoch: int) -> np.ndarray:
-        """Global row ids (source ``i``'s rows after those of the sources before it) of mixture epoch ``epoch``."""
-        while len(self._epoch_starts) <= epoch + 1:
-            last = len(self._epoch_starts) - 1
-            rows, end = self._blend_epoch(last)
-            self._epoch_starts.append(end)
-            self._latest_rows = (last, rows)
-        return self._latest_rows[1] if self._latest_rows[0] == epoch else self._blend_epoch(epoch)[0]
+        """Global row ids (source ``i``'s rows after those of the sources before it) of mixture epoch ``epoch``.
+
+        Blends from the latest epoch whose start is known (epoch 0, or one a loaded state names).
+        """
+        if self._latest_rows[0] != epoch:
+            for known in range(max(e for e in self._epoch_starts if e <= epoch), epoch + 1):
+                rows, end = self._blend_epoch(known)
+                self._epoch_starts.setdefault(known + 1, end)
+            self._latest_rows = (epoch, rows)
+        return self._latest_rows[1]
+
+    def _epoch_start(self, epoch: int) -> _EpochStart:
+        """Where mixture epoch ``epoch`` starts: the schedule's state and each source's stream position."""
+        if epoch not in self._epoch_starts:
+            self._epoch_rows(epoch)
+        return self._epoch_starts[epoch]
 
     def source_epochs(self, epoch: int) -> dict[str, float]:
         """How many epochs of each build the stream has read by the end of mixture epoch ``epoch``: the repetition."""
-        self._epoch_rows(epoch + 1)
-        positions = self._epoch_starts[epoch + 1][1]
+        positions = self._epoch_start(epoch + 1)[1]
         return {name: p.epoch + p.offset / reader.manifest.num_rows
                 for name, reader, p in zip(self.names, self._readers, positions)}
 
@@ -321,6 +340,83 @@ class PackedMixture(PackedIterableDataset):
         offset = position.offset + rows
         return _StreamPosition(position.epoch + offset // per_epoch, offset % per_epoch)
 
+    # ---- resume ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``PackedIterableDataset``'s state, with where the schedule of its mixture epoch starts
+        (``mixture_schedule``), so that a resume does not blend every epoch before it again."""
+        schedule, positions = self._epoch_start(self.epoch)
+        return {**super().state_dict(), SCHEDULE: {
+            "total": int(schedule.total),
+            "consumed": {name: int(c) for name, c in zip(self.names, schedule.consumed)},
+            "source_epochs": {name: p.epoch for name, p in zip(self.names, positions)},
+            "source_offsets": {name: p.offset for name, p in zip(self.names, positions)}}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the position in ``state_dict`` (see ``PackedIterableDataset``), its epoch's schedule starting
+        where the state says, once that start is checked against the builds and the weights."""
+        epoch = from_state_dict(state_dict, self._identity()).epoch
+        start = self._saved_epoch_start(epoch, _reader_state(state_dict).get(SCHEDULE))
+        if self._epoch_starts.setdefault(epoch, start) != start:
+            raise ValueError(f"loader state: {SCHEDULE} is not where mixture epoch {epoch} starts; the state is "
+                             "corrupt or was edited")
+        before = dict(self._epoch_starts), self._latest_rows, self._plan_cache
+        try:
+            super().load_state_dict(state_dict)
+        except ValueError:
+            self._epoch_starts, self._latest_rows, self._plan_cache = before
+            raise
+
+    def _saved_epoch_start(self, epoch: int, saved: Any) -> _EpochStart:
+        """The start of mixture epoch ``epoch`` that a state saved; ValueError naming a field that cannot be one.
+
+        Checks what the schedule keeps at every prefix: the units taken in all end the epoch before
+        (less than a row past its last unit), each source is within a row of its share, and each
+        source's stream position holds exactly the units it has taken, within its ``max_epochs``.
+        """
+        largest = max(int(u.max()) for u in self._row_units)
+        epoch_units = int(sum(int(u.sum()) for u in self._row_units))
+        if (epoch + 1) * epoch_units >= MAX_COUNT:
+            raise ValueError(f"loader state: epoch {epoch} is beyond any run's (it starts {epoch} x {epoch_units} "
+                             f"{self.unit.value} in); the state is corrupt or was edited")
+        if saved is None:
+            raise ValueError(f"loader state: {SCHEDULE} is missing; the state is incomplete or was saved by an older "
+                             "varpack, save it again")
+
+        def refuse(field: str, must: str) -> NoReturn:
+            raise ValueError(f"loader state: {SCHEDULE} {field} must {must}; the state is corrupt or was edited")
+
+        if not isinstance(saved, dict):
+            raise ValueError(f"loader state: {SCHEDULE} must be an object; the state is corrupt or was edited")
+        fields = {}
+        for field in ("consumed", "source_epochs", "source_offsets"):
+            value = saved.get(field)
+            if not (isinstance(value, dict) and list(value) == self.names
+                    and all(type(v) is int and 0 <= v < MAX_COUNT for v in value.values())):
+                refuse(field, f"be {{name: non-negative integer}} for the sources {', '.join(self.names)}")
+            fields[field] = list(value.values())
+        consumed, total = fields["consumed"], saved.get("total")
+        if type(total) is not int or total != sum(consumed) or not 0 <= total - epoch * epoch_units < largest:
+            refuse("total", f"be the sum of consumed, where mixture epoch {epoch - 1} ends: in "
+                            f"[{epoch * epoch_units}, {epoch * epoch_units + largest})")
+        shares = integer_weights(self.weights)
+        whole = sum(shares)
+        for c, m in zip(consumed, shares):
+            if abs(c * whole - m * total) >= largest * whole:
+                refuse("consumed", "keep every source within a row of its share of total")
+        positions = []
+        for i, (reader, units, cap) in enumerate(zip(self._readers, self._row_units, self.max_epochs.tolist())):
+            build_epoch, offset = fields["source_epochs"][i], fields["source_offsets"][i]
+            if offset >= reader.manifest.num_rows or (cap and (build_epoch, offset) > (cap, 0)):
+                refuse("source_offsets", f"stand within {self.names[i]!r}'s {reader.manifest.num_rows} rows and its "
+                                         f"max_epochs")
+            held = build_epoch * int(units.sum()) + int(units[reader._epoch_rows(build_epoch)[:offset]].sum())
+            if held != consumed[i]:
+                refuse(f"source_epochs and source_offsets of {self.names[i]!r}",
+                       f"hold the {consumed[i]} {self.unit.value} it consumed")
+            positions.append(_StreamPosition(build_epoch, offset))
+        return BlendState(tuple(consumed), total), tuple(positions)
+
     # ---- batches --------------------------------------------------------------------------
 
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
@@ -335,14 +431,36 @@ class PackedMixture(PackedIterableDataset):
         return add_loss_weights(batch, shard_rows, self.loss_weighting, self._id_offsets[source_of_row].tolist())
 
 
-def _check_max_epochs(max_epochs: dict[str, Any], names: list[str]) -> np.ndarray:
+def _reader_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The reader's own state in a dataset or StatefulDataLoader state dict (one ``from_state_dict`` has read)."""
+    if "_snapshot" in state:
+        return _reader_state(next(iter(state["_snapshot"]["_worker_snapshots"].values()))["dataset_state"])
+    if "_num_yielded" in state and "dataset_state" in state:
+        return _reader_state(state["dataset_state"])
+    return state
+
+
+def _check_build(name: str, build: Any) -> None:
+    """ValueError naming source ``name`` unless ``build`` can name a build (a non-empty path or URL)."""
+    if isinstance(build, os.PathLike):
+        build = os.fspath(build)
+    if not isinstance(build, str) or not build or "\0" in build:
+        raise ValueError(f"sources[{name!r}] must be a build directory, manifest or URL (a non-empty string without "
+                         f"NUL), got {reprlib.repr(build)}")
+
+
+def _check_max_epochs(max_epochs: Any, names: list[str]) -> np.ndarray:
     """Each source's epoch cap (0: none), in source order; ValueError naming an unknown source or a bad cap."""
+    if max_epochs is None:
+        max_epochs = {}
+    if not isinstance(max_epochs, Mapping):
+        raise ValueError(f"max_epochs must be {{source name: positive integer}}, got {reprlib.repr(max_epochs)}")
     for name, cap in max_epochs.items():
         if name not in names:
             raise ValueError(f"max_epochs names {name!r}, which is not a source of the mixture (sources: "
                              f"{', '.join(names)})")
-        if cap is not None:
-            positive_int(f"max_epochs[{name!r}]", cap)
+        if cap is not None and positive_int(f"max_epochs[{name!r}]", cap) > MAX_COUNT:
+            raise ValueError(f"max_epochs[{name!r}] must be at most 2**53 (or absent, for no cap), got {cap!r}")
     return np.array([max_epochs.get(name) or 0 for name in names], dtype=np.int64)
 
 
@@ -395,10 +513,14 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read the mixture file ({err.strerror})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read the mixture file ({getattr(err, 'strerror', None) or err})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_object_without_repeats)
+    except _RepeatedKey as err:
+        raise ValueError(f"{path}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a JSON mixture file (nested too deeply)") from None
     except ValueError as err:
         raise ValueError(f"{path}: not a JSON mixture file ({err})") from None
     if not isinstance(data, dict):
@@ -409,10 +531,31 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     for key in ("sources", "weights"):
         if not isinstance(data.get(key), dict) or not data[key]:
             raise ValueError(f"{path}: {key!r} must be a non-empty object of {{name: value}}")
-    sources = {name: str(path.parent / build) if "://" not in str(build) else str(build)
-               for name, build in data["sources"].items()}
-    return {"sources": sources, "weights": data["weights"], "unit": data.get("unit", "tokens"),
-            "max_epochs": data.get("max_epochs")}
+    unit, max_epochs = data.get("unit", "tokens"), data.get("max_epochs")
+    try:  # each field as PackedMixture checks it, so that the error names the file
+        for name, build in data["sources"].items():
+            _check_build(name, build)
+        check_weights(data["weights"], list(data["sources"]))
+        one_of("unit", unit, MixtureUnit)
+        _check_max_epochs(max_epochs, list(data["sources"]))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    sources = {name: str(path.parent / build) if "://" not in build else build for name, build in data["sources"].items()}
+    return {"sources": sources, "weights": data["weights"], "unit": unit, "max_epochs": max_epochs}
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object names a key twice (``json`` would keep the last silently)."""
+
+
+def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; _RepeatedKey naming a key given twice."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _RepeatedKey(f"{key!r} is given twice in one object; name each source, weight and cap once")
+        found[key] = value
+    return found
 
 
 def units_per_step(mixture: PackedMixture, steps: int) -> np.ndarray:
@@ -475,6 +618,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loaders.mixture")
                         "--steps batches against its weight, as a PNG (needs matplotlib: pip install 'varpack[plot]')")
     args = parser.parse_args(argv)
     try:
+        for option, value in (("--steps", args.steps), ("--batch-rows", args.batch_rows)):
+            if value < 1:
+                raise ValueError(f"{option} must be a positive integer, got {value}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib, which is not installed; pip install 'varpack[plot]'")
         mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,

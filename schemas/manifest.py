@@ -349,6 +349,7 @@ class Manifest:
 # The JSON Schema keywords manifest.schema.json may use: those _check_node applies, and annotations.
 _SCHEMA_KEYWORDS = frozenset(
     {"type", "const", "enum", "minimum", "maximum", "pattern", "required", "properties", "additionalProperties", "items"}
+    | {"propertyNames"}
     | {"if", "then"}
     | {"$schema", "$id", "title", "description"}
 )
@@ -398,11 +399,22 @@ def _problem(value: Any, schema: dict[str, Any]) -> str | None:
 
 
 def _check_node(value: Any, schema: dict[str, Any], where: str, source: str) -> None:
-    """Check ``value`` and its members against ``schema``; raise ManifestError naming the field at ``where``."""
+    """Check ``value`` and its members against ``schema``; raise ManifestError naming the field at ``where``.
+
+    Beyond the schema, no string and no key holds a NUL byte: names and paths reach the file system,
+    which cannot take one.
+    """
+    if isinstance(value, str) and "\0" in value:
+        raise ManifestError(f"{source}: field {where} holds a NUL byte, which no name or path may hold")
     problem = _problem(value, schema)
     if problem:
         raise ManifestError(f"{source}: field {where or '(the manifest)'} {problem}")
     if isinstance(value, dict):
+        for key in value:
+            if "\0" in key:
+                raise ManifestError(f"{source}: field {where or '(the manifest)'} has a key that holds a NUL byte")
+            if "propertyNames" in schema and _problem(key, schema["propertyNames"]):
+                raise ManifestError(f"{source}: field {where} has key {key!r}, which {_problem(key, schema['propertyNames'])}")
         for key in schema.get("required", ()):
             if key not in value:
                 raise ManifestError(f"{source}: missing field {where + '.' if where else ''}{key}")

@@ -25,7 +25,8 @@ from pipeline.inspect import format_rows, main
 from pipeline.pack import main as pack_main
 from pipeline.report.figures import REPORT_NAME
 from pipeline.write.random_build import random_token_build
-from schemas import MANIFEST_NAME, read_manifest
+from schemas import MANIFEST_NAME, BuildInputs, ManifestError, compute_fingerprint, read_manifest
+from schemas.manifest import manifest_digest, shards_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -214,6 +215,54 @@ def test_bad_builds_fail_in_one_line(tmp_path: Path, capsys, setup: str, message
     assert main([str(target), *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.match(message, err[0]), err
+
+
+def forged(build: Path, edit) -> Path:
+    """``build`` with its manifest edited by ``edit`` and every digest recomputed, as a forger would."""
+    path = build / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    data["fingerprint"] = compute_fingerprint(BuildInputs.from_dict(data["inputs"]))
+    data["shards_digest"] = shards_digest(data["shards"])
+    del data["manifest_digest"]
+    data["manifest_digest"] = manifest_digest(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda data: data.update(rows_per_shard=2**62), "field rows_per_shard must be at most 2147483647, got"),
+        (lambda data: data["inputs"]["tokenizer"].update(name="gpt\x002"), "field inputs.tokenizer.name holds a NUL"),
+        (lambda data: data["shards"][0].update(path="shard\x00-00000.arrow"), r"field shards\[0\].path holds a NUL"),
+        (lambda data: data["stats"].update(segments_per_row={"many": 2}),
+         "field stats.segments_per_row has key 'many', which must match"),
+    ],
+    ids=["rows-per-shard-2**62", "nul-in-tokenizer-name", "nul-in-shard-path", "segments-key-not-a-number"],
+)
+def test_a_forged_manifest_is_one_line_naming_the_file_and_field(tmp_path: Path, capsys, edit, field: str) -> None:
+    """A manifest whose digests were recomputed after an edit is refused by inspect and the loader alike."""
+    build = tmp_path / "build"
+    random_token_build(build, [3, 4, 5], capacity=8)
+    path = forged(build, edit)
+    message = rf"{re.escape(str(path))}: {field}"
+    for args in ([], ["--rows", "1"]):
+        assert main([str(build), *args]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.match(rf"^varpack: error: {message}", err[0]), err
+    with pytest.raises(ManifestError, match=message):
+        next(iter(PackedIterableDataset(build)))
+
+
+@pytest.mark.parametrize(("option", "value"), [("--steps", "-1"), ("--steps", "0"), ("--batch-rows", "0")])
+def test_inspect_of_a_mixture_names_a_bad_option(tmp_path: Path, capsys, option: str, value: str) -> None:
+    for name in ("a", "b"):
+        random_token_build(tmp_path / name, [3, 4, 5], capacity=8)
+    mixture = tmp_path / "mixture.json"
+    mixture.write_text(json.dumps({"sources": {"a": "a", "b": "b"}, "weights": {"a": 1, "b": 1}}))
+    assert cli.main(["inspect", str(mixture), option, value]) == 1
+    assert capsys.readouterr().err == f"varpack inspect: error: {option} must be a positive integer, got {value}\n"
 
 
 def test_varpack_dispatches_to_the_commands(packed: Path, capsys) -> None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +26,7 @@ from schemas import ManifestError
 from tests.shard_factory import build_shard_dir
 
 CAPACITY = 64
+ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = {"flan": 0.5, "gsm8k": 0.3, "chat": 0.2}
 
 
@@ -268,6 +274,56 @@ def test_a_state_of_another_mixture_or_other_weights_is_refused(builds):
         mixture(builds).load_state_dict(PackedIterableDataset(builds["flan"].path, batch_rows=2, seed=3).state_dict())
 
 
+def test_a_state_of_the_same_mixture_with_its_sources_reordered_is_refused(builds):
+    """Ties go to the earlier source, so the order of the sources is part of the schedule."""
+    reordered = {name: builds[name].path for name in ("chat", "gsm8k", "flan")}
+
+    def rows(data):
+        return [sequences(batch) for batch in data]
+
+    assert rows(mixture(builds, unit="rows")) != rows(PackedMixture(reordered, weights=WEIGHTS, unit="rows", batch_rows=2,
+                                                                     seed=3))
+    first = mixture(builds, unit="rows")
+    iterator = iter(first)
+    next(iterator)
+    with pytest.raises(ValueError, match=r"sources \['flan', 'gsm8k', 'chat'\] -> \['chat', 'gsm8k', 'flan'\]") as raised:
+        PackedMixture(reordered, weights=WEIGHTS, unit="rows", batch_rows=2, seed=3).load_state_dict(first.state_dict())
+    assert "\n" not in str(raised.value)
+
+
+def test_a_state_of_a_late_epoch_resumes_without_replaying_the_epochs_before_it(builds):
+    """The state carries where its epoch's schedule starts; a forged epoch or schedule is refused at once."""
+    late = mixture(builds)
+    late.set_epoch(40)
+    state = late.state_dict()
+    expected = list(late)
+    resumed = mixture(builds)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert sorted(resumed._epoch_starts) == [0, 1, 40, 41]  # epochs 1 to 39 were not blended again
+    assert_same_batches(list(resumed), expected)
+    started = time.perf_counter()
+    total = state["mixture_schedule"]["total"]
+    for edit, message in (
+        ({"epoch": 10**9}, "mixture_schedule total"),
+        ({"epoch": 10**30}, f"epoch {10**30} is beyond"),
+        ({"mixture_schedule": None}, "mixture_schedule is missing"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "total": total + 1}},
+         "mixture_schedule total"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "consumed": {"flan": 0, "gsm8k": 0, "chat": total}}},
+         "mixture_schedule consumed"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "source_offsets": {"flan": 1, "gsm8k": 2, "chat": 3}}},
+         "mixture_schedule source_epochs and source_offsets of 'flan' must hold the"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "source_offsets": {"flan": 10**6, "gsm8k": 0, "chat": 0}}},
+         "mixture_schedule source_offsets must stand within 'flan'"),
+        ({"mixture_schedule": {**state["mixture_schedule"], "source_epochs": {"flan": True, "gsm8k": 0, "chat": 0}}},
+         "mixture_schedule source_epochs"),
+    ):
+        with pytest.raises(ValueError, match=message) as raised:
+            mixture(builds).load_state_dict({**state, **edit})
+        assert "\n" not in str(raised.value)
+    assert time.perf_counter() - started < 1.5
+
+
 def test_fixed_shapes_and_sequence_loss_weights(builds):
     for buckets in (False, True):
         data = mixture(builds, pad_to_fixed_shape=True, bucket_shapes=buckets, loss_reduction="sequence")
@@ -318,6 +374,80 @@ def test_mixture_file(builds, tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_mixture_file(path)
+
+
+SOURCES = '"sources": {"flan": "flan", "gsm8k": "gsm8k"}'
+EQUAL = '"weights": {"flan": 1, "gsm8k": 1}'
+BAD_MIXTURE_FILES = {  # the file's text, and what the error says after the file's name
+    "weights-whose-sum-overflows": ('{%s, "weights": {"flan": 1e308, "gsm8k": 1e308}, "unit": "rows"}' % SOURCES, None),
+    "integer-weight-of-1e38": ('{%s, "weights": {"flan": %d, "gsm8k": 1}}' % (SOURCES, 10**38), None),
+    "integer-weight-past-floats": ('{%s, "weights": {"flan": %d, "gsm8k": 1}}' % (SOURCES, 10**400),
+                                   "source 'flan' has weight 1000"),
+    "build-path-not-a-string": ('{"sources": {"flan": 5, "gsm8k": "gsm8k"}, %s}' % EQUAL,
+                                "sources['flan'] must be a build directory"),
+    "max-epochs-a-list": ('{%s, %s, "max_epochs": [1]}' % (SOURCES, EQUAL), "max_epochs must be {source name"),
+    "max-epochs-a-number": ('{%s, %s, "max_epochs": 3}' % (SOURCES, EQUAL), "max_epochs must be {source name"),
+    "max-epochs-of-1e23": ('{%s, %s, "max_epochs": {"gsm8k": %d}}' % (SOURCES, EQUAL, 10**23),
+                           "max_epochs['gsm8k'] must be at most 2**53"),
+    "nan-weight": ('{%s, "weights": {"flan": NaN, "gsm8k": 1}}' % SOURCES, "source 'flan' has weight nan"),
+    "infinite-weight": ('{%s, "weights": {"flan": 1, "gsm8k": Infinity}}' % SOURCES, "source 'gsm8k' has weight inf"),
+    "negative-weight": ('{%s, "weights": {"flan": -0.5, "gsm8k": 1}}' % SOURCES, "source 'flan' has weight -0.5"),
+    "boolean-weight": ('{%s, "weights": {"flan": true, "gsm8k": 1}}' % SOURCES, "source 'flan' has weight True"),
+    "weight-too-small-for-a-share": ('{%s, "weights": {"flan": 5e-324, "gsm8k": 1e308}}' % SOURCES,
+                                     "source 'flan' has weight 5e-324, too small"),
+    "weights-not-an-object": ('{%s, "weights": [1, 1]}' % SOURCES, "'weights' must be a non-empty object"),
+    "no-sources": ('{"sources": {}, %s}' % EQUAL, "'sources' must be a non-empty object"),
+    "a-source-named-twice": ('{"sources": {"flan": "flan", "flan": "gsm8k"}, "weights": {"flan": 1}}',
+                             "'flan' is given twice in one object"),
+    "a-weight-named-twice": ('{%s, "weights": {"flan": 1, "gsm8k": 1, "gsm8k": 9}}' % SOURCES,
+                             "'gsm8k' is given twice"),
+    "empty-build-path": ('{"sources": {"flan": "flan", "gsm8k": ""}, %s}' % EQUAL, "sources['gsm8k'] must be"),
+    "nul-in-build-path": ('{"sources": {"flan": "fl\\u0000an", "gsm8k": "gsm8k"}, %s}' % EQUAL,
+                          "sources['flan'] must be"),
+    "boolean-max-epochs": ('{%s, %s, "max_epochs": {"flan": true}}' % (SOURCES, EQUAL),
+                           "max_epochs['flan'] must be a positive integer, got True"),
+    "unit-not-a-string": ('{%s, %s, "unit": 5}' % (SOURCES, EQUAL), "unit must be one of"),
+    "nested-too-deeply": ("[" * 100_000 + "]" * 100_000, "not a JSON mixture file"),
+}
+
+
+AUDITED = {"weights-whose-sum-overflows", "integer-weight-of-1e38", "build-path-not-a-string", "max-epochs-a-list",
+           "max-epochs-a-number", "max-epochs-of-1e23"}  # run as a subprocess too: the tracebacks an audit found
+
+
+@pytest.mark.parametrize("case", BAD_MIXTURE_FILES)
+def test_bad_mixture_files_are_one_line_errors(builds, tmp_path, case, capsys):
+    """A mixture file that is not one is a one-line error naming the file and the field, from the Python API,
+    ``varpack inspect`` and ``train.py --mixture``; weights that overflow a float sum, or integers as weights,
+    are read as the shares they stand for."""
+    from pipeline import cli
+
+    for name in ("flan", "gsm8k"):
+        (tmp_path / name).symlink_to(builds[name].path)
+    text, message = BAD_MIXTURE_FILES[case]
+    path = tmp_path / "mixture.json"
+    path.write_text(text)
+    inspect = ["inspect", str(path), "--steps", "3"]
+    if case in AUDITED:
+        run = subprocess.run([sys.executable, "-m", "pipeline.cli", *inspect], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        returncode, stderr = run.returncode, run.stderr
+    else:
+        returncode, stderr = cli.main(inspect), capsys.readouterr().err
+    if message is None:  # read as the shares it stands for
+        assert returncode == 0, stderr
+        data = PackedMixture(**load_mixture_file(path), batch_rows=2)
+        assert np.all(data.weights > 0) and data.weights.sum() == pytest.approx(1)
+        return
+    pattern = re.escape(f"{path}: {message}")
+    with pytest.raises(ValueError, match=pattern) as raised:
+        PackedMixture(**load_mixture_file(path), batch_rows=2)
+    assert "\n" not in str(raised.value)
+    assert returncode == 1 and re.fullmatch(rf"varpack inspect: error: {pattern}.*\n", stderr), stderr
+    from tests.test_train import MODEL, load_script
+
+    with pytest.raises(SystemExit, match=rf"train.py: error: {pattern}"):
+        load_script().main(["--mixture", str(path), "--random-init", MODEL, "--out", str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("trainer", ["plain", "hf"])

@@ -265,7 +265,7 @@ def schema_breaking_changes(
     if "minimum" in schema:
         yield f"{name} below minimum", path, schema["minimum"] - 1
     if "maximum" in schema:
-        yield f"{name} above maximum", path, schema["maximum"] + 0.5
+        yield f"{name} above maximum", path, schema["maximum"] + (1 if "integer" in types else 0.5)
     if "pattern" in schema:
         yield f"{name} breaks pattern", path, "XYZ"
     if "enum" in schema or "const" in schema:
@@ -273,6 +273,8 @@ def schema_breaking_changes(
     if isinstance(data, dict):
         for key in schema.get("required", []):
             yield f"{name}.{key} missing", path + (key,), DELETE
+        if "propertyNames" in schema:
+            yield f"{name} has a key that breaks propertyNames", path + ("XYZ",), 1
         if schema.get("additionalProperties") is False:
             yield f"{name} has an unknown field", path + ("unexpected",), 1
         for key, sub in schema.get("properties", {}).items():
@@ -422,6 +424,48 @@ def test_the_code_also_checks_rules_across_fields(path: tuple[Any, ...], value: 
     data = changed(BASE, path, value)
     assert schema_accepts(data), "a rule the JSON Schema can state belongs in the schema file"
     with pytest.raises(ManifestError, match=f"^{MANIFEST_NAME}: {message}"):
+        validate_manifest(data)
+
+
+def string_leaves(data: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """The path of every string value in ``data``."""
+    if isinstance(data, str):
+        yield path
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            yield from string_leaves(value, path + (key,))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from string_leaves(value, path + (i,))
+
+
+@pytest.mark.parametrize("path", [path for path in string_leaves(BASE) if path != ("format",)],  # "not a varpack manifest"
+                         ids=lambda path: ".".join(map(str, path)))
+def test_no_string_of_a_manifest_holds_a_nul_byte(path: tuple[Any, ...]) -> None:
+    """Names and paths reach the file system and the tokenizer loader, which take no NUL."""
+    original = BASE
+    for key in path:
+        original = original[key]
+    where = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path).lstrip(".")
+    with pytest.raises(ManifestError, match=f"^{MANIFEST_NAME}: field {re.escape(where)} holds a NUL byte"):
+        validate_manifest(changed(BASE, path, original[:1] + "\x00" + original[1:]))
+    with pytest.raises(ManifestError, match="field rejected.by_reason has a key that holds a NUL byte"):
+        validate_manifest(changed(BASE, ("rejected", "by_reason"), {"bad\x00row": 1}))
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [(("rows_per_shard",), "rows_per_shard"), (("capacity",), "capacity"), (("inputs", "max_len"), "inputs.max_len"),
+     (("inputs", "rows_per_shard"), "inputs.rows_per_shard"), (("inputs", "tokenizer", "vocab_size"),
+     "inputs.tokenizer.vocab_size"), (("shards", 0, "rows"), "shards[0].rows"), (("shards", 0, "tokens"), "shards[0].tokens")],
+)
+def test_integers_that_size_arrays_are_bounded_by_int32(path: tuple[Any, ...], field: str) -> None:
+    """Row capacity, rows and tokens per shard and the vocabulary: a forged 2**62 is refused, naming the field
+    (a shuffle window of four shards of 2**62 rows would overflow int64)."""
+    data = changed(BASE, path, 2**62)
+    assert not schema_accepts(data)
+    with pytest.raises(ManifestError, match=rf"^{MANIFEST_NAME}: field {re.escape(field)} must be at most 214748364[78], "
+                                            f"got {2**62}$"):
         validate_manifest(data)
 
 
