@@ -44,7 +44,18 @@ from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
 from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
-from loaders.train.hf_trainer import loader_state_name  # noqa: E402
+from loaders.train.checkpoint import (  # noqa: E402
+    incomplete_checkpoints,
+    latest_checkpoint,
+    load_loader_state,
+    load_training_state,
+    partial_checkpoint,
+    publish_checkpoint,
+    remove_partial_checkpoints,
+    save_loader_state,
+    save_training_state,
+    start_checkpoint,
+)
 from loaders.train.loss_head import SEQUENCE_LOSSES, use_loss_position_head  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     compile_layers,
@@ -58,8 +69,6 @@ from loaders.train.models import (  # noqa: E402
 from loaders.train.source_loss import SourceLosses  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
-
-CHECKPOINT_PREFIX = "checkpoint-"
 
 
 @dataclass
@@ -205,11 +214,6 @@ class Logger:
             f.write(json.dumps(record) + "\n")
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    found = sorted(out.glob(f"{CHECKPOINT_PREFIX}*"), key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
-    return found[-1] if found else None
-
-
 # ---- the plain PyTorch loop -----------------------------------------------------------------
 
 
@@ -232,20 +236,58 @@ def init_distributed() -> tuple[int, torch.device]:
     return dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def rng_state() -> dict[str, Any]:
+    """torch's, numpy's and Python's RNG states as tensors and plain values (what ``weights_only`` loads)."""
+    numpy_state = np.random.get_state(legacy=False)
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
+                                               "pos": numpy_state["state"]["pos"]}}}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+                                                  "pos": numpy_state["state"]["pos"]}})
+
+
 def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> Path:
-    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position."""
-    path = out / f"{CHECKPOINT_PREFIX}{step}"
+    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position.
+
+    Written into a temporary directory that is renamed ``checkpoint-STEP`` once every rank has written its part.
+    """
+    distributed = world_size() > 1
     if dataset.rank == 0:
-        model.save_pretrained(path)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
-                   path / "training_state.pt")
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-    torch.save(dataset.state_dict(), path / loader_state_name(dataset.rank))
-    if world_size() > 1:
-        torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
+        start_checkpoint(out, step)
+    if distributed:
+        torch.distributed.barrier()  # the temporary directory exists
+    partial = partial_checkpoint(out, step)
+    if dataset.rank == 0:
+        model.save_pretrained(partial)
+        save_training_state(partial, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                      "step": step, "rng": rng_state()})
+    save_loader_state(partial, dataset.rank, dataset.state_dict())
+    if distributed:
+        torch.distributed.barrier()  # every rank has written its part
+    path = publish_checkpoint(out, step) if dataset.rank == 0 else out / f"checkpoint-{step}"
+    if distributed:
+        torch.distributed.barrier()  # published before any rank goes on
     return path
+
+
+def find_checkpoint(out: Path, rank: int) -> Path | None:
+    """The newest complete checkpoint in ``out``; rank 0 says which incomplete ones it passes over and removes
+    the temporary directories of saves that were killed."""
+    ranks = world_size()
+    if rank == 0:
+        for path in remove_partial_checkpoints(out):
+            print(json.dumps({"removed_unfinished_checkpoint": str(path)}), flush=True)
+        for path in incomplete_checkpoints(out, ranks):
+            print(json.dumps({"skipped_incomplete_checkpoint": str(path)}), flush=True)
+    if ranks > 1:
+        torch.distributed.barrier()  # nothing is removed while another rank looks
+    return latest_checkpoint(out, ranks)
 
 
 def train_plain(config: TrainConfig) -> None:
@@ -261,7 +303,7 @@ def train_plain(config: TrainConfig) -> None:
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
-    checkpoint = latest_checkpoint(out) if config.resume else None
+    checkpoint = find_checkpoint(out, rank) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
     model.train()
     if not config.full_logits:
@@ -277,14 +319,12 @@ def train_plain(config: TrainConfig) -> None:
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
     if checkpoint is not None:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+        state = load_training_state(checkpoint)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        dataset.load_state_dict(torch.load(checkpoint / loader_state_name(rank), weights_only=False))
+        set_rng_state(state["rng"])
+        dataset.load_state_dict(load_loader_state(checkpoint, rank))
         if rank == 0:
             print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 
@@ -420,7 +460,7 @@ def train_hf(config: TrainConfig) -> None:
                 logger.write(record)
 
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
-    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out) else None)
+    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out, world_size()) else None)
 
 
 # What each option of TrainConfig does, for --help.

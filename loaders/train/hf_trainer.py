@@ -19,9 +19,12 @@ What the trainers add to the ones they subclass:
   weight sum) of the whole global batch: every micro-batch of the window on every rank, from the
   counts the batches carry (one all-reduce, no device sync), so the loss and its gradients equal
   one big batch's.
-- Every checkpoint holds each rank's loader position (``loader_state.pt``,
-  ``loader_state-rankN.pt``), and ``train(resume_from_checkpoint=...)`` restores it, so the run
-  continues at the exact batch; the trainer's own data skipping is off.
+- Every checkpoint holds each rank's loader position as JSON (``loader_state.json``,
+  ``loader_state-rankN.json``, written after the trainer's files), and
+  ``train(resume_from_checkpoint=...)`` restores it, so the run continues at the exact batch; the
+  trainer's own data skipping is off. ``resume_from_checkpoint=True`` takes the newest checkpoint
+  that holds every rank's loader state, passing over one a killed save left incomplete. Nothing
+  of a checkpoint is unpickled (``loaders/train/checkpoint.py``).
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second; and,
   on a PackedMixture, ``PackedTrainer``'s carry ``train_NAME_loss``: each source's mean token loss
   over all ranks since the last log (``loaders.train.source_loss``; the plain mean, whatever the
@@ -52,19 +55,12 @@ from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
 from loaders.mixture import PackedMixture
 from loaders.train import models as training
+from loaders.train.checkpoint import LOADER_STATE, latest_checkpoint, load_loader_state, loader_state_name, save_loader_state
 from loaders.train.distributed import global_loss_tokens, world_size
 from loaders.train.evaluate import evaluate_sources, pooled_summary
 from loaders.train.loss import weighted_causal_lm_loss
 from loaders.train.loss_head import SEQUENCE_LOSSES
 from loaders.train.source_loss import SourceLosses
-
-LOADER_STATE = "loader_state.pt"
-
-
-def loader_state_name(rank: int) -> str:
-    """Each rank saves its own loader position; rank 0's (the only one of a single process) keeps the plain name."""
-    return LOADER_STATE if rank == 0 else LOADER_STATE.replace(".pt", f"-rank{rank}.pt")
-
 
 class EpochAfterEpoch(IterableDataset):
     """The dataset's batches, epoch after epoch, without end; ``set_epoch`` is called at each new epoch."""
@@ -184,18 +180,10 @@ class PackedTrainerMixin(_TrainerBase):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""
-        from transformers.trainer_utils import get_last_checkpoint
-
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the trainer's error
+        if resume_from_checkpoint is True:  # the newest complete checkpoint; True: the trainer's error
+            resume_from_checkpoint = latest_checkpoint(self.args.output_dir, world_size()) or True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            path = os.path.join(resume_from_checkpoint, loader_state_name(self.packed_dataset.rank))
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"{path}: the checkpoint holds no loader position for rank {self.packed_dataset.rank}; it was not "
-                    f"written by {type(self).__name__}, so the data position cannot be restored"
-                )
-            self.packed_dataset.load_state_dict(torch.load(path, weights_only=False))
+            self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, self.packed_dataset.rank))
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -206,7 +194,8 @@ class PackedTrainerMixin(_TrainerBase):
 
         path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(path, exist_ok=True)
-        torch.save(self.packed_dataset.state_dict(), os.path.join(path, loader_state_name(self.packed_dataset.rank)))
+        # Written last: a checkpoint that holds every rank's loader state is complete (loaders.train.checkpoint).
+        save_loader_state(path, self.packed_dataset.rank, self.packed_dataset.state_dict())
         if world_size() > 1:
             torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
 
