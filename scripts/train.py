@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import random
 import sys
 import time
@@ -45,6 +46,7 @@ from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.train.checkpoint import (  # noqa: E402
+    CheckpointError,
     incomplete_checkpoints,
     latest_checkpoint,
     load_loader_state,
@@ -58,6 +60,7 @@ from loaders.train.checkpoint import (  # noqa: E402
 )
 from loaders.train.loss_head import SEQUENCE_LOSSES, use_loss_position_head  # noqa: E402
 from loaders.train.models import (  # noqa: E402
+    check_trained_tokens,
     compile_layers,
     count_on_device,
     linear_warmup,
@@ -122,15 +125,36 @@ def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
     return name, values
 
 
+def check_config_overrides(spec: str, defaults: Any, overrides: dict[str, Any]) -> None:
+    """Refuse an override whose value is not of the kind of the config's default (``hidden_size=abc``)."""
+    kinds = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"))
+    for key, value in overrides.items():
+        default = getattr(defaults, key, None)
+        for kind, described in kinds:
+            if isinstance(default, kind):
+                accepted = (int, float) if kind is float else kind
+                if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+                    raise ValueError(f"--random-init {spec}: {key}={value!r} must be {described} "
+                                     f"(the config's default is {default!r})")
+                break
+
+
 def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, checkpoint: Path | None = None):
     """The model to train: a checkpoint's weights, a Hub id / directory's weights, or a random init."""
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if checkpoint is not None or config.model:
         gguf_file = None if checkpoint is not None else config.gguf_file or None
-        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32, gguf_file)
+        source = str(checkpoint or config.model)
+        try:
+            model = load_causal_lm(source, attn_implementation, torch.float32, gguf_file)
+        except pickle.UnpicklingError:  # transformers reads a pytorch_model.bin with weights_only=True
+            raise CheckpointError(f"{source}: its weights are refused: the file holds objects other than tensors, "
+                                  "and loading them would run their code; use weights saved as safetensors") from None
     elif config.random_init:
         name, overrides = parse_random_init(config.random_init)
+        defaults = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name)
+        check_config_overrides(config.random_init, defaults, overrides)
         if name in CONFIG_MAPPING:
             model_config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
         else:
@@ -380,6 +404,8 @@ def train_plain(config: TrainConfig) -> None:
                 batch = next(batches)
             window.append(batch)
         local_items = sum(batch_normalizer(b) for b in window)
+        if ranks == 1:  # under torchrun, a rank's share may hold none while others' do
+            check_trained_tokens(local_items, step + 1, dataset.source)
         if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
             (batch,) = window
             losses.append(graphed({**model_inputs(batch, device, False), **per_sequence}, local_items))
@@ -521,6 +547,16 @@ def make_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> TrainConfig:
     parser = make_parser()
     config = TrainConfig(**vars(parser.parse_args(argv)))
+    for name, least in (("batch_rows", 1), ("grad_accum", 1), ("max_steps", 1), ("log_every", 1),
+                        ("tokens_per_batch", 0), ("save_every", 0), ("warmup_steps", 0)):
+        if getattr(config, name) < least:
+            parser.error(f"--{name.replace('_', '-')} is {getattr(config, name)}; give "
+                         + ("a positive integer" if least else "0 or more"))
+    if config.random_init:
+        try:
+            parse_random_init(config.random_init)
+        except ValueError as err:
+            parser.error(str(err))
     if config.step_graph:
         needs = [why for why, broken in (
             ("--compile", not config.compile), ("the loss-position head (drop --full-logits)", config.full_logits),

@@ -95,8 +95,10 @@ def load_training_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def is_complete(checkpoint: Path, world_size: int) -> bool:
-    """Whether every rank's loader state (written last) is in ``checkpoint``."""
-    return all((checkpoint / loader_state_name(rank)).is_file() for rank in range(world_size))
+    """Whether every rank's loader state (written last) is in ``checkpoint``; an older version's pickled one counts,
+    so that resuming from it is refused with a line that says what to do, not passed over."""
+    return all((checkpoint / name).is_file() or (checkpoint / name).with_suffix(".pt").is_file()
+               for name in map(loader_state_name, range(world_size)))
 
 
 def checkpoints(out: str | os.PathLike[str]) -> list[Path]:

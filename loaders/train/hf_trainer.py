@@ -128,7 +128,10 @@ class PackedTrainerMixin(_TrainerBase):
         batches = list(itertools.islice(epoch_iterator, num_batches))
         if not batches:
             return batches, None
-        total = global_loss_tokens(sum(batch_normalizer(b) for b in batches), device)
+        local = sum(batch_normalizer(b) for b in batches)
+        if world_size() == 1:  # under torchrun, a rank's share may hold none while others' do
+            training.check_trained_tokens(local, self.state.global_step + 1, self.packed_dataset.source)
+        total = global_loss_tokens(local, device)
         # With average_tokens_across_devices the trainer multiplies each rank's loss by the world size, which
         # DDP's gradient average undoes; without it, divide here instead.
         return batches, total if self.args.average_tokens_across_devices else total / world_size()
