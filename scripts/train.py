@@ -451,6 +451,7 @@ def train_hf(config: TrainConfig) -> None:
     args = TrainingArguments(
         output_dir=str(out),
         max_steps=config.max_steps,
+        per_device_train_batch_size=1,  # a micro-batch is one batch of the dataset (--batch-rows, --tokens-per-batch)
         gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.lr,
         weight_decay=config.weight_decay,

@@ -233,3 +233,33 @@ def test_resume_passes_over_a_checkpoint_a_killed_save_left_incomplete(shards, t
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == STEPS
     assert_same_weights(trained(resumed), trained(trainer))
+
+
+def test_logged_epochs_and_speeds_are_the_true_counts(shards, tmp_path):
+    """The trainer's own figures assume 8 samples a batch and an epoch of max_steps: the logs give the share of the
+    dataset's epochs read, and the sequences and tokens per second actually trained on."""
+    from loaders.train.hf_trainer import num_sequences
+
+    with pytest.warns(UserWarning, match=r"per_device_train_batch_size=8 does not apply: each micro-batch is one "
+                                         r"batch of the PackedIterableDataset \(2 packed rows\)"):
+        trainer = make_trainer("hf", shards, tmp_path, per_device_train_batch_size=8)
+    assert trainer.args.per_device_train_batch_size == 1
+    trainer.train()
+    batches_per_epoch = len(dataset(shards))
+    assert batches_per_epoch == 5
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["epoch"] for entry in logs] == pytest.approx(
+        [step * GRAD_ACCUM / batches_per_epoch for step in range(1, STEPS + 1)])  # 0.6, 1.2, 1.8, 2.4
+
+    reference, read = dataset(shards), []
+    while len(read) < STEPS * GRAD_ACCUM:
+        read.extend(reference)
+        reference.set_epoch(reference.epoch + 1)
+    read = read[: STEPS * GRAD_ACCUM]
+    sequences, tokens = sum(map(num_sequences, read)), sum(b["num_real_tokens"] for b in read)
+    assert sequences == sum(b["cu_seq_lens_q"].numel() - 1 for b in read)  # unpadded: every entry is a sequence
+    (final,) = [entry for entry in trainer.state.log_history if "train_runtime" in entry]
+    assert (final["train_samples"], final["train_tokens"]) == (sequences, tokens)
+    assert final["train_samples_per_second"] == pytest.approx(sequences / final["train_runtime"], rel=1e-3)
+    assert final["train_tokens_per_second"] == pytest.approx(tokens / final["train_runtime"], rel=1e-3)
+    assert final["epoch"] == pytest.approx(2.4)

@@ -25,6 +25,12 @@ What the trainers add to the ones they subclass:
   trainer's own data skipping is off. ``resume_from_checkpoint=True`` takes the newest checkpoint
   that holds every rank's loader state, passing over one a killed save left incomplete. Nothing
   of a checkpoint is unpickled (``loaders/train/checkpoint.py``).
+- ``per_device_train_batch_size`` does not apply (a micro-batch is one batch of the dataset): a
+  value other than 1 is counted as 1, with a warning that says so. The logged ``epoch`` is the
+  share of the dataset's epochs read (epoch 1.2: the first epoch and a fifth of the second), not
+  the trainer's step / max_steps. The final ``train_samples_per_second`` and
+  ``train_tokens_per_second`` count the sequences (examples, or the pieces of split ones) and
+  real tokens all ranks trained on (``train_samples``, ``train_tokens``), not 8 samples a batch.
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second; and,
   on a PackedMixture, ``PackedTrainer``'s carry ``train_NAME_loss``: each source's mean token loss
   over all ranks since the last log (``loaders.train.source_loss``; the plain mean, whatever the
@@ -45,6 +51,7 @@ import itertools
 import math
 import os
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -89,6 +96,9 @@ class PackedTrainerMixin(_TrainerBase):
     packed_dataset: PackedIterableDataset
     _real_tokens: int
     _real_tokens_since: float
+    # Sequences and real tokens this rank trained on in this train() call, for the final speed figures.
+    _run_sequences: int
+    _run_tokens: int
     # Each source's training loss, on a mixture (PackedTrainer's compute_loss adds to it).
     _source_losses: SourceLosses | None = None
 
@@ -112,6 +122,15 @@ class PackedTrainerMixin(_TrainerBase):
                 f"dataloader_num_workers={args.dataloader_num_workers}: {type(self).__name__} reads batches in the "
                 "training process (faster than workers, and its checkpointed position is exact); set it to 0"
             )
+        if args.per_device_train_batch_size != 1:
+            per_batch = (f"{train_dataset.batch_rows} packed rows" if train_dataset.batch_rows
+                         else f"up to {train_dataset.tokens_per_batch} tokens")
+            warnings.warn(
+                f"per_device_train_batch_size={args.per_device_train_batch_size} does not apply: each micro-batch is "
+                f"one batch of the PackedIterableDataset ({per_batch}); set its batch_rows or tokens_per_batch "
+                "instead. The trainer counts 1.", UserWarning, stacklevel=3)
+            args.per_device_train_batch_size = 1
+            self._train_batch_size = 1
         args.ignore_data_skip = True  # the loader seeks to its saved position; replaying batches would skip more
         if args.max_steps <= 0:
             args.max_steps = math.ceil(args.num_train_epochs * math.ceil(len(train_dataset) / args.gradient_accumulation_steps))
@@ -138,7 +157,26 @@ class PackedTrainerMixin(_TrainerBase):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._real_tokens += inputs[NUM_REAL_TOKENS]
+        self._run_tokens += inputs[NUM_REAL_TOKENS]
+        self._run_sequences += num_sequences(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _epochs_read(self) -> float:
+        """The epochs of the dataset read so far on this rank: the epoch, plus the share of its batches read."""
+        state = self.packed_dataset.state_dict()
+        batches = len(self.packed_dataset)
+        return state["epoch"] + (1.0 if state["finished"] else min(state["next_batch"], batches) / batches)
+
+    def _run_rates(self, runtime: float) -> dict[str, float]:
+        """This ``train()`` call's sequences (examples, or the pieces of split ones) and real tokens per second,
+        over all ranks."""
+        totals = torch.tensor([self._run_sequences, self._run_tokens], dtype=torch.float64, device=self.args.device)
+        if world_size() > 1:
+            torch.distributed.all_reduce(totals)
+        sequences, tokens = totals.tolist()
+        return {"train_samples_per_second": round(sequences / runtime, 3) if runtime else 0.0,
+                "train_tokens_per_second": round(tokens / runtime, 3) if runtime else 0.0,
+                "train_samples": int(sequences), "train_tokens": int(tokens)}
 
     def model_inputs(self, model, inputs: dict) -> dict:
         """``loaders.train.models.model_inputs`` for ``model``: the counts stay only for the loss-position head."""
@@ -147,6 +185,10 @@ class PackedTrainerMixin(_TrainerBase):
         return training.model_inputs(inputs, self.args.device, full_logits)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        # The trainer's own epoch is step / max_steps, as the train DataLoader has no length.
+        self.state.epoch = self._epochs_read()
+        if "train_runtime" in logs:  # the trainer's figures assume per_device_train_batch_size samples a batch
+            logs = {**logs, **self._run_rates(logs["train_runtime"])}
         if "loss" in logs:  # a training log: every rank is here
             now = time.perf_counter()
             tokens = global_loss_tokens(self._real_tokens, self.args.device).item()
@@ -188,10 +230,12 @@ class PackedTrainerMixin(_TrainerBase):
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, self.packed_dataset.rank))
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
+        self._run_tokens, self._run_sequences = 0, 0
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
+        self.state.epoch = self._epochs_read()  # as trainer_state.json records it
         super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -289,6 +333,12 @@ def _packed_sft_trainer() -> type:
             return (loss, outputs) if return_outputs else loss
 
     return PackedSFTTrainer
+
+
+def num_sequences(batch: dict) -> int:
+    """The data sequences of a batch (examples, or pieces of split ones), pad sequences and empty entries excluded."""
+    cu = batch["cu_seq_lens_q"]
+    return int(torch.count_nonzero(torch.diff(cu[cu <= batch[NUM_REAL_TOKENS]])))
 
 
 def _already_collated(features: Any) -> Any:
