@@ -226,7 +226,8 @@ class PackedTrainerMixin(_TrainerBase):
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""
         if resume_from_checkpoint is True:  # the newest complete checkpoint; True: the trainer's error
-            resume_from_checkpoint = latest_checkpoint(self.args.output_dir, world_size()) or True
+            latest = latest_checkpoint(self.args.output_dir or ".", world_size())
+            resume_from_checkpoint = str(latest) if latest is not None else True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, self.packed_dataset.rank))
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
