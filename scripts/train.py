@@ -46,6 +46,7 @@ from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
 from loaders.train.checkpoint import (  # noqa: E402
+    TRAINING_STATE,
     CheckpointError,
     incomplete_checkpoints,
     latest_checkpoint,
@@ -343,12 +344,18 @@ def train_plain(config: TrainConfig) -> None:
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
     if checkpoint is not None:
+        loader_state = load_loader_state(checkpoint, rank)
         state = load_training_state(checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-        set_rng_state(state["rng"])
-        dataset.load_state_dict(load_loader_state(checkpoint, rank))
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            step = int(state["step"])
+            set_rng_state(state["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"{checkpoint / TRAINING_STATE}: not a training state of this model and optimizer "
+                                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); resume from "
+                                  "another checkpoint, or start a new --out") from None
+        dataset.load_state_dict(loader_state)
         if rank == 0:
             print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 

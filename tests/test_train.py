@@ -302,12 +302,21 @@ def test_bad_runs_are_refused_in_one_line_before_training(shards, tmp_path):
     out = tmp_path / "truncated"
     main([*common, "--shards", str(shards), "--random-init", MODEL, "--out", str(out)])
     state = out / "checkpoint-2" / "loader_state.json"
+    whole_state = json.loads(state.read_text())
     state.write_text(state.read_text()[:25])
     with pytest.raises(SystemExit) as refused:
         main([*common, "--shards", str(shards), "--random-init", MODEL, "--out", str(out), "--max-steps", "3", "--resume"])
     assert str(refused.value).startswith(f"train.py: error: {state}: not a loader state (")
     assert str(refused.value).endswith("the file is truncated or corrupt: resume from an earlier checkpoint, or delete "
                                        "this one")
+    assert not (out / "checkpoint-3").exists()
+    state.write_text(json.dumps(whole_state))
+    torch.save({"step": 2}, out / "checkpoint-2" / "training_state.pt")  # loads with weights_only, but holds no optimizer
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--shards", str(shards), "--random-init", MODEL, "--out", str(out), "--max-steps", "3", "--resume"])
+    assert str(refused.value) == (f"train.py: error: {out / 'checkpoint-2' / 'training_state.pt'}: not a training state "
+                                  "of this model and optimizer (KeyError: 'optimizer'); resume from another checkpoint, "
+                                  "or start a new --out")
     assert not (out / "checkpoint-3").exists()
 
     manifest, _, _ = random_token_build(tmp_path / "model-shards", [20] * 8, capacity=64, vocab_size=128)

@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,10 @@ def loader_state_name(rank: int) -> str:
 def save_loader_state(directory: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> None:
     """Write ``rank``'s loader state (a dataset's ``state_dict()``) into ``directory`` as JSON."""
     path = Path(directory) / loader_state_name(rank)
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    partial.write_text(json.dumps(state, sort_keys=True))
-    os.replace(partial, path)
+    # A new file of a random name (O_EXCL), renamed over the state: never a link followed, never half a state.
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
+        partial.write(json.dumps(state, sort_keys=True))
+    os.replace(partial.name, path)
 
 
 def load_loader_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
@@ -65,7 +67,7 @@ def load_loader_state(directory: str | os.PathLike[str], rank: int) -> dict[str,
                               "position cannot be restored (was it written by varpack's trainers?)")
     try:
         state = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CheckpointError(f"{path}: not a loader state ({err}); the file is truncated or corrupt: resume from an "
                               "earlier checkpoint, or delete this one") from None
     if not isinstance(state, dict):
