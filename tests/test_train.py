@@ -332,3 +332,47 @@ def test_bad_runs_are_refused_in_one_line_before_training(shards, tmp_path):
                                       "masking (varpack inspect shows each example's trained tokens), or train on "
                                       "larger batches")
         assert not list(out.glob("*checkpoint-*"))
+
+
+KILLED_MID_SAVE = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("varpack_train_script", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = script
+spec.loader.exec_module(script)
+write_training_state = script.save_training_state
+
+def killed_after_the_weights(directory, state):
+    if state["step"] == 4:  # the weights of checkpoint-4 are written, the rest is not
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_training_state(directory, state)
+
+script.save_training_state = killed_after_the_weights
+script.main(sys.argv[2:])
+"""
+
+
+def test_a_save_killed_mid_way_leaves_the_earlier_checkpoints_to_resume_from(shards, tmp_path, capsys):
+    """``kill -9`` in the middle of writing checkpoint-4: checkpoint-2 stays the newest, and --resume continues exactly
+    (before, checkpoint-4 was left half-written under its final name and every resume failed on it)."""
+    import os
+    import subprocess
+
+    main = load_script().main
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--log-every", "1", "--save-every", "2"]
+    main([*common, "--out", str(tmp_path / "straight"), "--max-steps", "6"])
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
+    run = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(SCRIPT), *common, "--out", str(out),
+                          "--max-steps", "6"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert (out / ".checkpoint-4.partial" / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    capsys.readouterr()
+    main([*common, "--out", str(out), "--max-steps", "6", "--resume"])
+    assert json.dumps({"resumed_from": str(out / "checkpoint-2"), "step": 2}) in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "log.jsonl"]
+    straight, resumed = losses(tmp_path / "straight"), losses(out)
+    for step in (3, 4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
