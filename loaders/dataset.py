@@ -9,6 +9,7 @@ tensors; ``resume`` records where a reader stands. This module ties them togethe
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 from collections import OrderedDict
 from typing import Any, Iterator
@@ -21,7 +22,7 @@ from loaders.collate import FixedShape, collate_rows, fixed_shape
 from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weighting
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
-from loaders.resume import Position, check_position, from_state_dict, to_state_dict
+from loaders.resume import Position, StaleStateError, check_position, from_state_dict, to_state_dict
 from loaders.shard_reader import Identity, Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import verify_build
@@ -339,6 +340,9 @@ class PackedIterableDataset(IterableDataset):
         """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no shard open."""
         self._position = Position(epoch=0)
         self._loaded = False
+        # Set by a DataLoader worker that reads this dataset, in memory the training process shares: the
+        # training process's own position then is not the loader's (see state_dict).
+        self._read_by_workers: Any = multiprocessing.RawValue("b", 0)
         self._epoch_named = None
         self._plan_cache = None
         self._open_shards = OrderedDict()
@@ -373,6 +377,8 @@ class PackedIterableDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None and self._read_by_workers is not None:
+            self._read_by_workers.value = 1
         position = self._position
         if position.finished and self._loaded and self._epoch_named == position.epoch:
             end = len(self._plan(position.epoch))
@@ -394,7 +400,17 @@ class PackedIterableDataset(IterableDataset):
         self._position = dataclasses.replace(self._position, finished=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader stands: plain values, for torch.save or JSON (see the class docstring)."""
+        """Where this reader stands: plain values, for JSON (see the class docstring).
+
+        Raises StaleStateError in the training process once DataLoader workers have read this
+        dataset: they read copies of it, so its own position would replay what they read.
+        """
+        if get_worker_info() is None and self._read_by_workers is not None and self._read_by_workers.value:
+            raise StaleStateError(
+                f"{self.source}: DataLoader workers read this dataset, so its position in the training process is "
+                "not the loader's; save torchdata's StatefulDataLoader.state_dict() instead (exact for any "
+                "num_workers), or read with num_workers=0"
+            )
         return to_state_dict(self._position, self._identity(), self.rank)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -411,10 +427,21 @@ class PackedIterableDataset(IterableDataset):
         check_position(position, len(self._plan(position.epoch)))
         self._position = position
         self._loaded = True
+        if get_worker_info() is None and self._read_by_workers is not None:
+            self._read_by_workers.value = 0  # the position is the loader's again
 
     def __getstate__(self) -> dict[str, Any]:
         # Open memory maps and the cached plan stay behind; a worker reopens what it reads.
         state = self.__dict__.copy()
         state["_open_shards"] = OrderedDict()
         state["_plan_cache"] = None
+        if not _spawning_a_process():
+            state["_read_by_workers"] = None  # a copy made otherwise than for a worker is a dataset of its own
         return state
+
+
+def _spawning_a_process() -> bool:
+    """Whether this pickling sends the object to a process being started (shared memory may go along)."""
+    from multiprocessing.context import get_spawning_popen
+
+    return get_spawning_popen() is not None

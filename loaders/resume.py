@@ -21,6 +21,10 @@ STATE_FORMAT = "varpack.loader_state"
 STATE_VERSION = 1
 
 
+class StaleStateError(RuntimeError):
+    """The training process's copy of a dataset that DataLoader workers read: its position is not the loader's."""
+
+
 @dataclass(frozen=True)
 class Position:
     """Where a reader stands: it yields the rank's batches ``next_batch``, ``next_batch + num_workers``, ..."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -46,8 +49,35 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, checked before anything is loaded: a bad one fails in one line, not after the evaluation."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.batch_rows < 1:
+        parser.error(f"--batch-rows is {args.batch_rows}; give a positive integer")
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir():
+            parser.error(f"--out {args.out} is a directory; give a file name for the JSON lines")
+        if not out.parent.is_dir():
+            parser.error(f"--out {args.out}: the directory {out.parent} does not exist; create it first")
+    return args
+
+
+def write_records(path: str, lines: Iterable[str]) -> None:
+    """Write ``lines`` to ``path`` through a temporary file renamed when complete: never half a file."""
+    target = Path(path)
+    with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", delete=False) as f:
+        try:
+            f.writelines(lines)
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, target)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args = make_parser().parse_args(argv)
+    args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
@@ -64,10 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     except (VarpackError, OSError, ValueError, RuntimeError) as err:
         raise SystemExit(f"evaluate.py: error: {str(err).splitlines()[0]}") from None
     if args.out:
-        with open(args.out, "w") as f:
-            for name, result in results.items():
-                named = {"source": name} if args.mixture else {}
-                f.writelines(json.dumps({**named, **record}) + "\n" for record in result.records())
+        named = {name: {"source": name} if args.mixture else {} for name in results}
+        write_records(args.out, (json.dumps({**named[name], **record}) + "\n"
+                                 for name, result in results.items() for record in result.records()))
     if args.mixture:
         summary = {"model": args.model, "mixture": args.mixture, **pooled_summary(results),
                    "sources": {name: result.summary for name, result in results.items()}}

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import random
 import sys
 import time
@@ -44,9 +45,23 @@ from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
 from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
-from loaders.train.hf_trainer import loader_state_name  # noqa: E402
+from loaders.train.checkpoint import (  # noqa: E402
+    TRAINING_STATE,
+    CheckpointError,
+    incomplete_checkpoints,
+    latest_checkpoint,
+    load_loader_state,
+    load_training_state,
+    partial_checkpoint,
+    publish_checkpoint,
+    remove_partial_checkpoints,
+    save_loader_state,
+    save_training_state,
+    start_checkpoint,
+)
 from loaders.train.loss_head import SEQUENCE_LOSSES, use_loss_position_head  # noqa: E402
 from loaders.train.models import (  # noqa: E402
+    check_trained_tokens,
     compile_layers,
     count_on_device,
     linear_warmup,
@@ -58,8 +73,6 @@ from loaders.train.models import (  # noqa: E402
 from loaders.train.source_loss import SourceLosses  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
-
-CHECKPOINT_PREFIX = "checkpoint-"
 
 
 @dataclass
@@ -113,15 +126,36 @@ def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
     return name, values
 
 
+def check_config_overrides(spec: str, defaults: Any, overrides: dict[str, Any]) -> None:
+    """Refuse an override whose value is not of the kind of the config's default (``hidden_size=abc``)."""
+    kinds = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"))
+    for key, value in overrides.items():
+        default = getattr(defaults, key, None)
+        for kind, described in kinds:
+            if isinstance(default, kind):
+                accepted = (int, float) if kind is float else kind
+                if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+                    raise ValueError(f"--random-init {spec}: {key}={value!r} must be {described} "
+                                     f"(the config's default is {default!r})")
+                break
+
+
 def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, checkpoint: Path | None = None):
     """The model to train: a checkpoint's weights, a Hub id / directory's weights, or a random init."""
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if checkpoint is not None or config.model:
         gguf_file = None if checkpoint is not None else config.gguf_file or None
-        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32, gguf_file)
+        source = str(checkpoint or config.model)
+        try:
+            model = load_causal_lm(source, attn_implementation, torch.float32, gguf_file)
+        except pickle.UnpicklingError:  # transformers reads a pytorch_model.bin with weights_only=True
+            raise CheckpointError(f"{source}: its weights are refused: the file holds objects other than tensors, "
+                                  "and loading them would run their code; use weights saved as safetensors") from None
     elif config.random_init:
         name, overrides = parse_random_init(config.random_init)
+        defaults = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name)
+        check_config_overrides(config.random_init, defaults, overrides)
         if name in CONFIG_MAPPING:
             model_config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
         else:
@@ -205,11 +239,6 @@ class Logger:
             f.write(json.dumps(record) + "\n")
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    found = sorted(out.glob(f"{CHECKPOINT_PREFIX}*"), key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
-    return found[-1] if found else None
-
-
 # ---- the plain PyTorch loop -----------------------------------------------------------------
 
 
@@ -232,20 +261,58 @@ def init_distributed() -> tuple[int, torch.device]:
     return dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def rng_state() -> dict[str, Any]:
+    """torch's, numpy's and Python's RNG states as tensors and plain values (what ``weights_only`` loads)."""
+    numpy_state = np.random.get_state(legacy=False)
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
+                                               "pos": numpy_state["state"]["pos"]}}}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+                                                  "pos": numpy_state["state"]["pos"]}})
+
+
 def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> Path:
-    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position."""
-    path = out / f"{CHECKPOINT_PREFIX}{step}"
+    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position.
+
+    Written into a temporary directory that is renamed ``checkpoint-STEP`` once every rank has written its part.
+    """
+    distributed = world_size() > 1
     if dataset.rank == 0:
-        model.save_pretrained(path)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
-                   path / "training_state.pt")
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-    torch.save(dataset.state_dict(), path / loader_state_name(dataset.rank))
-    if world_size() > 1:
-        torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
+        start_checkpoint(out, step)
+    if distributed:
+        torch.distributed.barrier()  # the temporary directory exists
+    partial = partial_checkpoint(out, step)
+    if dataset.rank == 0:
+        model.save_pretrained(partial)
+        save_training_state(partial, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                      "step": step, "rng": rng_state()})
+    save_loader_state(partial, dataset.rank, dataset.state_dict())
+    if distributed:
+        torch.distributed.barrier()  # every rank has written its part
+    path = publish_checkpoint(out, step) if dataset.rank == 0 else out / f"checkpoint-{step}"
+    if distributed:
+        torch.distributed.barrier()  # published before any rank goes on
     return path
+
+
+def find_checkpoint(out: Path, rank: int) -> Path | None:
+    """The newest complete checkpoint in ``out``; rank 0 says which incomplete ones it passes over and removes
+    the temporary directories of saves that were killed."""
+    ranks = world_size()
+    if rank == 0:
+        for path in remove_partial_checkpoints(out):
+            print(json.dumps({"removed_unfinished_checkpoint": str(path)}), flush=True)
+        for path in incomplete_checkpoints(out, ranks):
+            print(json.dumps({"skipped_incomplete_checkpoint": str(path)}), flush=True)
+    if ranks > 1:
+        torch.distributed.barrier()  # nothing is removed while another rank looks
+    return latest_checkpoint(out, ranks)
 
 
 def train_plain(config: TrainConfig) -> None:
@@ -261,7 +328,7 @@ def train_plain(config: TrainConfig) -> None:
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
-    checkpoint = latest_checkpoint(out) if config.resume else None
+    checkpoint = find_checkpoint(out, rank) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
     model.train()
     if not config.full_logits:
@@ -277,14 +344,18 @@ def train_plain(config: TrainConfig) -> None:
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
     if checkpoint is not None:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        dataset.load_state_dict(torch.load(checkpoint / loader_state_name(rank), weights_only=False))
+        loader_state = load_loader_state(checkpoint, rank)
+        state = load_training_state(checkpoint)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            step = int(state["step"])
+            set_rng_state(state["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"{checkpoint / TRAINING_STATE}: not a training state of this model and optimizer "
+                                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); resume from "
+                                  "another checkpoint, or start a new --out") from None
+        dataset.load_state_dict(loader_state)
         if rank == 0:
             print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 
@@ -340,6 +411,8 @@ def train_plain(config: TrainConfig) -> None:
                 batch = next(batches)
             window.append(batch)
         local_items = sum(batch_normalizer(b) for b in window)
+        if ranks == 1:  # under torchrun, a rank's share may hold none while others' do
+            check_trained_tokens(local_items, step + 1, dataset.source)
         if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
             (batch,) = window
             losses.append(graphed({**model_inputs(batch, device, False), **per_sequence}, local_items))
@@ -385,6 +458,7 @@ def train_hf(config: TrainConfig) -> None:
     args = TrainingArguments(
         output_dir=str(out),
         max_steps=config.max_steps,
+        per_device_train_batch_size=1,  # a micro-batch is one batch of the dataset (--batch-rows, --tokens-per-batch)
         gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.lr,
         weight_decay=config.weight_decay,
@@ -420,7 +494,7 @@ def train_hf(config: TrainConfig) -> None:
                 logger.write(record)
 
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
-    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out) else None)
+    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out, world_size()) else None)
 
 
 # What each option of TrainConfig does, for --help.
@@ -481,6 +555,16 @@ def make_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> TrainConfig:
     parser = make_parser()
     config = TrainConfig(**vars(parser.parse_args(argv)))
+    for name, least in (("batch_rows", 1), ("grad_accum", 1), ("max_steps", 1), ("log_every", 1),
+                        ("tokens_per_batch", 0), ("save_every", 0), ("warmup_steps", 0)):
+        if getattr(config, name) < least:
+            parser.error(f"--{name.replace('_', '-')} is {getattr(config, name)}; give "
+                         + ("a positive integer" if least else "0 or more"))
+    if config.random_init:
+        try:
+            parse_random_init(config.random_init)
+        except ValueError as err:
+            parser.error(str(err))
     if config.step_graph:
         needs = [why for why, broken in (
             ("--compile", not config.compile), ("the loss-position head (drop --full-logits)", config.full_logits),

@@ -116,3 +116,22 @@ def test_evaluate_script_writes_every_example(shards, tmp_path, capsys):
     np.testing.assert_allclose([r["loss"] for r in records], expected, rtol=1e-5)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert summary["examples"] == NUM_EXAMPLES and summary["examples_without_targets"] == 0
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--batch-rows", "0"], "--batch-rows is 0; give a positive integer"),
+    (["--out", "missing/eval.jsonl"], "--out missing/eval.jsonl: the directory missing does not exist; create it first"),
+    (["--out", "."], "--out . is a directory; give a file name for the JSON lines"),
+])
+def test_bad_evaluate_options_fail_in_one_line_before_the_evaluation(shards, tmp_path, monkeypatch, capsys, args,
+                                                                      error):
+    """Checked before the model loads (the model here does not exist), not after a whole evaluation."""
+    spec = importlib.util.spec_from_file_location("evaluate_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        script.main(["--model", str(tmp_path / "no-model"), "--shards", str(shards.path), *args])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f" error: {error}")
+    assert list(tmp_path.iterdir()) == []

@@ -130,7 +130,7 @@ def test_trainer_equals_the_plain_loop_over_accumulated_windows(shards, straight
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS and all(entry["real_tokens_per_s"] > 0 for entry in logs)
     saved = sorted(p.name for p in (out / "checkpoint-2").glob("loader_state*"))
-    assert saved == ["loader_state.pt"]
+    assert saved == ["loader_state.json"]
 
 
 def test_resume_from_checkpoint_continues_at_the_exact_batch(shards, tmp_path, straight):
@@ -183,3 +183,83 @@ def test_the_dataset_must_know_the_ranks(shards, tmp_path):
     data = PackedIterableDataset(shards, batch_rows=2, rank=0, world_size=2)
     with pytest.raises(ValueError, match="reads rank 0 of 2 but training runs on 1"):
         PackedTrainer(model=tiny_llama(), args=args, train_dataset=data)
+
+
+class MarkerPayload:
+    """Unpickling this creates ``path``: the code a forged checkpoint would run."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_resume_reads_the_loader_state_as_json(shards, tmp_path, capsys):
+    """The loader position is JSON, read without unpickling; an old pickled loader state is refused, not run."""
+    import shutil
+
+    from loaders.train.checkpoint import CheckpointError
+
+    make_trainer("hf", shards, tmp_path, max_steps=2).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    saved = json.loads((checkpoint / "loader_state.json").read_text())
+    assert saved["next_batch"] == 2 * GRAD_ACCUM - 5 and saved["epoch"] == 1  # 6 batches read, 5 an epoch
+    resumed = make_trainer("hf", shards, tmp_path)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == STEPS
+
+    forged = tmp_path / "forged"
+    shutil.copytree(checkpoint, forged)
+    (forged / "loader_state.json").unlink()
+    marker = tmp_path / "ran"
+    torch.save(MarkerPayload(marker), forged / "loader_state.pt")
+    with pytest.raises(CheckpointError, match=r"loader_state.pt: a loader state in the old pickle format, which is "
+                                              r"not read because unpickling can run code"):
+        make_trainer("hf", shards, tmp_path).train(resume_from_checkpoint=str(forged))
+    assert not marker.exists()
+    (forged / "loader_state.json").write_text(json.dumps(saved)[:20])
+    with pytest.raises(CheckpointError, match=r"loader_state.json: not a loader state .*truncated or corrupt"):
+        make_trainer("hf", shards, tmp_path).train(resume_from_checkpoint=str(forged))
+
+
+def test_resume_passes_over_a_checkpoint_a_killed_save_left_incomplete(shards, tmp_path, straight):
+    """A save killed before the loader state was written leaves checkpoint-4 without it: resume takes checkpoint-2."""
+    kind, trainer, _ = straight
+    make_trainer(kind, shards, tmp_path).train()
+    (tmp_path / "checkpoint-4" / "loader_state.json").unlink()
+    (tmp_path / "checkpoint-4" / "model.safetensors").write_bytes(b"")
+    resumed = make_trainer(kind, shards, tmp_path)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == STEPS
+    assert_same_weights(trained(resumed), trained(trainer))
+
+
+def test_logged_epochs_and_speeds_are_the_true_counts(shards, tmp_path):
+    """The trainer's own figures assume 8 samples a batch and an epoch of max_steps: the logs give the share of the
+    dataset's epochs read, and the sequences and tokens per second actually trained on."""
+    from loaders.train.hf_trainer import num_sequences
+
+    with pytest.warns(UserWarning, match=r"per_device_train_batch_size=8 does not apply: each micro-batch is one "
+                                         r"batch of the PackedIterableDataset \(2 packed rows\)"):
+        trainer = make_trainer("hf", shards, tmp_path, per_device_train_batch_size=8)
+    assert trainer.args.per_device_train_batch_size == 1
+    trainer.train()
+    batches_per_epoch = len(dataset(shards))
+    assert batches_per_epoch == 5
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["epoch"] for entry in logs] == pytest.approx(
+        [step * GRAD_ACCUM / batches_per_epoch for step in range(1, STEPS + 1)])  # 0.6, 1.2, 1.8, 2.4
+
+    reference, read = dataset(shards), []
+    while len(read) < STEPS * GRAD_ACCUM:
+        read.extend(reference)
+        reference.set_epoch(reference.epoch + 1)
+    read = read[: STEPS * GRAD_ACCUM]
+    sequences, tokens = sum(map(num_sequences, read)), sum(b["num_real_tokens"] for b in read)
+    assert sequences == sum(b["cu_seq_lens_q"].numel() - 1 for b in read)  # unpadded: every entry is a sequence
+    (final,) = [entry for entry in trainer.state.log_history if "train_runtime" in entry]
+    assert (final["train_samples"], final["train_tokens"]) == (sequences, tokens)
+    assert final["train_samples_per_second"] == pytest.approx(sequences / final["train_runtime"], rel=1e-3)
+    assert final["train_tokens_per_second"] == pytest.approx(tokens / final["train_runtime"], rel=1e-3)
+    assert final["epoch"] == pytest.approx(2.4)

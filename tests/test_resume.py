@@ -237,3 +237,32 @@ def test_stateful_dataloader_resumes_every_example_once_per_epoch(build, example
     rest, _, _ = loader_loop(resumed, loader, example_of, resume_start(epoch, run))
     reads_by_rank[resumed_rank] = head + rest
     assert_once_per_epoch(reads_by_rank, expected_by_rank)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_dataset_state_after_a_dataloader_with_workers_is_refused(build, context):
+    """Workers read copies of the dataset: its own state in the training process would say batch 0 after 10
+    batches, and replay them. It is refused in one line naming the exact alternative, which works."""
+    import torch
+
+    dataset = PackedIterableDataset(build.path, batch_rows=1, seed=3)
+    assert len(dataset) > 10
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+    batches = iter(loader)
+    for _ in range(10):
+        next(batches)
+    with pytest.raises(RuntimeError, match=r"DataLoader workers read this dataset, so its position in the training "
+                                           r"process is not the loader's; save torchdata's "
+                                           r"StatefulDataLoader.state_dict\(\) instead \(exact for any num_workers\), "
+                                           r"or read with num_workers=0$"):
+        dataset.state_dict()
+    del batches
+
+    stateful = StatefulDataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+    batches = iter(stateful)
+    read = [next(batches)["input_ids"] for _ in range(10)]
+    dataset.load_state_dict(stateful.state_dict())
+    assert dataset.state_dict()["next_batch"] == 10
+    first = next(iter(dataset))["input_ids"]
+    assert torch.equal(first, next(batches)["input_ids"])
+    assert not any(torch.equal(first, earlier) for earlier in read)

@@ -126,7 +126,8 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, 
 
     torchrun("--out", str(tmp_path / "two"), "--max-steps", "2", "--save-every", "2")
     checkpoint = tmp_path / "two" / "checkpoint-2"
-    assert {p.name for p in checkpoint.glob("loader_state*.pt")} == {"loader_state.pt", "loader_state-rank1.pt"}
+    assert {p.name for p in checkpoint.glob("loader_state*")} == {"loader_state.json", "loader_state-rank1.json"}
+    assert not list(checkpoint.parent.glob(".checkpoint-*"))
     torchrun("--out", str(tmp_path / "two"), "--max-steps", "4", "--save-every", "2", "--resume")
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4]
@@ -194,3 +195,184 @@ def test_a_gguf_model_packs_trains_and_saves_plain_safetensors(tmp_path):
     (checkpoint,) = out.glob("checkpoint-*")
     assert (checkpoint / "model.safetensors").is_file()
     assert "quantization_config" not in json.loads((checkpoint / "config.json").read_text())
+
+
+class MarkerPayload:
+    """Unpickling this creates ``path``: the code a forged checkpoint would run."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_never_unpickles(shards, tmp_path):
+    """A downloaded checkpoint whose training state, loader state or weights carry a pickle payload is refused in
+    one line, and the payload never runs: nothing of a checkpoint is read with ``weights_only=False``."""
+    import shutil
+
+    main = load_script().main
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
+              "--batch-rows", "2", "--max-steps", "3", "--save-every", "2"]
+    saved = tmp_path / "saved"
+    main([*common, "--out", str(saved), "--max-steps", "2"])
+    assert json.loads((saved / "checkpoint-2" / "loader_state.json").read_text())["next_batch"] == 2
+    marker = tmp_path / "payload-ran"
+
+    def forged(name: str, remove: str, payload_file: str, payload) -> str:
+        out = tmp_path / name
+        shutil.copytree(saved, out)
+        (out / "checkpoint-2" / remove).unlink()
+        torch.save(payload, out / "checkpoint-2" / payload_file)
+        with pytest.raises(SystemExit) as refused:
+            main([*common, "--out", str(out), "--resume"])
+        assert not marker.exists()
+        assert not (out / "checkpoint-3").exists()
+        assert str(refused.value).count("\n") == 0
+        return str(refused.value)
+
+    payload = MarkerPayload(marker)
+    message = forged("training", "training_state.pt", "training_state.pt", {"step": 2, "optimizer": payload})
+    assert message.startswith("train.py: error: ") and "training_state.pt: refused: it holds objects other than " \
+        "tensors and plain values, and loading it would run their code" in message
+    message = forged("loader", "loader_state.json", "loader_state.pt", {"format": "varpack.loader_state", "x": payload})
+    assert "loader_state.pt: a loader state in the old pickle format, which is not read because unpickling can run " \
+        "code" in message
+    message = forged("weights", "model.safetensors", "pytorch_model.bin", {"model.embed_tokens.weight": payload})
+    assert message.endswith("checkpoint-2: its weights are refused: the file holds objects other than tensors, and "
+                            "loading them would run their code; use weights saved as safetensors")
+
+
+def test_resume_takes_the_newest_complete_checkpoint(shards, tmp_path, capsys):
+    """A save killed mid-way leaves a temporary directory, or (written in place by an older version) a checkpoint
+    with no loader state: resume passes over both, removes the temporary one, and continues exactly."""
+    main = load_script().main
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--log-every", "1", "--save-every", "2"]
+    main([*common, "--out", str(tmp_path / "straight"), "--max-steps", "4"])
+    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["checkpoint-2", "checkpoint-4", "log.jsonl"]
+    out = tmp_path / "resumed"
+    main([*common, "--out", str(out), "--max-steps", "2"])
+    (out / ".checkpoint-6.partial").mkdir()
+    (out / ".checkpoint-6.partial" / "config.json").write_text("{")
+    (out / "checkpoint-4").mkdir()
+    (out / "checkpoint-4" / "config.json").write_text("{")
+    capsys.readouterr()
+    main([*common, "--out", str(out), "--max-steps", "4", "--resume"])
+    printed = capsys.readouterr().out
+    assert json.dumps({"removed_unfinished_checkpoint": str(out / ".checkpoint-6.partial")}) in printed
+    assert json.dumps({"skipped_incomplete_checkpoint": str(out / "checkpoint-4")}) in printed
+    assert json.dumps({"resumed_from": str(out / "checkpoint-2"), "step": 2}) in printed
+    assert not (out / ".checkpoint-6.partial").exists()
+    assert (out / "checkpoint-4" / "loader_state.json").is_file()
+    straight, resumed = losses(tmp_path / "straight"), losses(out)
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--log-every", "0"], "--log-every is 0; give a positive integer"),
+    (["--grad-accum", "0"], "--grad-accum is 0; give a positive integer"),
+    (["--max-steps", "-1"], "--max-steps is -1; give a positive integer"),
+    (["--batch-rows", "0"], "--batch-rows is 0; give a positive integer"),
+    (["--save-every", "-2"], "--save-every is -2; give 0 or more"),
+    (["--random-init", "llama:hidden_size"], "--random-init 'llama:hidden_size': 'hidden_size' is not key=value"),
+])
+def test_bad_options_are_refused_in_one_line(args, error, capsys):
+    with pytest.raises(SystemExit) as refused:
+        load_script().parse_args(args)
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(error)
+
+
+def test_bad_runs_are_refused_in_one_line_before_training(shards, tmp_path):
+    """A config override of the wrong kind, a truncated loader state and a build with no trained token each stop
+    the run with one line and no checkpoint (a build with nothing to train on logged a NaN loss and saved one)."""
+    from pipeline.write.random_build import random_token_build
+    from pipeline.write.shard_writer import ShardWriter
+
+    main = load_script().main
+    common = ["--attn", "sdpa", "--precision", "fp32", "--batch-rows", "2", "--max-steps", "2"]
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--shards", str(shards), "--random-init", "llama:hidden_size=abc", "--out", str(tmp_path / "a")])
+    assert str(refused.value) == ("train.py: error: --random-init llama:hidden_size=abc: hidden_size='abc' must be an "
+                                  "integer (the config's default is 4096)")
+
+    out = tmp_path / "truncated"
+    main([*common, "--shards", str(shards), "--random-init", MODEL, "--out", str(out)])
+    state = out / "checkpoint-2" / "loader_state.json"
+    whole_state = json.loads(state.read_text())
+    state.write_text(state.read_text()[:25])
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--shards", str(shards), "--random-init", MODEL, "--out", str(out), "--max-steps", "3", "--resume"])
+    assert str(refused.value).startswith(f"train.py: error: {state}: not a loader state (")
+    assert str(refused.value).endswith("the file is truncated or corrupt: resume from an earlier checkpoint, or delete "
+                                       "this one")
+    assert not (out / "checkpoint-3").exists()
+    state.write_text(json.dumps(whole_state))
+    torch.save({"step": 2}, out / "checkpoint-2" / "training_state.pt")  # loads with weights_only, but holds no optimizer
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--shards", str(shards), "--random-init", MODEL, "--out", str(out), "--max-steps", "3", "--resume"])
+    assert str(refused.value) == (f"train.py: error: {out / 'checkpoint-2' / 'training_state.pt'}: not a training state "
+                                  "of this model and optimizer (KeyError: 'optimizer'); resume from another checkpoint, "
+                                  "or start a new --out")
+    assert not (out / "checkpoint-3").exists()
+
+    manifest, _, _ = random_token_build(tmp_path / "model-shards", [20] * 8, capacity=64, vocab_size=128)
+    untrained = tmp_path / "untrained"
+    with ShardWriter(untrained, manifest.inputs) as writer:
+        writer.write_examples(np.arange(160, dtype=np.int32) % 127 + 1, np.full(8, 20), np.zeros(160, dtype=np.uint8))
+    for trainer in ("plain", "hf"):
+        out = tmp_path / f"nan-{trainer}"
+        with pytest.raises(SystemExit) as refused:
+            main([*common, "--shards", str(untrained), "--random-init", MODEL, "--trainer", trainer, "--out", str(out)])
+        assert str(refused.value) == (f"train.py: error: {untrained}: the batches of step 1 hold no trained token "
+                                      "(every label is -100), so its loss would be NaN; check the build's loss "
+                                      "masking (varpack inspect shows each example's trained tokens), or train on "
+                                      "larger batches")
+        assert not list(out.glob("*checkpoint-*"))
+
+
+KILLED_MID_SAVE = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("varpack_train_script", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = script
+spec.loader.exec_module(script)
+write_training_state = script.save_training_state
+
+def killed_after_the_weights(directory, state):
+    if state["step"] == 4:  # the weights of checkpoint-4 are written, the rest is not
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_training_state(directory, state)
+
+script.save_training_state = killed_after_the_weights
+script.main(sys.argv[2:])
+"""
+
+
+def test_a_save_killed_mid_way_leaves_the_earlier_checkpoints_to_resume_from(shards, tmp_path, capsys):
+    """``kill -9`` in the middle of writing checkpoint-4: checkpoint-2 stays the newest, and --resume continues exactly
+    (before, checkpoint-4 was left half-written under its final name and every resume failed on it)."""
+    import os
+    import subprocess
+
+    main = load_script().main
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
+              "--batch-rows", "2", "--log-every", "1", "--save-every", "2"]
+    main([*common, "--out", str(tmp_path / "straight"), "--max-steps", "6"])
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
+    run = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(SCRIPT), *common, "--out", str(out),
+                          "--max-steps", "6"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert (out / ".checkpoint-4.partial" / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    capsys.readouterr()
+    main([*common, "--out", str(out), "--max-steps", "6", "--resume"])
+    assert json.dumps({"resumed_from": str(out / "checkpoint-2"), "step": 2}) in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "log.jsonl"]
+    straight, resumed = losses(tmp_path / "straight"), losses(out)
+    for step in (3, 4, 5, 6):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step

@@ -19,9 +19,18 @@ What the trainers add to the ones they subclass:
   weight sum) of the whole global batch: every micro-batch of the window on every rank, from the
   counts the batches carry (one all-reduce, no device sync), so the loss and its gradients equal
   one big batch's.
-- Every checkpoint holds each rank's loader position (``loader_state.pt``,
-  ``loader_state-rankN.pt``), and ``train(resume_from_checkpoint=...)`` restores it, so the run
-  continues at the exact batch; the trainer's own data skipping is off.
+- Every checkpoint holds each rank's loader position as JSON (``loader_state.json``,
+  ``loader_state-rankN.json``, written after the trainer's files), and
+  ``train(resume_from_checkpoint=...)`` restores it, so the run continues at the exact batch; the
+  trainer's own data skipping is off. ``resume_from_checkpoint=True`` takes the newest checkpoint
+  that holds every rank's loader state, passing over one a killed save left incomplete. Nothing
+  of a checkpoint is unpickled (``loaders/train/checkpoint.py``).
+- ``per_device_train_batch_size`` does not apply (a micro-batch is one batch of the dataset): a
+  value other than 1 is counted as 1, with a warning that says so. The logged ``epoch`` is the
+  share of the dataset's epochs read (epoch 1.2: the first epoch and a fifth of the second), not
+  the trainer's step / max_steps. The final ``train_samples_per_second`` and
+  ``train_tokens_per_second`` count the sequences (examples, or the pieces of split ones) and
+  real tokens all ranks trained on (``train_samples``, ``train_tokens``), not 8 samples a batch.
 - Logs carry ``real_tokens_per_s``: the data tokens (pad excluded) of all ranks per second; and,
   on a PackedMixture, ``PackedTrainer``'s carry ``train_NAME_loss``: each source's mean token loss
   over all ranks since the last log (``loaders.train.source_loss``; the plain mean, whatever the
@@ -42,6 +51,7 @@ import itertools
 import math
 import os
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -52,19 +62,12 @@ from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
 from loaders.mixture import PackedMixture
 from loaders.train import models as training
+from loaders.train.checkpoint import LOADER_STATE, latest_checkpoint, load_loader_state, loader_state_name, save_loader_state
 from loaders.train.distributed import global_loss_tokens, world_size
 from loaders.train.evaluate import evaluate_sources, pooled_summary
 from loaders.train.loss import weighted_causal_lm_loss
 from loaders.train.loss_head import SEQUENCE_LOSSES
 from loaders.train.source_loss import SourceLosses
-
-LOADER_STATE = "loader_state.pt"
-
-
-def loader_state_name(rank: int) -> str:
-    """Each rank saves its own loader position; rank 0's (the only one of a single process) keeps the plain name."""
-    return LOADER_STATE if rank == 0 else LOADER_STATE.replace(".pt", f"-rank{rank}.pt")
-
 
 class EpochAfterEpoch(IterableDataset):
     """The dataset's batches, epoch after epoch, without end; ``set_epoch`` is called at each new epoch."""
@@ -93,6 +96,9 @@ class PackedTrainerMixin(_TrainerBase):
     packed_dataset: PackedIterableDataset
     _real_tokens: int
     _real_tokens_since: float
+    # Sequences and real tokens this rank trained on in this train() call, for the final speed figures.
+    _run_sequences: int
+    _run_tokens: int
     # Each source's training loss, on a mixture (PackedTrainer's compute_loss adds to it).
     _source_losses: SourceLosses | None = None
 
@@ -116,6 +122,15 @@ class PackedTrainerMixin(_TrainerBase):
                 f"dataloader_num_workers={args.dataloader_num_workers}: {type(self).__name__} reads batches in the "
                 "training process (faster than workers, and its checkpointed position is exact); set it to 0"
             )
+        if args.per_device_train_batch_size != 1:
+            per_batch = (f"{train_dataset.batch_rows} packed rows" if train_dataset.batch_rows
+                         else f"up to {train_dataset.tokens_per_batch} tokens")
+            warnings.warn(
+                f"per_device_train_batch_size={args.per_device_train_batch_size} does not apply: each micro-batch is "
+                f"one batch of the PackedIterableDataset ({per_batch}); set its batch_rows or tokens_per_batch "
+                "instead. The trainer counts 1.", UserWarning, stacklevel=3)
+            args.per_device_train_batch_size = 1
+            self._train_batch_size = 1
         args.ignore_data_skip = True  # the loader seeks to its saved position; replaying batches would skip more
         if args.max_steps <= 0:
             args.max_steps = math.ceil(args.num_train_epochs * math.ceil(len(train_dataset) / args.gradient_accumulation_steps))
@@ -132,14 +147,36 @@ class PackedTrainerMixin(_TrainerBase):
         batches = list(itertools.islice(epoch_iterator, num_batches))
         if not batches:
             return batches, None
-        total = global_loss_tokens(sum(batch_normalizer(b) for b in batches), device)
+        local = sum(batch_normalizer(b) for b in batches)
+        if world_size() == 1:  # under torchrun, a rank's share may hold none while others' do
+            training.check_trained_tokens(local, self.state.global_step + 1, self.packed_dataset.source)
+        total = global_loss_tokens(local, device)
         # With average_tokens_across_devices the trainer multiplies each rank's loss by the world size, which
         # DDP's gradient average undoes; without it, divide here instead.
         return batches, total if self.args.average_tokens_across_devices else total / world_size()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._real_tokens += inputs[NUM_REAL_TOKENS]
+        self._run_tokens += inputs[NUM_REAL_TOKENS]
+        self._run_sequences += num_sequences(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _epochs_read(self) -> float:
+        """The epochs of the dataset read so far on this rank: the epoch, plus the share of its batches read."""
+        state = self.packed_dataset.state_dict()
+        batches = len(self.packed_dataset)
+        return state["epoch"] + (1.0 if state["finished"] else min(state["next_batch"], batches) / batches)
+
+    def _run_rates(self, runtime: float) -> dict[str, float]:
+        """This ``train()`` call's sequences (examples, or the pieces of split ones) and real tokens per second,
+        over all ranks."""
+        totals = torch.tensor([self._run_sequences, self._run_tokens], dtype=torch.float64, device=self.args.device)
+        if world_size() > 1:
+            torch.distributed.all_reduce(totals)
+        sequences, tokens = totals.tolist()
+        return {"train_samples_per_second": round(sequences / runtime, 3) if runtime else 0.0,
+                "train_tokens_per_second": round(tokens / runtime, 3) if runtime else 0.0,
+                "train_samples": int(sequences), "train_tokens": int(tokens)}
 
     def model_inputs(self, model, inputs: dict) -> dict:
         """``loaders.train.models.model_inputs`` for ``model``: the counts stay only for the loss-position head."""
@@ -148,6 +185,10 @@ class PackedTrainerMixin(_TrainerBase):
         return training.model_inputs(inputs, self.args.device, full_logits)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        # The trainer's own epoch is step / max_steps, as the train DataLoader has no length.
+        self.state.epoch = self._epochs_read()
+        if "train_runtime" in logs:  # the trainer's figures assume per_device_train_batch_size samples a batch
+            logs = {**logs, **self._run_rates(logs["train_runtime"])}
         if "loss" in logs:  # a training log: every rank is here
             now = time.perf_counter()
             tokens = global_loss_tokens(self._real_tokens, self.args.device).item()
@@ -184,29 +225,25 @@ class PackedTrainerMixin(_TrainerBase):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""
-        from transformers.trainer_utils import get_last_checkpoint
-
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True  # True: the trainer's error
+        if resume_from_checkpoint is True:  # the newest complete checkpoint; True: the trainer's error
+            latest = latest_checkpoint(self.args.output_dir or ".", world_size())
+            resume_from_checkpoint = str(latest) if latest is not None else True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            path = os.path.join(resume_from_checkpoint, loader_state_name(self.packed_dataset.rank))
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"{path}: the checkpoint holds no loader position for rank {self.packed_dataset.rank}; it was not "
-                    f"written by {type(self).__name__}, so the data position cannot be restored"
-                )
-            self.packed_dataset.load_state_dict(torch.load(path, weights_only=False))
+            self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, self.packed_dataset.rank))
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
+        self._run_tokens, self._run_sequences = 0, 0
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
+        self.state.epoch = self._epochs_read()  # as trainer_state.json records it
         super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(path, exist_ok=True)
-        torch.save(self.packed_dataset.state_dict(), os.path.join(path, loader_state_name(self.packed_dataset.rank)))
+        # Written last: a checkpoint that holds every rank's loader state is complete (loaders.train.checkpoint).
+        save_loader_state(path, self.packed_dataset.rank, self.packed_dataset.state_dict())
         if world_size() > 1:
             torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
 
@@ -297,6 +334,12 @@ def _packed_sft_trainer() -> type:
             return (loss, outputs) if return_outputs else loss
 
     return PackedSFTTrainer
+
+
+def num_sequences(batch: dict) -> int:
+    """The data sequences of a batch (examples, or pieces of split ones), pad sequences and empty entries excluded."""
+    cu = batch["cu_seq_lens_q"]
+    return int(torch.count_nonzero(torch.diff(cu[cu <= batch[NUM_REAL_TOKENS]])))
 
 
 def _already_collated(features: Any) -> Any:

@@ -1,6 +1,6 @@
 """Model-side helpers for training on packed batches: loading a causal LM, regional compilation,
-bucket prewarming, the batch keys a model takes, counts on the device without a sync, the warm-up
-schedule, peak memory.
+bucket prewarming, the batch keys a model takes, counts on the device without a sync, the check that
+a step trains something, the warm-up schedule, peak memory.
 
 ``scripts/`` (train, bench_train, evaluate), ``loaders.train.hf_trainer`` and ``loaders.check`` use them.
 Imports only torch at module import; transformers is imported to load a model.
@@ -94,6 +94,19 @@ def count_on_device(count: int, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         value = value.pin_memory()
     return value.to(device, non_blocking=True)
+
+
+def check_trained_tokens(normalizer: float, step: int, source: str) -> None:
+    """Refuse an optimizer step whose batches hold no trained token: its loss would be 0/0 (NaN) and ruin the weights.
+
+    ``normalizer`` is the step's loss tokens (or loss-weight sum) from the batches' counts, a Python number.
+    """
+    if normalizer == 0:
+        raise ValueError(
+            f"{source}: the batches of step {step} hold no trained token (every label is -100), so its loss would be "
+            "NaN; check the build's loss masking (varpack inspect shows each example's trained tokens), or train on "
+            "larger batches"
+        )
 
 
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

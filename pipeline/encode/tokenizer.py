@@ -17,10 +17,11 @@ import importlib.util
 import json
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
 from pipeline.config import DEFAULT_TOKENIZER
@@ -286,6 +287,34 @@ def _save_converted(tokenizer: Any, target: Path) -> None:
             raise
 
 
+def _cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
+    """The directory of a converted tokenizer: ``target`` in the cache, converted there first when it is missing.
+
+    A cached ``tokenizer.json`` that is not JSON (cut short, or edited) is converted again, with a line
+    that names it. A cache that cannot be written (read-only) gets a conversion in a temporary directory
+    for this process, with a line that says so, so a build is still packed or reused.
+    """
+    cached = target / "tokenizer.json"
+    if cached.is_file():
+        try:
+            json.loads(cached.read_bytes())
+            return target
+        except (OSError, ValueError) as err:
+            print(f"varpack: {cached}: the cached tokenizer cannot be read ({_first_line(err)}); converting it again",
+                  file=sys.stderr)
+    try:
+        if target.exists():
+            shutil.rmtree(target)
+        convert(target)
+        return target
+    except (OSError, WriteError) as err:
+        fallback = Path(tempfile.mkdtemp(prefix="varpack-tokenizer-")) / target.name
+        print(f"varpack: the tokenizer cache {target.parent} cannot be written ({_first_line(err)}); converted into "
+              f"{fallback} for this run; point $VARPACK_CACHE_DIR at a writable directory to keep it", file=sys.stderr)
+        convert(fallback)
+        return fallback
+
+
 def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any] | None = None) -> None:
     """Convert a SentencePiece model to a fast tokenizer with transformers and save it under ``target``.
 
@@ -438,8 +467,8 @@ def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
     encoding, described_by = TiktokenEncoding.of(model_file) if kind == TIKTOKEN else (TiktokenEncoding(), None)
     if encoding != TiktokenEncoding():
         key = hashlib.sha256((key + encoding.to_json()).encode()).hexdigest()
-    target = cache_dir() / "tokenizers" / f"{kind}-{key[:16]}"
-    if not (target / "tokenizer.json").is_file():
+
+    def convert(target: Path) -> None:
         if kind == SENTENCEPIECE:
             _check_sentencepiece(model_file)
             _convert_sentencepiece(model_file, target)
@@ -448,6 +477,8 @@ def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
                 _convert_tiktoken(model_file, target, encoding)
             except ValueError as err:  # tiktoken's message names the line it cannot parse
                 raise InputError(f"tokenizer {model_file}: not a tiktoken BPE file ({_first_line(err)}); {CONVERT_HINT}") from err
+
+    target = _cached_conversion(cache_dir() / "tokenizers" / f"{kind}-{key[:16]}", convert)
     loaded = _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
     if kind == TIKTOKEN and encoding.pat_str is None:
         guess = (
@@ -462,9 +493,8 @@ def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
 def load_default_tokenizer() -> LoadedTokenizer:
     """The embedded Mistral-7B v0.1 tokenizer, converted once and cached, and read once per process."""
     model_file = _default_model_file()
-    target = cache_dir() / "tokenizers" / f"{DEFAULT_TOKENIZER}-{file_sha256(model_file)[:16]}"
-    if not (target / "tokenizer.json").is_file():
-        _convert_sentencepiece(model_file, target, MISTRAL_V01_TOKENIZER_CONFIG)
+    target = _cached_conversion(cache_dir() / "tokenizers" / f"{DEFAULT_TOKENIZER}-{file_sha256(model_file)[:16]}",
+                                lambda target: _convert_sentencepiece(model_file, target, MISTRAL_V01_TOKENIZER_CONFIG))
     written = (target / "tokenizer.json").stat()
     return _converted_default(target, (written.st_ino, written.st_size, written.st_mtime_ns))
 

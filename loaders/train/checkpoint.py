@@ -1,0 +1,165 @@
+"""Checkpoint files the training loops write and read back, none of them unpickled.
+
+A checkpoint directory ``OUT/checkpoint-STEP`` holds the model (safetensors), each rank's loader
+position as JSON (``loader_state.json``, ``loader_state-rankN.json``: ints, strings, floats and
+dicts), and the plain loop's ``training_state.pt`` (optimizer, scheduler, step and RNG states:
+tensors and plain values, read with ``torch.load(weights_only=True)``). A checkpoint downloaded
+from elsewhere can therefore hold data but never code.
+
+The plain loop writes a checkpoint under a temporary name (``OUT/.checkpoint-STEP.partial``) and
+renames it when every rank has written its part, so a run killed mid-save leaves the previous
+checkpoints as they were. transformers' ``Trainer`` writes its directory in place; its loader
+states are written last, so a checkpoint is complete once every rank's loader state is there.
+``latest_checkpoint`` takes the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_PREFIX = "checkpoint-"
+LOADER_STATE = "loader_state.json"
+TRAINING_STATE = "training_state.pt"
+PARTIAL_SUFFIX = ".partial"
+_CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read back: corrupt, incomplete, of an older format, or unsafe."""
+
+
+def loader_state_name(rank: int) -> str:
+    """Each rank saves its own loader position; rank 0's (the only one of a single process) keeps the plain name."""
+    return LOADER_STATE if rank == 0 else LOADER_STATE.replace(".json", f"-rank{rank}.json")
+
+
+def save_loader_state(directory: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> None:
+    """Write ``rank``'s loader state (a dataset's ``state_dict()``) into ``directory`` as JSON."""
+    path = Path(directory) / loader_state_name(rank)
+    # A new file of a random name (O_EXCL), renamed over the state: never a link followed, never half a state.
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
+        partial.write(json.dumps(state, sort_keys=True))
+    os.replace(partial.name, path)
+
+
+def load_loader_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
+    """``rank``'s loader state from a checkpoint directory; CheckpointError names the file and what to do."""
+    path = Path(directory) / loader_state_name(rank)
+    if not path.is_file():
+        legacy = path.with_suffix(".pt")
+        if legacy.is_file():
+            raise CheckpointError(
+                f"{legacy}: a loader state in the old pickle format, which is not read because unpickling can run "
+                f"code; resume from a checkpoint written by this version, or, if you trust the file, convert it: "
+                f"python -c \"import json, torch; json.dump(torch.load('{legacy}', weights_only=False), "
+                f"open('{path}', 'w'))\""
+            )
+        raise CheckpointError(f"{path}: missing; the checkpoint holds no loader position for rank {rank}, so the data "
+                              "position cannot be restored (was it written by varpack's trainers?)")
+    try:
+        state = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{path}: not a loader state ({err}); the file is truncated or corrupt: resume from an "
+                              "earlier checkpoint, or delete this one") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(state).__name__}, not a loader state; the file is corrupt")
+    return state
+
+
+def save_training_state(directory: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """The plain loop's optimizer, scheduler, step and RNG states: tensors and plain values only."""
+    torch.save(state, Path(directory) / TRAINING_STATE)
+
+
+def load_training_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read ``training_state.pt`` with ``weights_only=True``: a file that needs more than tensors is refused."""
+    path = Path(directory) / TRAINING_STATE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values, and loading it "
+                              f"would run their code ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, EOFError) as err:
+        raise CheckpointError(f"{path}: cannot be read ({str(err).splitlines()[0]}); the file is truncated or "
+                              "corrupt: resume from an earlier checkpoint, or delete this one") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a training state; the file is corrupt")
+    return state
+
+
+def is_complete(checkpoint: Path, world_size: int) -> bool:
+    """Whether every rank's loader state (written last) is in ``checkpoint``; an older version's pickled one counts,
+    so that resuming from it is refused with a line that says what to do, not passed over."""
+    return all((checkpoint / name).is_file() or (checkpoint / name).with_suffix(".pt").is_file()
+               for name in map(loader_state_name, range(world_size)))
+
+
+def checkpoints(out: str | os.PathLike[str]) -> list[Path]:
+    """The ``checkpoint-STEP`` directories of ``out``, by step."""
+    found = [(int(match[1]), path) for path in Path(out).iterdir()
+             if (match := _CHECKPOINT_NAME.match(path.name)) and path.is_dir() and not path.is_symlink()]
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(out: str | os.PathLike[str], world_size: int = 1) -> Path | None:
+    """The newest complete checkpoint in ``out`` (see the module docstring), or None."""
+    if not Path(out).is_dir():
+        return None
+    complete = [path for path in checkpoints(out) if is_complete(path, world_size)]
+    return complete[-1] if complete else None
+
+
+def incomplete_checkpoints(out: str | os.PathLike[str], world_size: int = 1) -> list[Path]:
+    """Checkpoints newer than the latest complete one that lack a rank's loader state: left by a killed save."""
+    if not Path(out).is_dir():
+        return []
+    latest = latest_checkpoint(out, world_size)
+    return [path for path in checkpoints(out) if not is_complete(path, world_size)
+            and (latest is None or int(path.name.removeprefix(CHECKPOINT_PREFIX)) > int(latest.name.removeprefix(CHECKPOINT_PREFIX)))]
+
+
+def partial_checkpoint(out: Path, step: int) -> Path:
+    """The temporary directory the checkpoint of ``step`` is written into before it is published."""
+    return out / f".{CHECKPOINT_PREFIX}{step}{PARTIAL_SUFFIX}"
+
+
+def start_checkpoint(out: Path, step: int) -> Path:
+    """A fresh, empty temporary directory for the checkpoint of ``step`` (a leftover one is removed first)."""
+    partial = partial_checkpoint(out, step)
+    if partial.is_symlink():
+        partial.unlink()
+    elif partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+    return partial
+
+
+def publish_checkpoint(out: Path, step: int) -> Path:
+    """Rename the complete temporary directory of ``step`` to ``checkpoint-STEP``, replacing an older one."""
+    final = out / f"{CHECKPOINT_PREFIX}{step}"
+    if final.is_symlink():
+        final.unlink()
+    elif final.exists():
+        shutil.rmtree(final)
+    os.replace(partial_checkpoint(out, step), final)
+    return final
+
+
+def remove_partial_checkpoints(out: Path) -> list[Path]:
+    """Remove the temporary directories that saves killed before they were published left in ``out``."""
+    found = sorted(out.glob(f".{CHECKPOINT_PREFIX}*{PARTIAL_SUFFIX}"))
+    for path in found:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+    return found
