@@ -51,8 +51,8 @@ def test_bench_runs_and_reports_its_anchor(script: str, args: list[str], anchors
 
 
 def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: Path) -> None:
-    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions) on a
-    tiny Llama on the CPU: the eager reference against varpack's eager mode. The build holds whole
+    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions, each building and
+    freeing its model) on a tiny Llama on the CPU: the eager reference against varpack's eager mode. The build holds whole
     examples of random tokens from a vocabulary of 1000, which keeps the LM head as tiny as the layers."""
     lengths = np.random.default_rng(0).integers(50, 1000, 120)
     packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
@@ -66,5 +66,11 @@ def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: 
     assert cell["best_speed_vs_best_reference"] > 0
     modes = result["datasets"]["random"]["cells"]["small"]["modes"]
     assert [run["repetition"] for run in modes["ours_eager"]["runs"]] == [0, 1]
+    # Each repetition builds its model from the initial weights and frees it at its end (one mode's memory on the
+    # card at a time): the repetitions train alike.
+    for mode in ("flatten", "ours_eager"):
+        first, second = modes[mode]["runs"]
+        assert second["mean_loss_timed"] == pytest.approx(first["mean_loss_timed"], rel=1e-5), mode
+        assert first["mem_left_gib"] == second["mem_left_gib"] == 0.0
     # Same examples in every mode: the same real tokens per step.
     assert modes["flatten"]["runs"][0]["real_tokens_per_step"] == modes["ours_eager"]["runs"][0]["real_tokens_per_step"]
