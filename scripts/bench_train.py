@@ -53,6 +53,9 @@ identical data per step (``padded``'s batch is the packed batch cut back into it
 writes the loss per step (per trained token, the same average in both) to ``--convergence-csv``.
 ``--model DIR`` (with ``--gguf-file NAME`` for a GGUF file in it) trains that pretrained model
 instead of the random-init Llama.
+``--lora-rank R`` trains LoRA adapters of rank R on every linear layer but the LM head (peft,
+``target_modules="all-linear"``) in every mode, the base weights frozen; the FLOP formula counts
+the frozen weights' forward and input gradient only.
 
 Without CUDA it runs on the CPU (float32; references on ``sdpa``, varpack's modes on
 ``varpack_segments``), for a smoke test at tiny sizes. The last line printed is one JSON object.
@@ -105,8 +108,9 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 MAX_GRAD_NORM = 1.0
 # NVIDIA H200 SXM, dense bf16 tensor-core peak (datasheet).
 PEAK_BF16_FLOPS = 989.4e12
-FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / sum(n_i): N_matmul = the weights "
-                "of every nn.Linear (decoder layers and LM head over all tokens; embeddings excluded), L layers, "
+FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 4 * N_frozen + 6 * L * d_attn * sum(n_i^2) / sum(n_i): N_matmul = the "
+                "trained weights of every nn.Linear (decoder layers and LM head over all tokens; embeddings excluded), "
+                "N_frozen = the frozen ones (LoRA's base weights: forward and input gradient, no weight gradient), L layers, "
                 "d_attn = query heads x head dim, n_i the length of each example (causal attention, forward and "
                 "backward, half the square); the same model FLOPs for every mode, so the loss-position head's "
                 "skipped logits are not credited")
@@ -188,6 +192,7 @@ class BenchConfig:
     num_heads: int = 16
     num_kv_heads: int = 8
     tie_word_embeddings: bool = False  # the LM head shares the embedding matrix (Llama 3.2 1B and 3B)
+    lora_rank: int = 0  # > 0: every mode trains LoRA adapters of this rank on every linear layer but the LM head (peft)
     rows_per_step: int = 2  # 0: no small-step cell
     budget_rows: int = 8  # 0: no large-step cell
     modes: str = DEFAULT_MODES
@@ -260,9 +265,11 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
 
 def flops_per_token(model, config: BenchConfig, mean_square_length: float) -> float:
     """FLOP_FORMULA for ``model`` on examples whose sum(n^2) / sum(n) is ``mean_square_length``."""
-    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    trained = sum(w.numel() for w in linears if w.requires_grad)
+    frozen = sum(w.numel() for w in linears if not w.requires_grad)
     d_attn = config.num_heads * (config.hidden_size // config.num_heads)
-    return 6 * matmul_params + 6 * config.num_layers * d_attn * mean_square_length
+    return 6 * trained + 4 * frozen + 6 * config.num_layers * d_attn * mean_square_length
 
 
 def synchronize() -> None:
@@ -435,12 +442,14 @@ def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: Gra
 
 
 def make_optimizer(model, config: BenchConfig, mode: Mode):
-    """AdamW (fused on CUDA); captured steps need it capturable, with the learning rate a tensor the schedule fills."""
+    """AdamW (fused on CUDA) over the trained weights; captured steps need it capturable, with the learning rate a
+    tensor the schedule fills."""
+    trained = [p for p in model.parameters() if p.requires_grad]
     if mode.step_graph:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
+        optimizer = torch.optim.AdamW(trained, lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
                                       fused=True, capturable=True)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=CUDA)
+        optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0, fused=CUDA)
     return optimizer, linear_warmup(optimizer, config.warmup_lr_steps)
 
 
@@ -459,6 +468,12 @@ def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
         apply_liger_kernel_to_llama(model=model, **LIGER_PARTS[mode.liger])
     if mode.loss_head:
         use_loss_position_head(model)
+    if config.lora_rank:
+        import peft
+
+        lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, lora_dropout=0.0,
+                               target_modules="all-linear")
+        model = peft.get_peft_model(model, lora)
     if mode.compiled:
         # The reference compiles with dynamic shapes, its batches differ in length; ours start static.
         compile_layers(model, dynamic=True if mode.reference else None,
@@ -559,6 +574,7 @@ class ModeRun:
             "step_graphs": len(self.graphed.graphs) if self.graphed is not None else None,
             "step_graphs_captured_timed": len(self.graphed.graphs) - captured_before if self.graphed is not None else None,
             "flops_per_token": per_token,
+            "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             "mfu": per_token * tokens_per_s / PEAK_BF16_FLOPS,
             "mean_loss_timed": float(torch.stack(losses).float().mean()),
         }
