@@ -30,12 +30,15 @@ in eager layers.
 The harness: every mode gets its batches through a ``torch.utils.data.DataLoader``
 (``--num-workers`` worker processes, ``pin_memory``, prefetch): the references with the collator
 in the workers, varpack's with ``PackedIterableDataset`` in the workers. Each mode lives in its own
-process (Liger patches transformers' module globals) and keeps its compiled model between
-repetitions; the modes take turns, one at a time on the GPU, ``--repeats`` times. A repetition
-trains the warm-up steps (the first one compiles and captures), then times the timed steps as
-the loop runs, loading included. Throughput counts real (non-pad) tokens; the summary gives the
-median and range over the repetitions; peak memory is the mode's whole run, model and optimizer
-included; ``graphs_compiled_timed`` counts compilations inside the timed window (0 when warm).
+process (Liger patches transformers' module globals) and keeps only its compiled code between
+repetitions: each repetition builds the model, optimizer and step graphs from the shared initial
+weights and frees them at its end (``mem_left_gib``: what was still allocated after), so one mode
+at a time holds the card. The modes take turns, ``--repeats`` times. A repetition builds the mode
+and trains the warm-up steps (compiling the first time, prewarming and capturing every time), then
+times the timed steps as the loop runs, loading included. Throughput counts real (non-pad) tokens;
+the summary gives the median and range over the repetitions; peak memory is the largest of the
+repetitions', model and optimizer included; ``graphs_compiled_timed`` counts compilations inside
+the timed window (0 when warm).
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
@@ -50,6 +53,9 @@ identical data per step (``padded``'s batch is the packed batch cut back into it
 writes the loss per step (per trained token, the same average in both) to ``--convergence-csv``.
 ``--model DIR`` (with ``--gguf-file NAME`` for a GGUF file in it) trains that pretrained model
 instead of the random-init Llama.
+``--lora-rank R`` trains LoRA adapters of rank R on every linear layer but the LM head (peft,
+``target_modules="all-linear"``) in every mode, the base weights frozen; the FLOP formula counts
+the frozen weights' forward and input gradient only.
 
 Without CUDA it runs on the CPU (float32; references on ``sdpa``, varpack's modes on
 ``varpack_segments``), for a smoke test at tiny sizes. The last line printed is one JSON object.
@@ -102,8 +108,9 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 MAX_GRAD_NORM = 1.0
 # NVIDIA H200 SXM, dense bf16 tensor-core peak (datasheet).
 PEAK_BF16_FLOPS = 989.4e12
-FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 6 * L * d_attn * sum(n_i^2) / sum(n_i): N_matmul = the weights "
-                "of every nn.Linear (decoder layers and LM head over all tokens; embeddings excluded), L layers, "
+FLOP_FORMULA = ("flops_per_token = 6 * N_matmul + 4 * N_frozen + 6 * L * d_attn * sum(n_i^2) / sum(n_i): N_matmul = the "
+                "trained weights of every nn.Linear (decoder layers and LM head over all tokens; embeddings excluded), "
+                "N_frozen = the frozen ones (LoRA's base weights: forward and input gradient, no weight gradient), L layers, "
                 "d_attn = query heads x head dim, n_i the length of each example (causal attention, forward and "
                 "backward, half the square); the same model FLOPs for every mode, so the loss-position head's "
                 "skipped logits are not credited")
@@ -184,6 +191,8 @@ class BenchConfig:
     num_layers: int = 28
     num_heads: int = 16
     num_kv_heads: int = 8
+    tie_word_embeddings: bool = False  # the LM head shares the embedding matrix (Llama 3.2 1B and 3B)
+    lora_rank: int = 0  # > 0: every mode trains LoRA adapters of this rank on every linear layer but the LM head (peft)
     rows_per_step: int = 2  # 0: no small-step cell
     budget_rows: int = 8  # 0: no large-step cell
     modes: str = DEFAULT_MODES
@@ -242,6 +251,7 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads,
         max_position_embeddings=8192,
+        tie_word_embeddings=config.tie_word_embeddings,
         use_cache=False,
     )
     torch.manual_seed(config.seed)
@@ -255,9 +265,11 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
 
 def flops_per_token(model, config: BenchConfig, mean_square_length: float) -> float:
     """FLOP_FORMULA for ``model`` on examples whose sum(n^2) / sum(n) is ``mean_square_length``."""
-    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    trained = sum(w.numel() for w in linears if w.requires_grad)
+    frozen = sum(w.numel() for w in linears if not w.requires_grad)
     d_attn = config.num_heads * (config.hidden_size // config.num_heads)
-    return 6 * matmul_params + 6 * config.num_layers * d_attn * mean_square_length
+    return 6 * trained + 4 * frozen + 6 * config.num_layers * d_attn * mean_square_length
 
 
 def synchronize() -> None:
@@ -430,12 +442,14 @@ def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: Gra
 
 
 def make_optimizer(model, config: BenchConfig, mode: Mode):
-    """AdamW (fused on CUDA); captured steps need it capturable, with the learning rate a tensor the schedule fills."""
+    """AdamW (fused on CUDA) over the trained weights; captured steps need it capturable, with the learning rate a
+    tensor the schedule fills."""
+    trained = [p for p in model.parameters() if p.requires_grad]
     if mode.step_graph:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
+        optimizer = torch.optim.AdamW(trained, lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
                                       fused=True, capturable=True)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=CUDA)
+        optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0, fused=CUDA)
     return optimizer, linear_warmup(optimizer, config.warmup_lr_steps)
 
 
@@ -454,6 +468,12 @@ def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
         apply_liger_kernel_to_llama(model=model, **LIGER_PARTS[mode.liger])
     if mode.loss_head:
         use_loss_position_head(model)
+    if config.lora_rank:
+        import peft
+
+        lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, lora_dropout=0.0,
+                               target_modules="all-linear")
+        model = peft.get_peft_model(model, lora)
     if mode.compiled:
         # The reference compiles with dynamic shapes, its batches differ in length; ours start static.
         compile_layers(model, dynamic=True if mode.reference else None,
@@ -471,35 +491,56 @@ def graphs_compiled() -> int:
 
 
 class ModeRun:
-    """One mode on one cell: its model, optimizer and compiled code kept between repetitions."""
+    """One mode on one cell. Each repetition builds its model, optimizer and step graphs from the shared initial
+    weights and frees them at its end, so that a mode holds no GPU memory while the others take their turns;
+    the process keeps only what costs no GPU memory: its compiled code and the references' DataLoader."""
 
     def __init__(self, name: str, cell: Cell, config: BenchConfig):
         self.name, self.mode, self.cell, self.config = name, MODES[name], cell, config
-        self.model = prepare_model(self.mode, config, cell.vocab_size)
-        self.optimizer, self.scheduler = make_optimizer(self.model, config, self.mode)
-        self.graphed = GraphedStep(self.model, self.optimizer, MAX_GRAD_NORM) if self.mode.step_graph else None
         self.references = reference_loader(self.mode, cell, config) if self.mode.reference else None
         self.repetitions = 0
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.graphed: GraphedStep | None = None
+
+    def _build(self) -> None:
+        """A fresh model from the shared initial weights, its optimizer and, for a step-graph mode, its GraphedStep."""
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        self.model = prepare_model(self.mode, self.config, self.cell.vocab_size)
+        self.optimizer, self.scheduler = make_optimizer(self.model, self.config, self.mode)
+        self.graphed = None
+        if self.mode.step_graph:
+            # Every shape of the run captured after the first step, as train.py captures an epoch's shapes at its
+            # start: from a pass over the same (seeded) batches in this process.
+            batches = itertools.islice(packed_dataset(self.cell.source, self.config, self.cell.rows, self.mode.shapes),
+                                       self.cell.warmup + self.cell.timed)
+            shapes = (packed_step(batch, self.mode).micro_batches[0] for batch in batches)
+            self.graphed = GraphedStep(self.model, self.optimizer, MAX_GRAD_NORM, shapes=shapes)
+
+    def _free(self) -> float:
+        """Drop the model, optimizer and graphs and return their memory to the card; the GiB still allocated after."""
+        self.model = self.optimizer = self.scheduler = self.graphed = None
+        free_gpu()
+        return torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0
 
     def _warm_up(self, steps: Iterator[Step]) -> float:
-        """Train the warm-up steps; the first time, compile (and prewarm, capture) what the run needs."""
+        """Build the mode and train the warm-up steps: compile (and prewarm, capture) what the run needs."""
         start = time.perf_counter()
-        if self.repetitions == 0 and self.mode.shapes == "buckets":
+        self._build()
+        assert self.model is not None
+        if self.mode.shapes == "buckets":
             first = next(steps)
             prewarm_buckets(self.model, first.micro_batches[0])
             steps = itertools.chain([first], steps)
-        for i, step in enumerate(itertools.islice(steps, self.cell.warmup)):
+        for step in itertools.islice(steps, self.cell.warmup):
             self.train(step)
-            if self.graphed is not None and self.repetitions == 0 and i == 0:
-                # Every shape of the run captured ahead, as a run would capture an epoch's shapes at its start:
-                # from a pass over the same (seeded) batches in this process.
-                batches = itertools.islice(packed_dataset(self.cell.source, self.config, self.cell.rows, self.mode.shapes),
-                                           self.cell.warmup + self.cell.timed)
-                self.graphed.prepare(packed_step(batch, self.mode).micro_batches[0] for batch in batches)
         synchronize()
         return time.perf_counter() - start
 
     def train(self, step: Step) -> torch.Tensor:
+        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
         return train_step(self.model, self.optimizer, self.scheduler, step, self.mode, self.graphed)
 
     def repetition(self) -> dict:
@@ -533,11 +574,13 @@ class ModeRun:
             "step_graphs": len(self.graphed.graphs) if self.graphed is not None else None,
             "step_graphs_captured_timed": len(self.graphed.graphs) - captured_before if self.graphed is not None else None,
             "flops_per_token": per_token,
+            "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             "mfu": per_token * tokens_per_s / PEAK_BF16_FLOPS,
             "mean_loss_timed": float(torch.stack(losses).float().mean()),
         }
         self.repetitions += 1
-        free_gpu()  # the other modes' turns need the cached memory
+        del losses
+        result["mem_left_gib"] = self._free()  # the other modes' turns need the card
         return result
 
     def profile(self) -> dict:
@@ -557,13 +600,13 @@ class ModeRun:
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 groups[kernel_group(event.name)] += event.time_range.elapsed_us() / 1000
         busy = sum(groups.values())
-        free_gpu()
+        self._free()
         return {"wall_ms_profiled": wall_ms, "gpu_busy_ms": busy, "gpu_idle_ms": max(0.0, wall_ms - busy),
                 "gpu_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
 
 
 def serve_mode(conn, name: str, cell: Cell, config: BenchConfig) -> None:
-    """A mode's own process: builds the mode, then answers ``repetition`` and ``profile`` until ``stop``.
+    """A mode's own process: sets the mode up, then answers ``repetition`` and ``profile`` until ``stop``.
     A failure (a compile error, out of memory) is answered as ``{"error": ...}`` and ends the mode."""
     run = None
     while (command := conn.recv()) != "stop":

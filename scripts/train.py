@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import pickle
@@ -393,14 +394,19 @@ def train_plain(config: TrainConfig) -> None:
                     sources = torch.from_numpy(logger.source_tokens).to(device)
                     torch.distributed.all_reduce(sources)
                     logger.source_tokens = sources.cpu().numpy()
-            logger.log(step, loss=mean_loss.item(), lr=float(scheduler.get_last_lr()[0]))
+            graphs = {"step_graphs": len(graphed.graphs)} if graphed is not None else {}  # flat once all are captured
+            logger.log(step, loss=mean_loss.item(), lr=float(scheduler.get_last_lr()[0]), **graphs)
             losses.clear()
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
             save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
 
     graphed = None
     if config.step_graph:
-        graphed = GraphedStep(model, optimizer, config.max_grad_norm, torch.bfloat16 if config.precision == "bf16" else None)
+        # Every shape of the run's first epoch is captured after step 1, so that no later step stops to capture.
+        shapes = ({**model_inputs(batch, device, False), **per_sequence}
+                  for batch in itertools.islice(make_dataset(config), config.max_steps - step))
+        graphed = GraphedStep(model, optimizer, config.max_grad_norm, torch.bfloat16 if config.precision == "bf16" else None,
+                              shapes=shapes)
     batches = iter(dataset)
     while step < config.max_steps:
         window = []

@@ -51,8 +51,8 @@ def test_bench_runs_and_reports_its_anchor(script: str, args: list[str], anchors
 
 
 def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: Path) -> None:
-    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions) on a
-    tiny Llama on the CPU: the eager reference against varpack's eager mode. The build holds whole
+    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions, each building and
+    freeing its model) on a tiny Llama on the CPU: the eager reference against varpack's eager mode. The build holds whole
     examples of random tokens from a vocabulary of 1000, which keeps the LM head as tiny as the layers."""
     lengths = np.random.default_rng(0).integers(50, 1000, 120)
     packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
@@ -66,5 +66,37 @@ def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: 
     assert cell["best_speed_vs_best_reference"] > 0
     modes = result["datasets"]["random"]["cells"]["small"]["modes"]
     assert [run["repetition"] for run in modes["ours_eager"]["runs"]] == [0, 1]
+    # Each repetition builds its model from the initial weights and frees it at its end (one mode's memory on the
+    # card at a time): the repetitions train alike.
+    for mode in ("flatten", "ours_eager"):
+        first, second = modes[mode]["runs"]
+        assert second["mean_loss_timed"] == pytest.approx(first["mean_loss_timed"], rel=1e-5), mode
+        assert first["mem_left_gib"] == second["mem_left_gib"] == 0.0
     # Same examples in every mode: the same real tokens per step.
     assert modes["flatten"]["runs"][0]["real_tokens_per_step"] == modes["ours_eager"]["runs"][0]["real_tokens_per_step"]
+
+
+def test_bench_train_trains_lora_adapters_in_every_mode(tmp_path: Path) -> None:
+    """``--lora-rank``: every mode trains only LoRA adapters on every linear layer but the LM head (peft), and the
+    model FLOPs count the frozen weights' forward and input gradient (4 per weight) rather than 6."""
+    pytest.importorskip("peft")
+    lengths = np.random.default_rng(0).integers(50, 1000, 120)
+    packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
+    common = ["--shards", f"random={packed.path}", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
+              "--num-heads", "2", "--num-kv-heads", "1", "--rows-per-step", "1", "--budget-rows", "0",
+              "--warmup-steps", "1", "--timed-steps", "1", "--repeats", "1", "--num-workers", "0"]
+    full = run_bench("bench_train.py", [*common, "--modes", "ours_eager", "--out", "full.json"], tmp_path)
+    lora = run_bench("bench_train.py", [*common, "--modes", "flatten,ours_eager", "--lora-rank", "2"], tmp_path)
+    full_run = full["datasets"]["random"]["cells"]["small"]["modes"]["ours_eager"]["runs"][0]
+    modes = lora["datasets"]["random"]["cells"]["small"]["modes"]
+    # One layer: q, k, v, o (32 x 32 with 2 KV heads of 16: k and v are 16 x 32), gate, up (64 x 32), down (32 x 64),
+    # each with A (2 x in) and B (out x 2).
+    shapes = [(32, 32), (16, 32), (16, 32), (32, 32), (64, 32), (64, 32), (32, 64)]
+    adapters = sum(2 * i + o * 2 for o, i in shapes)
+    for mode in ("flatten", "ours_eager"):
+        run = modes[mode]["runs"][0]
+        assert run["trained_parameters"] == adapters, mode
+    layers = sum(o * i for o, i in shapes)
+    head = 1000 * 32
+    assert full_run["flops_per_token"] - modes["ours_eager"]["runs"][0]["flops_per_token"] == pytest.approx(
+        6 * (layers + head) - 4 * (layers + head) - 6 * adapters)

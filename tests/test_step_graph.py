@@ -73,10 +73,12 @@ def gpu_llama() -> torch.nn.Module:
 @needs_gpu
 @pytest.mark.parametrize(("compiled", "prepared", "autocast", "per_sequence"),
                          [(False, False, False, False), (True, False, False, True), (True, True, False, True),
-                          (True, True, True, True)])
+                          (True, True, True, True), (True, "ahead", True, True)])
 def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, autocast, per_sequence):
     """Also with fp32 weights under bf16 autocast, as scripts/train.py trains; and each sequence's loss
-    (a mixture's loss per source), a second output of the graph, is the eager step's."""
+    (a mixture's loss per source), a second output of the graph, is the eager step's. ``prepared``:
+    every shape captured after the first step, by ``prepare`` or by the constructor's ``shapes``
+    ("ahead"), and none later."""
     from loaders.train.models import compile_layers, prewarm_buckets
 
     batches = bucketed_batches(tmp_path, STEPS)
@@ -108,15 +110,20 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
         want.append(loss.item())
 
     optimizer, scheduler = trainer(graphed)
-    step = GraphedStep(graphed, optimizer, max_grad_norm=1.0, autocast_dtype=torch.bfloat16 if autocast else None)
+    ahead = ({**b, **asked} for b in batches) if prepared == "ahead" else None  # read once, after the first step
+    step = GraphedStep(graphed, optimizer, max_grad_norm=1.0, autocast_dtype=torch.bfloat16 if autocast else None,
+                       shapes=ahead)
     got, got_sequences = [], []
     for i, batch in enumerate(batches):
         got.append(step({**batch, **asked}).item())
         got_sequences.append(step.sequence_losses)
         scheduler.step()
-        if prepared and i == 0:
+        if prepared is True and i == 0:
             captured = step.prepare([{**b, **asked} for b in batches])  # as the steps will ask
             assert captured == len(step.graphs) >= 1
+        if prepared == "ahead" and i == 0:
+            captured = len(step.graphs)
+            assert captured >= 1
 
     assert step.replays == STEPS - 1 and len(step.graphs) < step.replays, "shapes should repeat across batches"
     if prepared:
@@ -135,3 +142,27 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
         assert err < max(2e-2, moved / 10), f"{name}: weights differ by {err:.3g}, moved by {moved:.3g}"
     moved = max(((q.float() - s.float()).norm() / s.float().norm()).item() for q, s in zip(graphed.parameters(), base.parameters()))
     assert moved > 1e-2, "the graphed steps should have changed the weights"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_train_script_captures_every_shape_before_the_second_step(tmp_path):
+    """``train.py --compile --step-graph`` captures the graphs of every bucket shape of the run right after
+    step 1 (the log's ``step_graphs`` holds from the first line on), so that no later step stops to capture."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lengths = np.clip(np.random.default_rng(4).lognormal(4.5, 0.9, 400), 16, 600).astype(np.int64)
+    shards = build_shard_dir(tmp_path / "shards", lengths, capacity=CAPACITY, vocab_size=VOCAB, seed=4)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+    model = "llama:hidden_size=128,intermediate_size=256,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=1"
+    done = subprocess.run([sys.executable, str(script), "--shards", str(shards.path), "--random-init", model,
+                           "--batch-rows", "2", "--max-steps", "30", "--log-every", "1", "--compile", "--step-graph",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    graphs = [record["step_graphs"] for record in logs]
+    assert len(graphs) == 30 and graphs[0] > 1, graphs
+    assert set(graphs) == {graphs[0]}, f"a shape was captured during training: {graphs}"

@@ -19,7 +19,10 @@ leaves in it is read after the step::
         scheduler.step()                       # changes the lr tensor the graphs read
 
 The first step runs uncaptured: it creates the optimizer's state. ``step.prepare(batches)``
-then captures the graphs of all the shapes among ``batches`` (an epoch's worth, say) at once.
+then captures the graphs of all the shapes among ``batches`` (an epoch's worth, say) at once;
+``GraphedStep(..., shapes=batches)`` does so right after the first step, so that no later step
+stops to capture (``scripts/train.py --step-graph`` passes an epoch of its loader's batches,
+``scripts/bench_train.py`` the batches of its windows).
 Each step is one micro-batch; the loss is divided by ``num_items_in_batch`` (default: the
 batch's loss tokens). A batch with ``sequence_losses=True`` (``loaders.train.loss_head.SEQUENCE_LOSSES``)
 leaves each packed sequence's summed token loss and loss tokens of the step in
@@ -64,10 +67,12 @@ class GraphedStep:
     tensor learning rates on the GPU, so a scheduler's changes reach the captured steps.
     ``autocast_dtype``: run the forward under ``torch.autocast`` to that dtype (fp32 weights
     trained in bf16), without autocast's weight cache, which a graph cannot keep.
+    ``shapes``: batches as the steps will take them (lazily made, read once) whose shapes are all
+    captured right after the first step (``prepare``).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, shapes: Iterable[dict] | None = None):
         if not getattr(model, "varpack_loss_head", False):
             raise ValueError("GraphedStep needs the loss-position head: use_loss_position_head(model) first")
         for group in optimizer.param_groups:
@@ -87,12 +92,16 @@ class GraphedStep:
         # The last step's per-sequence losses ([2, n] on the GPU) when its batch asked for them, else None.
         self.sequence_losses: torch.Tensor | None = None
         self._pool: Any = None
+        self._shapes_ahead = shapes
 
     def __call__(self, batch: dict, num_items_in_batch: float | None = None) -> torch.Tensor:
         num_items = float(batch[NUM_LOSS_TOKENS] if num_items_in_batch is None else num_items_in_batch)
         tensors, settings, rows, key = self._shapes(batch)
         if not self.optimizer.state:
-            return self._eager(tensors, settings, num_items)
+            loss = self._eager(tensors, settings, num_items)
+            self._prepare_ahead()
+            return loss
+        self._prepare_ahead()  # a resumed run: the optimizer's state came from a checkpoint
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = self._capture(tensors, settings, rows)
@@ -118,6 +127,12 @@ class GraphedStep:
                 self.graphs[key] = self._capture(tensors, settings, rows)
                 captured += 1
         return captured
+
+    def _prepare_ahead(self) -> None:
+        """Capture the shapes given to the constructor, once."""
+        if self._shapes_ahead is not None:
+            shapes, self._shapes_ahead = self._shapes_ahead, None
+            self.prepare(shapes)
 
     @staticmethod
     def _shapes(batch: dict) -> tuple[dict, dict, int, tuple]:
