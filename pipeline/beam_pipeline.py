@@ -40,6 +40,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from pipeline import storage
+from pipeline.beam_worker import WORKER_COMMAND
 from pipeline.build_plan import BuildPlan
 from pipeline.encode.chat import turn_stats
 from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
@@ -349,6 +350,7 @@ def worker_stderr_discarded() -> Iterator[None]:
 def run(plan: BuildPlan, shard_dir: str, spill_dir: str) -> None:
     """Run the build on the runner the config's Beam options name; Beam's in-process FnApiRunner by default."""
     from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
+    from apache_beam.transforms.environments import SubprocessSDKEnvironment
 
     options = PipelineOptions(list(plan.config.beam_args))
     runner = options.view_as(StandardOptions).runner
@@ -357,9 +359,14 @@ def run(plan: BuildPlan, shard_dir: str, spill_dir: str) -> None:
         # Not the DirectRunner: it tries to download a Prism binary on every run.
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-        runner = FnApiRunner()
+        environment = None
         if options.view_as(DirectOptions).direct_running_mode == "multi_processing":
             quiet = worker_stderr_discarded()
+            # Workers that watch this process from their start (beam_worker.py). Beam would put its
+            # own worker command in place of this environment under multi_processing, so unset it.
+            environment = SubprocessSDKEnvironment.from_command_string(WORKER_COMMAND)
+            options.view_as(DirectOptions).direct_running_mode = None
+        runner = FnApiRunner(default_environment=environment)
     os.environ[PACK_PID_ENV] = str(os.getpid())  # local workers inherit it: see parent_watch.py
     try:
         with quiet, beam.Pipeline(runner=runner, options=options) as p:

@@ -21,6 +21,7 @@ from schemas import (
     one_of,
     positive_int,
 )
+from schemas.row import MAX_ROW_TOKENS
 
 # The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/encode/tokenizer.py).
 DEFAULT_TOKENIZER = "mistral-7b-v0.1"
@@ -144,6 +145,10 @@ class PackConfig:
     def validate(self) -> None:
         """Raise ConfigError for a setting, or a mix of settings, that cannot work."""
         positive_int("--max-len", self.max_len, ConfigError)
+        if self.max_len > MAX_ROW_TOKENS:
+            raise ConfigError(
+                f"--max-len must be at most {MAX_ROW_TOKENS:,} (a row's token counts are int32), got {self.max_len:,}"
+            )
         positive_int("--batch-size", self.batch_size, ConfigError)
         for name in ("num_examples", "rows_per_shard", "examples_per_group"):
             value = getattr(self, name)

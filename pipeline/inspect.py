@@ -25,7 +25,16 @@ import numpy as np
 from pipeline import storage
 from pipeline.errors import InputError
 from pipeline.report.profile import read_profile, read_shard_table
-from pipeline.report.summary import aligned, describe_overflow, describe_rejected, describe_trimmed, examples_per_row, plural
+from pipeline.report.summary import (
+    aligned,
+    describe_examples,
+    describe_overflow,
+    describe_rejected,
+    describe_trimmed,
+    examples_dropped,
+    examples_per_row,
+    plural,
+)
 from pipeline.write.build_dir import read_build_manifest
 from schemas import MANIFEST_NAME, Manifest, ManifestError, VarpackError
 
@@ -62,6 +71,11 @@ def summarize(build_dir: str, manifest: Manifest) -> dict[str, Any]:
         "shards": len(manifest.shards),
         "bytes": sum(s.bytes for s in manifest.shards),
         "stats": manifest.stats.to_dict(),
+        "examples": {
+            "read": manifest.stats.examples_read,
+            "kept": manifest.stats.examples_kept,
+            "dropped": examples_dropped(manifest.stats),
+        },
         "examples_per_row": {"mean": mean, "min": low, "max": high},
         "rejected": None if rejected is None else {"rows": rejected.rows, "by_reason": rejected.by_reason},
     }
@@ -108,8 +122,9 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
                  f"({_size(sum(s.bytes for s in manifest.shards))})"),
         ("tokens", f"{stats.tokens:,} packed"),
         ("fill", f"{100 * stats.fill:.3f}%"),
-        ("examples", f"{stats.examples:,} in {plural(stats.segments, 'segment')}; {mean:.2f} per row, {low} to {high}; "
-                     f"ids below {manifest.num_example_ids:,} (source rows)"),
+        ("examples", describe_examples(stats, manifest.capacity)),
+        ("segments", f"{stats.segments:,} of the {plural(stats.examples_kept, 'example')} kept; {mean:.2f} per row, "
+                     f"{low} to {high}; example ids below {manifest.num_example_ids:,} (source rows)"),
         ("overflow", describe_overflow(stats)),
         ("bad rows", bad_rows),
         *([("trimmed", describe_trimmed(stats))] if stats.conversations_trimmed else []),

@@ -181,6 +181,7 @@ class ShardInfo:
 class PackingStats:
     """What packing did: every token is accounted for as packed, truncated or dropped."""
 
+    # Examples that reached packing: those kept, and those --overflow drop left out (examples_dropped).
     examples: int = 0
     segments: int = 0
     tokens: int = 0
@@ -212,6 +213,16 @@ class PackingStats:
     def fill(self) -> float:
         """Packed tokens over the token capacity of all rows."""
         return self.tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+    @property
+    def examples_read(self) -> int:
+        """Examples the source rows made: kept, or dropped under --overflow drop or truncate (untrained)."""
+        return self.examples + self.examples_untrained
+
+    @property
+    def examples_kept(self) -> int:
+        """Examples with tokens in the rows."""
+        return self.examples - self.examples_dropped
 
     def to_dict(self) -> dict[str, Any]:
         data = {**dataclasses.asdict(self), "fill": self.fill}

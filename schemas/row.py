@@ -48,6 +48,8 @@ ROW_SCHEMA = pa.schema(
 )
 
 ROW_COLUMNS = tuple(ROW_SCHEMA.names)
+# The most tokens a row can hold: its token count, its cu_seqlens and its list offsets are int32.
+MAX_ROW_TOKENS = int(np.iinfo(np.int32).max)
 
 
 def list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -643,3 +643,34 @@ def test_a_read_only_out_is_one_line_saying_it_could_not_be_written(data, read_o
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith(f"varpack: error: {out}"), line
         assert ": could not be written (" in line and line.endswith("fix the directory's permissions, then run again")
+
+
+
+def started_by(pid: int) -> list[int]:
+    """The live processes whose environment names ``pid`` as their pack command: its Beam workers and their shells,
+    found whoever their parent is now."""
+    marker = f"VARPACK_PACK_PID={pid}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except (OSError, ValueError):
+            continue
+    return [p for p in found if alive(p)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker processes through /proc")
+def test_workers_killed_with_the_command_before_their_first_import_exit_at_once(data, tmp_path):
+    """``kill -9`` of pack the moment its first worker process appears, before it could import Beam or varpack:
+    no worker stays (they used to wait about 2 minutes for the runner that was gone)."""
+    run = Run(data, tmp_path / "out", "early", "--direct_running_mode=multi_processing", "--direct_num_workers=2")
+    try:
+        wait_for(lambda: started_by(run.proc.pid), "the first worker process", timeout=120)
+        run.proc.kill()
+        run.wait()
+        wait_for(lambda: not started_by(run.proc.pid), "the workers to exit", timeout=3)
+    finally:
+        for pid in started_by(run.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -15,6 +15,8 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pytest
 
 from loaders import PackedIterableDataset
@@ -108,7 +110,8 @@ def test_summary_names_the_inputs_and_the_packing(packed: Path, capsys) -> None:
     assert fields["tokenizer"].startswith("mistral-7b-v0.1 (vocabulary 32,000")
     assert fields["special ids"] == "BOS 1, EOS 2" and fields["loss on"] == "response_and_eos"
     assert fields["fill"] == f"{100 * manifest.stats.fill:.3f}%"
-    assert fields["examples"].startswith(f"{manifest.stats.examples:,} in ")
+    assert fields["examples"] == f"{manifest.stats.examples:,} read, {manifest.stats.examples:,} kept, 0 dropped"
+    assert fields["segments"].startswith(f"{manifest.stats.segments:,} of the {manifest.stats.examples:,} examples kept; ")
     assert fields["bad rows"] == "none (--on-bad-row error)"
 
 
@@ -299,3 +302,44 @@ def test_varpack_check_needs_no_beam(tmp_path: Path) -> None:
     else:
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("usage: varpack check ")
+
+
+def example_ids_in(build_dir: Path) -> set[int]:
+    """The example ids the build's shards hold."""
+    ids: set[int] = set()
+    for shard in read_manifest(build_dir).shards:
+        table = pa.ipc.open_file(pa.memory_map(str(build_dir / shard.path))).read_all()
+        ids.update(pa.compute.list_flatten(table.column("example_ids")).to_pylist())
+    return ids
+
+
+LONG_PROMPT = {"prompt": "A question that runs on and on. " * 60, "response": "An answer truncation never reaches."}
+
+
+@pytest.mark.parametrize(
+    ("overflow", "key", "reason"),
+    [("drop", "too_long", "longer than --max-len 256 (--overflow drop)"),
+     ("truncate", "untrained", "with no trained token within --max-len 256 (--overflow truncate)")],
+)
+def test_examples_read_kept_and_dropped_agree_in_the_report_the_manifest_and_inspect(
+    tmp_path: Path, capsys, overflow: str, key: str, reason: str
+) -> None:
+    rows = [{"prompt": f"Question {i}?", "response": f"Answer {i}."} if i % 3 else LONG_PROMPT for i in range(30)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    args = ["--dataset", str(data), "--out", str(out), "--max-len", "256", "--overflow", overflow, "--no-progress", "--no-report"]
+    assert pack_main(args) == 0
+    report = capsys.readouterr().out
+    (build_dir,) = out.iterdir()
+    kept = len(example_ids_in(build_dir))
+    assert kept == 20
+    line = f"30 read, 20 kept, 10 dropped: 10 {reason}"
+    assert re.search(rf"^  examples\s+{re.escape(line)}$", report, re.MULTILINE), report
+    stats = read_manifest(build_dir).stats
+    assert (stats.examples_read, stats.examples_kept) == (30, 20)
+    assert main([str(build_dir)]) == 0
+    assert re.search(rf"^  examples\s+{re.escape(line)}$", capsys.readouterr().out, re.MULTILINE)
+    assert main([str(build_dir), "--json"]) == 0
+    examples = json.loads(capsys.readouterr().out)["examples"]
+    assert examples == {"read": 30, "kept": 20, "dropped": {key: 10}}

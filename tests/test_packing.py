@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import resource
+import subprocess
+import sys
 from collections import defaultdict
 
 import numpy as np
@@ -257,6 +262,56 @@ def test_best_fit_decreasing_matches_the_reference_on_flan_lengths(seed: int) ->
     assert sorted(loads.tolist()) == sorted(reference_best_fit_decreasing(sizes, 4096))
 
 
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(min_value=1, max_value=2**40), data=st.data(), seed=seeds)
+def test_best_fit_decreasing_matches_the_reference_at_random_capacities(capacity: int, data: st.DataObject, seed: int) -> None:
+    """Large capacities too: sizes near a drawn fraction of the capacity, so bins fill to the last token."""
+    unit = capacity // data.draw(st.integers(min_value=1, max_value=6))
+    near = st.integers(min_value=-3, max_value=3).map(lambda delta: min(capacity, max(1, unit + delta)))
+    sizes = data.draw(st.lists(st.one_of(near, st.integers(min_value=1, max_value=capacity)), max_size=60))
+    bin_of_item = best_fit_decreasing(np.array(sizes, dtype=np.int64), capacity, seed)
+    loads = [sum(size for size, b in zip(sizes, bin_of_item.tolist()) if b == row) for row in range(len(set(bin_of_item.tolist())))]
+    assert sorted(loads) == sorted(reference_best_fit_decreasing(sizes, capacity))
+    assert all(loads), "bins are numbered 0..rows-1 with none left empty"
+
+
+def test_a_plan_stays_the_same_from_release_to_release() -> None:
+    """Builds are content-addressed: the same lengths, capacity and seed give the plan they always gave."""
+    plan = pack(np.random.default_rng(28).integers(1, 6000, 50_000), 4096, seed=7)
+    digest = hashlib.sha256()
+    for column in (plan.segment_example, plan.segment_offset, plan.segment_length, plan.row_offsets):
+        digest.update(column.tobytes())
+    assert (plan.num_rows, digest.hexdigest()[:16]) == (36503, "dfc8606b9882ef31")
+
+
+PEAK_MEMORY = """
+import resource, sys
+from pipeline.packing.algorithms import pack
+plan = pack([int(length) for length in sys.argv[2:]], capacity=int(sys.argv[1]))
+print(plan.row_offsets.tolist(), plan.segment_length.tolist(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def peak_memory_of_a_plan(capacity: int, lengths: list[int]) -> tuple[str, int]:
+    """The plan of ``lengths`` in rows of ``capacity`` (as text) and the peak memory of the process that made it."""
+    two_gb = 2 << 30  # the old packer needed 24 GB at 2**31: stop it early rather than let it take the machine
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK_MEMORY, str(capacity), *map(str, lengths)], capture_output=True, text=True, check=True, timeout=120,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (two_gb, two_gb)),
+    )
+    plan, peak = run.stdout.rsplit(" ", 1)
+    return plan, int(peak)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and ru_maxrss in kilobytes are Linux's")
+def test_memory_grows_with_the_examples_not_with_the_capacity() -> None:
+    small_plan, small_peak = peak_memory_of_a_plan(64, [5, 7, 9])
+    plan, peak = peak_memory_of_a_plan(2**31, [5, 7, 2**31 + 9])
+    assert small_plan == "[0, 3] [5, 7, 9]"
+    assert plan == "[0, 1, 4] [2147483648, 5, 7, 9]"  # the long example's chunk alone, then the rest together
+    assert peak < small_peak + (32 << 20)
+
+
 @FAST
 @given(capacity=st.integers(min_value=1, max_value=40), data=st.data(), seed=seeds)
 def test_first_fit_decreasing_matches_the_per_item_reference(capacity: int, data: st.DataObject, seed: int) -> None:
@@ -333,6 +388,12 @@ def test_bad_lengths_raise_a_clear_error(lengths: object, message: str) -> None:
 def test_bad_capacity_raises_a_clear_error(capacity: object) -> None:
     with pytest.raises(PackingError, match="capacity must be a positive integer"):
         pack([1, 2], capacity)  # type: ignore[arg-type]
+
+
+def test_a_capacity_past_int64_is_refused_and_the_largest_is_packed() -> None:
+    with pytest.raises(PackingError, match=r"capacity must fit int64 \(at most 9223372036854775807\), got 9223372036854775808"):
+        pack([1, 2], 2**63)
+    assert pack([1, 2], 2**63 - 1).row_offsets.tolist() == [0, 2]
 
 
 def test_whole_float_lengths_and_numpy_capacity_are_accepted() -> None:

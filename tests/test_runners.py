@@ -5,12 +5,17 @@
   in-process runner's.
 - Tokens wait in spill files while the dataset is packed; no spill file outlives its run,
   whether the run succeeds, fails, or was killed before its cleanup.
+- A build's memory grows with its data, not with ``--max-len``, which is bounded by what a row's
+  int32 counts can hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +106,51 @@ def test_spill_files_never_outlive_their_run(reference, tmp_path):
     (tmp_path / "good.jsonl").write_text('{"text": "fine"}\n' * 50)
     build(succeeded)
     assert spills(temp) == [] and os.listdir(temp) == []
+
+
+# The peak memory of the pack command it runs, from a process of its own so that no other child counts.
+MEASURED = """
+import resource, subprocess, sys
+returncode = subprocess.run(sys.argv[1:]).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+sys.exit(returncode)
+"""
+
+
+def pack_peak_memory(data: Path, out: Path, max_len: int) -> int:
+    """The peak resident memory of a pack of ``data`` at ``max_len``, in bytes, under a 4 GB address space limit."""
+    four_gb = 4 << 30  # rather than let a packer that grows with --max-len take the machine (24 GB at 2**31)
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURED, sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(out),
+         "--max-len", str(max_len), "--no-progress", "--no-report"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (four_gb, four_gb)),
+    )
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and ru_maxrss in kilobytes are Linux's")
+def test_the_largest_max_len_packs_two_examples_in_the_memory_of_a_small_one(tmp_path):
+    data = tmp_path / "two.jsonl"
+    data.write_text('{"prompt": "What is 2 + 2?", "response": "4"}\n{"prompt": "Name a colour.", "response": "Blue"}\n')
+    small = pack_peak_memory(data, tmp_path / "small", 64)
+    largest = pack_peak_memory(data, tmp_path / "largest", 2**31 - 1)
+    assert largest < small + (64 << 20)
+    (build_dir,) = (tmp_path / "largest").iterdir()
+    manifest = read_manifest(build_dir)
+    assert (manifest.capacity, manifest.stats.examples, manifest.num_rows) == (2**31 - 1, 2, 1)
+
+
+def test_a_max_len_past_what_a_row_can_hold_is_one_line_and_writes_nothing(tmp_path):
+    data = tmp_path / "two.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two"}\n')
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", str(tmp_path / "out"), "--max-len", str(2**31)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode != 0
+    assert run.stderr.splitlines() == [
+        "varpack: error: --max-len must be at most 2,147,483,647 (a row's token counts are int32), got 2,147,483,648"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -8,10 +8,13 @@ Best-fit decreasing runs over counts, not items: with integer sizes, the bins th
 remaining capacity are interchangeable, so items of one size are placed into a whole level of
 bins with a few array operations. The work grows with the number of distinct (size, level)
 pairs met, not with the number of items, which keeps it well above a million examples a second.
+Its memory grows with the number of items alone: levels are kept only for the rooms that open
+bins have, in a sorted list, so a capacity of 2**31 costs what a capacity of 64 does.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +62,8 @@ def _check_lengths(lengths: np.ndarray | list[int], capacity: int) -> np.ndarray
     Lengths are a 1-D sequence of positive whole numbers (floats such as 3.0 are accepted);
     an empty sequence is valid and packs into no rows.
     """
-    positive_int("capacity", capacity, PackingError)
+    if positive_int("capacity", capacity, PackingError) > np.iinfo(np.int64).max:
+        raise PackingError(f"capacity must fit int64 (at most {np.iinfo(np.int64).max}), got {capacity}")
     try:
         array = np.asarray(lengths)
     except ValueError as err:
@@ -156,11 +160,24 @@ def _apply_overflow(lengths: np.ndarray, capacity: int, overflow: str, stats: Pa
     return segment_example, segment_offset, segment_length
 
 
+def _sizes_and_counts(sizes: np.ndarray, order: np.ndarray) -> tuple[list[int], list[int]]:
+    """The distinct sizes, largest first, and how many items have each; ``order`` sorts ``sizes`` decreasing."""
+    if sizes.max() <= 4 * sizes.size:
+        # A count per possible size costs no more memory than the items, and is the fastest way.
+        items_of_size = np.bincount(sizes)
+        distinct = np.flatnonzero(items_of_size)[::-1]
+        return distinct.tolist(), items_of_size[distinct].tolist()
+    decreasing = sizes[order]
+    firsts = np.flatnonzero(np.diff(decreasing, prepend=0))
+    return decreasing[firsts].tolist(), np.diff(firsts, append=sizes.size).tolist()
+
+
 def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.ndarray:
     """Bin of each item under best-fit decreasing; sizes must lie in [1, capacity].
 
     Items are taken largest first (ties in a seeded random order); each goes to the open bin
     with the least room that still fits it, or to a new bin. Bins are numbered in opening order.
+    Memory grows with the number of items, whatever the capacity.
     """
     sizes = _check_sizes(sizes, capacity)
     n = sizes.size
@@ -168,19 +185,24 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.n
     if n == 0:
         return bin_of_item
     order = _decreasing_order(sizes, capacity, seed)
-    items_of_size = np.bincount(sizes, minlength=capacity + 1)
 
-    # levels[r]: stack of id arrays of bins with exactly r tokens of room; occupied[r] iff non-empty.
-    levels: list[list[np.ndarray]] = [[] for _ in range(capacity + 1)]
-    level_size = np.zeros(capacity + 1, dtype=np.int64)
-    occupied = np.zeros(capacity + 1, dtype=bool)
+    # levels[room]: stack of id arrays of bins with exactly `room` tokens left; only rooms that some
+    # open bin has are keys, and open_rooms lists them in increasing order.
+    levels: dict[int, list[np.ndarray]] = {}
+    level_size: dict[int, int] = {}
+    open_rooms: list[int] = []
     bin_of_sorted = np.empty(n, dtype=np.int64)
     bins_opened = 0
 
     def push(room: int, ids: np.ndarray) -> None:
-        levels[room].append(ids)
-        level_size[room] += ids.size
-        occupied[room] = True
+        if room == 0:
+            return  # a full bin takes nothing more
+        if room in levels:
+            levels[room].append(ids)
+            level_size[room] += ids.size
+        else:
+            levels[room], level_size[room] = [ids], ids.size
+            bisect.insort(open_rooms, room)
 
     def pop(room: int, count: int) -> np.ndarray:
         taken: list[np.ndarray] = []
@@ -196,20 +218,21 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.n
                 stack[-1] = top[: top.size - need]
                 need = 0
         level_size[room] -= count
-        occupied[room] = level_size[room] > 0
+        if not level_size[room]:
+            del levels[room], level_size[room], open_rooms[bisect.bisect_left(open_rooms, room)]
         return taken[0] if len(taken) == 1 else np.concatenate(taken)
 
     pos = 0
-    for size in np.flatnonzero(items_of_size)[::-1].tolist():
-        remaining = int(items_of_size[size])
+    for size, remaining in zip(*_sizes_and_counts(sizes, order)):
         while remaining:
             # The tightest level with room for this size. Once a bin there takes an item it is
             # the tightest fit again (levels below were empty), so each bin takes room // size
             # items in a row before the next bin of the level is used.
-            room = size + int(occupied[size:].argmax())
-            if occupied[room]:
+            tightest = bisect.bisect_left(open_rooms, size)
+            if tightest < len(open_rooms):
+                room = open_rooms[tightest]
                 per_bin = room // size
-                available = int(level_size[room])
+                available = level_size[room]
                 full_bins = min(available, remaining // per_bin)
                 rest = remaining - full_bins * per_bin if full_bins < available else 0
                 ids = pop(room, full_bins + (1 if rest else 0))
@@ -222,7 +245,8 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int = 0) -> np.n
                 ids = np.arange(bins_opened, bins_opened + used, dtype=np.int64)
                 bins_opened += used
             placed = full_bins * per_bin + rest
-            bin_of_sorted[pos : pos + placed] = np.repeat(ids, per_bin)[:placed]
+            # per_bin is up to the capacity (items of 1 token in an empty bin): repeat no more than is placed.
+            bin_of_sorted[pos : pos + placed] = np.repeat(ids, min(per_bin, placed))[:placed]
             if full_bins:
                 push(room - per_bin * size, ids[:full_bins])
             if rest:

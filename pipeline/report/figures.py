@@ -43,7 +43,8 @@ def draw_report(profile: Profile, manifest: Manifest):
     figure = Figure(figsize=(16, 4.8), dpi=110, layout="constrained")
     dataset = manifest.inputs.dataset
     figure.suptitle(
-        f"{dataset.id} ({dataset.split}), build {manifest.fingerprint}: {plural(stats.examples, 'example')}, "
+        f"{dataset.id} ({dataset.split}), build {manifest.fingerprint}: {plural(stats.examples_kept, 'example')} "
+        f"kept of {stats.examples_read:,} read, "
         f"{plural(stats.rows, 'row')} of {capacity:,} tokens, fill {100 * stats.fill:.2f}%",
         fontsize=13, fontweight="bold",
     )

@@ -34,12 +34,12 @@ def format_report(
     layout: str = "",
     rejected: RejectedRows | None = None,
 ) -> str:
-    """A few aligned lines: the example layout, examples, tokens, rows and fill, overflow, examples per row,
-    rows left out, time, path."""
+    """A few aligned lines: the example layout, examples read, kept and dropped, tokens, overflow, rows and fill,
+    examples per row, rows left out, time, path."""
     mean, low, high = examples_per_row(stats)
     lines = [
         *([("example", layout)] if layout else []),
-        ("examples", f"{stats.examples:,}"),
+        ("examples", describe_examples(stats, capacity)),
         ("tokens", f"{stats.tokens:,} packed"),
         ("overflow", describe_overflow(stats)),
         ("rows", f"{plural(stats.rows, 'row')} of {capacity:,} tokens in {plural(shards, 'shard')}"),
@@ -57,6 +57,27 @@ def format_report(
         ("output", out_dir),
     ]
     return aligned(lines)
+
+
+# Why an example read is not in the rows: the reason's name (in JSON) and its words (in reports).
+DROP_REASONS = {
+    "too_long": "longer than --max-len {capacity:,} (--overflow drop)",
+    "untrained": "with no trained token within --max-len {capacity:,} (--overflow truncate)",
+}
+
+
+def examples_dropped(stats: PackingStats) -> dict[str, int]:
+    """The examples read but not kept, by reason (those of DROP_REASONS that occur)."""
+    counts = {"too_long": stats.examples_dropped, "untrained": stats.examples_untrained}
+    return {reason: count for reason, count in counts.items() if count}
+
+
+def describe_examples(stats: PackingStats, capacity: int) -> str:
+    """Examples read, kept and dropped, with each reason: ``30 read, 20 kept, 10 dropped: 10 longer than ...``."""
+    dropped = examples_dropped(stats)
+    line = f"{stats.examples_read:,} read, {stats.examples_kept:,} kept, {sum(dropped.values()):,} dropped"
+    reasons = [f"{count:,} {DROP_REASONS[reason].format(capacity=capacity)}" for reason, count in dropped.items()]
+    return line + (": " + ", ".join(reasons) if reasons else "")
 
 
 def describe_overflow(stats: PackingStats) -> str:
