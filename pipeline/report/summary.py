@@ -52,11 +52,24 @@ def format_report(
         lines.append(("trimmed", describe_trimmed(stats)))
     if stats.chat_turns:
         lines.append(("turns", describe_turns(stats)))
+    lines += inputs_section(stats)
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
     ]
     return aligned(lines)
+
+
+def inputs_section(stats: PackingStats) -> list[tuple[str, str]]:
+    """What the build read: the files, the columns that reached the tokens, and those present but not read."""
+    if not (stats.source_files or stats.source_columns_used):
+        return []
+    files = stats.source_files
+    shown = ", ".join(files[:5]) + (f", ... ({len(files):,} files)" if len(files) > 5 else "")
+    lines = [("files read", shown or "none (generated)"), ("columns", ", ".join(stats.source_columns_used) or "none")]
+    if stats.source_columns_unused:
+        lines.append(("not read", ", ".join(stats.source_columns_unused) + " (columns present in the source)"))
+    return lines
 
 
 def describe_overflow(stats: PackingStats) -> str:
