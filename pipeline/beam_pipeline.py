@@ -50,6 +50,7 @@ from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import spill
 from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
+from pipeline.read.inputs import InputsRead
 from pipeline.read.sources import ReadTask
 from pipeline.report import progress
 from pipeline.write.shard_writer import finish_build, publish_shard
@@ -139,16 +140,19 @@ class Filtered:
     untrained_examples: int
     untrained_tokens: int
     turns: Counter[str] = dataclasses.field(default_factory=Counter)
+    # Examples and tokens --truncate-side left cut from prompts' heads (counted as truncated).
+    prompt_cut_examples: int = 0
+    prompt_cut_tokens: int = 0
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, int], Counter[str]]], out_dir: str,
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str]]], out_dir: str,
     max_bad_rows: int | float,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
-    ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained
-    counts and its chat turn counts.
+    ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained and
+    prompt-cut counts (examples, tokens, examples, tokens) and its chat turn counts.
     """
     notes = sorted(notes, key=lambda note: note[0])
     bad_rows = [row for _, _, rejected, _, _ in notes for row in rejected]
@@ -157,8 +161,9 @@ def finish_filtered(
     if bad and bound_exceeded(len(bad), rows_read, max_bad_rows):
         raise bound_error(len(bad), rows_read, max_bad_rows, bad[0])
     write_rejected(bad_rows, out_dir)
-    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _ in notes))] or [0, 0]
-    return Filtered(summarize(bad_rows), untrained[0], untrained[1], sum((turns for *_, turns in notes), Counter()))
+    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _ in notes))] or [0, 0, 0, 0]
+    turns = sum((turns for *_, turns in notes), Counter())
+    return Filtered(summarize(bad_rows), untrained[0], untrained[1], turns, untrained[2], untrained[3])
 
 
 def placements(counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int):
@@ -217,7 +222,9 @@ class WriteShard(beam.DoFn):
         yield shard, info
 
 
-def write_build_manifest(joined: dict, out_dir: str, shard_prefix: str, inputs: BuildInputs, rows_per_shard: int) -> str:
+def write_build_manifest(
+    joined: dict, out_dir: str, shard_prefix: str, inputs: BuildInputs, rows_per_shard: int, read: InputsRead = InputsRead()
+) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path.
 
     ``joined`` holds every shard written, every packed group, every batch's placement and what reading left out;
@@ -228,7 +235,10 @@ def write_build_manifest(joined: dict, out_dir: str, shard_prefix: str, inputs: 
     stats = PackingStats.merged([g.stats for g in groups])
     stats.examples_untrained, stats.tokens_untrained = filtered.untrained_examples, filtered.untrained_tokens
     stats.chat_turns, stats.dangling_turns_dropped, stats.conversations_trimmed = turn_stats(filtered.turns)
+    stats.examples_truncated += filtered.prompt_cut_examples
+    stats.tokens_truncated += filtered.prompt_cut_tokens
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
+    read.record(stats)
     if stats.rows == 0:
         raise InputError(
             f"nothing to write: all {stats.examples} examples were dropped as longer than --max-len {inputs.max_len}; "
@@ -259,7 +269,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     """
     main_pid = os.getpid()  # the pack command's process
     # Steps below capture these small values, not ``plan``, which carries the whole tokenizer.
-    config, inputs, out_dir = plan.config, plan.inputs, plan.out_dir
+    config, inputs, out_dir, read = plan.config, plan.inputs, plan.out_dir, plan.inputs_read
     rows_per_shard, examples_per_group = config.resolved_rows_per_shard, config.resolved_examples_per_group
     encoded = (
         p
@@ -267,7 +277,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, spill_dir, main_pid))
     )
     filtered = _gather(
-        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained, b.turns))
+        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns))
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
@@ -314,7 +324,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         }
         | "JoinForManifest" >> beam.CoGroupByKey()
         | "WriteManifest"
-        >> beam.MapTuple(lambda _, joined: write_build_manifest(joined, out_dir, shard_prefix, inputs, rows_per_shard))
+        >> beam.MapTuple(lambda _, joined: write_build_manifest(joined, out_dir, shard_prefix, inputs, rows_per_shard, read))
     )
 
 

@@ -29,6 +29,7 @@ from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError, InputError
 from pipeline.packing import spill
 from pipeline.read.formats import resolve_format
+from pipeline.read.inputs import InputsRead
 from pipeline.read.sources import resolve_source
 from pipeline.report.summary import unused_input_warnings
 from pipeline.write.build_dir import (
@@ -97,7 +98,8 @@ def plan_build(config: PackConfig) -> BuildPlan:
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")
-    return BuildPlan(config, source, tokenizer, example_format, inputs, fingerprint, out_dir)
+    read = InputsRead.of(source, example_format)
+    return BuildPlan(config, source, tokenizer, example_format, inputs, fingerprint, out_dir, read)
 
 
 def _log_to_stderr(message: str) -> None:
@@ -120,6 +122,9 @@ def build(
     plan = plan_build(config)
     for note in plan.source.notes + plan.tokenizer.notes:
         log(note)
+    plan.inputs_read.check(config.strict)
+    for line in plan.inputs_read.warnings():
+        log(f"warning: {line}")
     local = not storage.is_url(plan.out_dir)
     if local and not config.force:
         # First only read, sharing the lock with other runs that read: the nodes of a job check a build side by side.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pipeline.config import PackConfig
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.read.formats import ExampleFormat
+from pipeline.read.inputs import InputsRead
 from pipeline.read.sources import Source
 from schemas import BuildInputs
 
@@ -23,3 +24,4 @@ class BuildPlan:
     inputs: BuildInputs
     fingerprint: str
     out_dir: str
+    inputs_read: InputsRead = InputsRead()  # the files and columns read, and the columns not read

@@ -9,8 +9,10 @@ the fingerprint covers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pipeline.errors import ConfigError
+from pipeline.storage import local_path
 from schemas import (
     BadRowPolicy,
     BuildInputs,
@@ -35,6 +37,13 @@ TARGET_SHARD_TOKENS = 1 << 23
 def default_rows_per_shard(capacity: int) -> int:
     """Rows per shard so that a full shard holds about TARGET_SHARD_TOKENS tokens."""
     return max(1, TARGET_SHARD_TOKENS // capacity)
+
+
+class TruncateSide(StrEnum):
+    """Which end of a too-long prompt/response example ``--overflow truncate`` cuts."""
+
+    RIGHT = "right"  # the tail, as packing cuts any example
+    LEFT = "left"  # the prompt's head after BOS, keeping the response
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,11 @@ class PackConfig:
     # Prompt/response: how they are joined (None: formats.DEFAULT_PROMPT_TEMPLATE), or --as-chat.
     prompt_template: str | None = None
     as_chat: bool = False
+    # Prompt/response: a system prompt, the template's {system} field (placed before the prompt when the
+    # template has none), or a system turn under --as-chat.
+    system_prompt: str | None = None
+    # Under --overflow truncate: "right" cuts an example's tail, "left" the prompt's head (after BOS), keeping the response.
+    truncate_side: str = TruncateSide.RIGHT
     # Special tokens around each prompt/response or text example; None: the tokenizer's own.
     bos_token: str | None = None
     eos_token: str | None = None
@@ -94,9 +108,14 @@ class PackConfig:
     # Write report.png (the build's histograms) beside the manifest; needs matplotlib.
     report: bool = True
     verbose: bool = False
-    # Input present but not used (a chat turn the template leaves out) is an error, not a warning.
+    # Input present but not used (a source file or column, a chat turn the template leaves out) is an error, not a warning.
     strict: bool = False
     beam_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # file:///abs/path names the local path /abs/path: Beam's filesystems know no file:// scheme.
+        for name in ("dataset", "out"):
+            object.__setattr__(self, name, local_path(getattr(self, name)))
 
     @property
     def resolved_rows_per_shard(self) -> int:
@@ -158,6 +177,7 @@ class PackConfig:
             one_of("--overflow", self.overflow, Overflow, ConfigError)
         one_of("--packing", self.packing, PackingAlgorithm, ConfigError)
         one_of("--on-bad-row", self.on_bad_row, BadRowPolicy, ConfigError)
+        one_of("--truncate-side", self.truncate_side, TruncateSide, ConfigError)
         bound = self.max_bad_rows
         if isinstance(bound, bool) or not (
             (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 < bound < 1)

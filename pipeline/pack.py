@@ -50,7 +50,7 @@ PROG = "python -m pipeline.pack"
 
 
 def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    from pipeline.config import PackConfig
+    from pipeline.config import PackConfig, TruncateSide
     from schemas import BadRowPolicy, Overflow, PackingAlgorithm
 
     parser = argparse.ArgumentParser(
@@ -79,6 +79,9 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--overflow", choices=[e.value for e in Overflow], default=default.overflow,
         help="what to do with examples longer than --max-len (default: split; truncate for chat data, whose later "
              "chunks would start mid-conversation)")
+    add("--truncate-side", choices=[e.value for e in TruncateSide], default=default.truncate_side,
+        help="with --overflow truncate, cut a prompt/response example's tail (right) or its prompt's head (left), "
+             "keeping the response (default: %(default)s)")
     add("--packing", choices=[e.value for e in PackingAlgorithm], default=default.packing,
         help="packing algorithm (default: %(default)s)")
     add("--seed", type=int, default=default.seed, help="seed of the packing's tie-breaking and row order (default: %(default)s)")
@@ -95,8 +98,11 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--chat-template", help="chatml, llama3, mistral or gemma, a Jinja chat template, or a file holding one "
                                 "(default: the tokenizer's; Mistral-7B-Instruct-v0.1's for the embedded tokenizer)")
     add("--prompt-template",
-        help="how a prompt and its response are joined, holding {prompt} then {response}; \\n is a newline "
-             "(default: '{prompt}\\n\\n{response}')")
+        help="how the columns of a row are joined: {prompt} and {response}, or any column by name ({instruction}, "
+             "{input}), the last one the response, trained on; {system} is --system-prompt; 'alpaca' is Stanford "
+             "Alpaca's template; \\n is a newline (default: '{prompt}\\n\\n{response}')")
+    add("--system-prompt", help="prompt/response data: text put at the template's {system}, else before the prompt "
+                                "(followed by a blank line); a system turn with --as-chat")
     add("--as-chat", action="store_true",
         help="render prompt/response data as a user turn and an assistant turn with the chat template")
     add("--bos-token", help="token before each prompt/response or text example, or 'none' "
@@ -119,7 +125,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="chat data: refuse conversations that start with an assistant turn or end with a user turn, ShareGPT "
              "ones too, as bad rows")
     add("--strict", action="store_true",
-        help="input present but not used (a chat role the template leaves out) stops the build instead of a warning")
+        help="input present but not used (a source file or column, a chat role the template leaves out) stops the build, "
+             "writing nothing, instead of a warning line")
     add("--train-on-prompt", action="store_true", help="train on prompt (or non-assistant) tokens too")
     add("--on-bad-row", choices=[e.value for e in BadRowPolicy], default=default.on_bad_row,
         help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "

@@ -23,6 +23,14 @@ from schemas.io import UPLOAD_MARK, atomic_output, link_error, open_own, write_e
 HUB_SCHEME = "hf://"
 
 
+FILE_SCHEME = "file://"
+
+
+def local_path(path: str) -> str:
+    """``path`` with a ``file://`` scheme taken off (``file:///data/x`` is ``/data/x``); any other path as it is."""
+    return path[len(FILE_SCHEME) :] if path.startswith(FILE_SCHEME) else path
+
+
 def is_url(path: str) -> bool:
     """Whether ``path`` names a remote file (``scheme://...``) rather than a local one."""
     return "://" in path

@@ -177,6 +177,10 @@ class ShardInfo:
     bytes: int
 
 
+# PackingStats fields written only when set: the source files and columns of a pipeline build.
+SOURCE_LISTS = ("source_files", "source_columns_used", "source_columns_unused")
+
+
 @dataclass
 class PackingStats:
     """What packing did: every token is accounted for as packed, truncated or dropped."""
@@ -208,6 +212,11 @@ class PackingStats:
     dangling_turns_dropped: dict[str, int] = field(default_factory=dict)
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
+    # The source files read, and the source columns that reached the tokens and those that did not
+    # (pipeline builds; empty for other writers and older builds).
+    source_files: list[str] = field(default_factory=list)
+    source_columns_used: list[str] = field(default_factory=list)
+    source_columns_unused: list[str] = field(default_factory=list)
 
     @property
     def fill(self) -> float:
@@ -226,8 +235,9 @@ class PackingStats:
 
     def to_dict(self) -> dict[str, Any]:
         data = {**dataclasses.asdict(self), "fill": self.fill}
-        # Written only for chat builds, so that other builds' manifests stay as they were.
-        return {key: value for key, value in data.items() if value or key not in ("chat_turns", "dangling_turns_dropped")}
+        # Written only when set (chat builds, pipeline builds), so that other builds' manifests stay as they were.
+        written_when_set = ("chat_turns", "dangling_turns_dropped", *SOURCE_LISTS)
+        return {key: value for key, value in data.items() if value or key not in written_when_set}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PackingStats:

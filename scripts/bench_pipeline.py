@@ -4,8 +4,8 @@
 
 The texts are generated once and written to a Parquet file (not timed). Then:
 
-- ``encode_batch``: the tokenizers ``Tokenizer.encode_batch`` of the default tokenizer over all
-  prompts and responses, each joined with its part of ``--prompt-template`` as the pipeline joins
+- ``encode_batch``: the tokenizers ``Tokenizer.encode_batch`` of the default tokenizer over the
+  texts of all examples, prompt and response joined by ``--prompt-template`` as the pipeline joins
   them, in batches of ``--batch-texts``, texts already in memory;
 - ``pipeline``: ``python -m pipeline.pack --dataset FILE`` in a fresh process, wall clock from
   start to exit: Python and Beam start-up, hashing, reading, tokenizing, packing, writing;
@@ -61,12 +61,11 @@ def time_encode_batch(backend, texts: list[str], batch_texts: int) -> tuple[floa
     return time.perf_counter() - started, tokens
 
 
-def templated(table: pa.Table, prompt_template: str) -> tuple[list[str], list[str]]:
-    """The prompts and responses as the pipeline tokenizes them: each with its part of the template."""
+def templated(table: pa.Table, prompt_template: str) -> list[str]:
+    """The text of each example as the pipeline tokenizes it: prompt and response joined by the template."""
     before, between, after = split_prompt_template(prompt_template)
-    prompts = [before + text + between for text in table.column("prompt").to_pylist()]
-    responses = [text + after for text in table.column("response").to_pylist()]
-    return prompts, responses
+    prompts, responses = table.column("prompt").to_pylist(), table.column("response").to_pylist()
+    return [before + prompt + between + response + after for prompt, response in zip(prompts, responses)]
 
 
 def time_pipeline(data: Path, out: Path, prompt_template: str) -> tuple[float, dict]:
@@ -88,21 +87,15 @@ def time_datasets_map(table: pa.Table, prompt_template: str, tokenizer, cache: P
 
     datasets.disable_progress_bars()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend())
-    prompts, responses = templated(table, prompt_template)
-    dataset = datasets.Dataset(pa.table({"prompt": prompts, "response": responses}))
+    dataset = datasets.Dataset(pa.table({"text": templated(table, prompt_template)}))
 
     def tokenize(batch):
-        return {
-            "prompt_ids": fast(batch["prompt"], add_special_tokens=False)["input_ids"],
-            "response_ids": fast(batch["response"], add_special_tokens=False)["input_ids"],
-        }
+        return {"input_ids": fast(batch["text"], add_special_tokens=False)["input_ids"]}
 
     started = time.perf_counter()
-    mapped = dataset.map(tokenize, batched=True, remove_columns=["prompt", "response"],
-                         cache_file_name=str(cache / "map.arrow"))
+    mapped = dataset.map(tokenize, batched=True, remove_columns=["text"], cache_file_name=str(cache / "map.arrow"))
     elapsed = time.perf_counter() - started
-    lengths = pa.compute.list_value_length
-    tokens = sum(int(pa.compute.sum(lengths(mapped.data.column(c))).as_py()) for c in ("prompt_ids", "response_ids"))
+    tokens = int(pa.compute.sum(pa.compute.list_value_length(mapped.data.column("input_ids"))).as_py())
     return elapsed, tokens
 
 
@@ -123,8 +116,7 @@ def main() -> None:
         tmp = Path(tmp)
         data = tmp / f"{args.dataset}.parquet"
         table = write_texts(args.dataset, args.examples, data)
-        prompts, responses = templated(table, args.prompt_template)
-        texts = prompts + responses
+        texts = templated(table, args.prompt_template)
 
         encode_runs, pipeline_runs = [], []
         for _ in range(args.repeats):

@@ -107,10 +107,12 @@ def test_prompt_response_layout_and_mask(tokenizer, template, joined):
     )
     backend = tokenizer.backend()
     for (tokens, mask), (q, a) in zip(split_examples(batch), [("Hello world", "Hi"), ("What is 2+2?", "Four")]):
-        prompt = backend.encode(joined[0].format(q=q), add_special_tokens=False).ids
-        response = backend.encode(joined[1].format(a=a), add_special_tokens=False).ids
-        assert tokens.tolist() == [BOS, *prompt, *response, EOS]
-        assert mask.tolist() == [0] * (1 + len(prompt)) + [1] * (len(response) + 1)
+        prompt, response = joined[0].format(q=q), joined[1].format(a=a)
+        whole = backend.encode(prompt + response, add_special_tokens=False)
+        assert tokens.tolist() == [BOS, *whole.ids, EOS]
+        response_start = whole.char_to_token(len(prompt))
+        assert mask.tolist() == [0] * (1 + response_start) + [1] * (len(whole.ids) - response_start + 1)
+        assert backend.decode(tokens[mask == 1][:-1].tolist()).strip() == response.strip()
 
 
 def test_train_on_prompt_and_plain_text(tokenizer):
@@ -346,6 +348,8 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "chat_template": {"messages_column": "messages", "chat_template": "{% for m in messages %}{{ m.content + eos_token }}{% endfor %}"},
         "prompt_template": {"prompt_template": "Q: {prompt} A: {response}"},
         "as_chat": {"as_chat": True},
+        "system_prompt": {"system_prompt": "Be brief."},
+        "truncate_side": {"overflow": "truncate", "truncate_side": "left"},
         "bos_token": {"bos_token": "none"},
         "eos_token": {"eos_token": "<unk>"},
         "special_tokens": {"special_tokens": ("<|im_end|>",)},

@@ -42,6 +42,7 @@ from schemas.manifest import (
     ADDED_IN_VERSION_2,
     ADDED_IN_VERSION_3,
     ADDED_IN_VERSION_5,
+    SOURCE_LISTS,
     manifest_digest,
     shards_digest,
 )
@@ -227,8 +228,8 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     properties = SCHEMA["properties"]
     added = set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""]) | set(ADDED_IN_VERSION_5[""])
     assert set(data) == set(properties) == set(SCHEMA["required"]) | added
-    # Written only when set: the shard and group sizes (absent, the defaults).
-    optional = {"inputs": {"rows_per_shard", "examples_per_group"}, "stats": {"chat_turns", "dangling_turns_dropped"}}
+    # Written only when set: the shard and group sizes (absent, the defaults), chat turns, the source files and columns.
+    optional = {"inputs": {"rows_per_shard", "examples_per_group"}, "stats": {"chat_turns", "dangling_turns_dropped", *SOURCE_LISTS}}
     for key in ("inputs", "stats"):
         assert not optional[key] & set(data[key])
         assert set(data[key]) | optional[key] == set(properties[key]["properties"])

@@ -85,8 +85,9 @@ def test_a_bare_sentencepiece_tokenizer_json_keeps_bos_and_eos(tmp_path, data):
     out_dir, tokenizer = pack(tmp_path, dataset=str(data), tokenizer=str(bare))
     manifest = read_manifest(out_dir)
     assert (manifest.inputs.tokenizer.bos_token_id, manifest.inputs.tokenizer.eos_token_id) == (1, 2)
-    # SentencePiece marks the start of each tokenized piece as a word start: a space when decoded.
-    assert decoded_examples(out_dir, tokenizer) == [f"<s> {r['prompt']}\n\n {r['response']}</s>" for r in RECORDS]
+    # SentencePiece marks the start of the text as a word start (a space when decoded), and only the start:
+    # the example is tokenized whole, not as a prompt and a response that each start a word.
+    assert decoded_examples(out_dir, tokenizer) == [f"<s> {r['prompt']}\n\n{r['response']}</s>" for r in RECORDS]
 
 
 def test_no_known_eos_is_refused_with_how_to_pass_one(tmp_path, data, capsys):
@@ -107,7 +108,7 @@ def test_no_known_eos_is_refused_with_how_to_pass_one(tmp_path, data, capsys):
 
 def test_bos_can_be_left_out(tmp_path, data):
     out_dir, tokenizer = pack(tmp_path, dataset=str(data), bos_token="none")
-    assert decoded_examples(out_dir, tokenizer)[0] == f"{RECORDS[0]['prompt']}\n\n {RECORDS[0]['response']}</s>"
+    assert decoded_examples(out_dir, tokenizer)[0] == f"{RECORDS[0]['prompt']}\n\n{RECORDS[0]['response']}</s>"
 
 
 def test_prompt_template_joins_and_changes_the_fingerprint(tmp_path, data):

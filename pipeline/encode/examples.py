@@ -1,10 +1,10 @@
 """Turn a batch of source rows into token ids and loss masks, one tokenizer call per batch.
 
-- prompt/response: ``[bos] prompt response [eos]``, joined by ``--prompt-template`` (default
-  ``{prompt}\n\n{response}``): the prompt with the template's text before and after it, and the
-  response with the text after it, are tokenized separately (in one call), so the mask boundary
-  is exact. Mask 0 on BOS and prompt (1 with ``--train-on-prompt``), 1 on response and EOS. With
-  ``--as-chat`` they are rendered as a user turn and an assistant turn, like chat data.
+- prompt/response: ``[bos] text [eos]``, the text the columns rendered with ``--prompt-template``
+  (default ``{prompt}\n\n{response}``; see ``pipeline/read/templates.py``) and tokenized whole,
+  so its tokens are those of the text as the model will see it. Mask 0 on BOS and the prompt (1
+  with ``--train-on-prompt``), 1 from the token holding the response's first character through
+  EOS. With ``--as-chat`` they are rendered as a user turn and an assistant turn, like chat data.
 - plain text: ``[bos] text [eos]``, mask 1 on every token that can be predicted (not BOS).
 - chat: the messages (``{role, content}`` or ShareGPT's ``{from, value}``, see ``chat.py``)
   rendered with the chat template and tokenized whole; mask 1 on the characters each assistant
@@ -39,7 +39,7 @@ from pipeline.encode.chat import Conversation, as_read, conversation, count_turn
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
-from pipeline.read.formats import ExampleFormat, split_prompt_template
+from pipeline.read.formats import ExampleFormat
 from pipeline.read.readers import BatchRows, select_columns
 from schemas import BadRowPolicy, ExampleKind, Overflow
 
@@ -84,6 +84,7 @@ class EncodedBatch:
     rejected: list[BadRow] = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
     turns: Counter[str] = field(default_factory=Counter)
+    prompt_cut: tuple[int, int] = (0, 0)  # examples that fit once --truncate-side left cut their prompt, tokens cut
 
     @property
     def starts(self) -> np.ndarray:
@@ -99,7 +100,7 @@ class EncodedBatch:
         index = gather_index(self.starts[keep], self.lengths[keep])
         return EncodedBatch(
             self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
-            self.untrained, self.turns,
+            self.untrained, self.turns, self.prompt_cut,
         )
 
 
@@ -157,6 +158,58 @@ def encode_ids(backend, texts: list[str], dtype: np.dtype, piece_chars: int | No
     if owners is not None:
         lengths = np.bincount(owners, weights=lengths, minlength=len(texts)).astype(np.int64)
     return ids, lengths
+
+
+def encode_with_boundaries(
+    backend, texts: list[str], boundaries: np.ndarray, dtype: np.dtype, piece_chars: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``encode_ids`` of ``texts``, and how many of each text's tokens lie before the character ``boundaries[i]``.
+
+    Each text is tokenized whole (or in pieces cut between words, which is exact, see
+    ``encode_ids``); a token holding the boundary character, such as SentencePiece's ``▁Five``
+    that starts with the space before it, counts as after it.
+
+    >>> from pipeline.encode.tokenizer import load_tokenizer
+    >>> backend = load_tokenizer("mistral-7b-v0.1").backend()
+    >>> ids, lengths, before = encode_with_boundaries(backend, ["Answer: 5"], np.array([8]), np.dtype(np.int32))
+    >>> [backend.id_to_token(int(i)) for i in ids], int(before[0])
+    (['▁Answer', ':', '▁', '5'], 3)
+    """
+    pieces, owners, piece_starts = texts, np.arange(len(texts)), np.zeros(len(texts), np.int64)
+    if piece_chars is not None and any(len(text) > piece_chars for text in texts):
+        cut = [cut_between_words(text, piece_chars) for text in texts]
+        pieces = [piece for text_pieces in cut for piece in text_pieces]
+        owners = np.repeat(np.arange(len(texts)), [len(text_pieces) for text_pieces in cut])
+        piece_lengths = np.fromiter(map(len, pieces), np.int64, len(pieces))
+        first = np.searchsorted(owners, np.arange(len(texts)))
+        piece_starts = np.cumsum(piece_lengths) - piece_lengths
+        piece_starts -= np.repeat(piece_starts[first], np.diff(np.append(first, len(pieces))))
+    local = np.asarray(boundaries, np.int64)[owners] - piece_starts
+    parts, before = [], np.zeros(len(pieces), np.int64)
+    for i in range(0, len(pieces), ENCODE_CHUNK):
+        encodings = backend.encode_batch(pieces[i : i + ENCODE_CHUNK], add_special_tokens=False)
+        parts.append(token_ids(encodings, dtype))
+        for j, encoding in enumerate(encodings, start=i):
+            before[j] = _tokens_before(encoding, int(local[j]), len(pieces[j]))
+    if not parts:
+        return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    ids, lengths = np.concatenate([ids for ids, _ in parts]), np.concatenate([lengths for _, lengths in parts])
+    per_text = [np.bincount(owners, weights=values, minlength=len(texts)).astype(np.int64) for values in (lengths, before)]
+    return ids, per_text[0], per_text[1]
+
+
+def _tokens_before(encoding, boundary: int, chars: int) -> int:
+    """How many tokens of ``encoding`` (of a text of ``chars`` characters) lie wholly before character ``boundary``."""
+    if boundary <= 0:
+        return 0
+    if boundary >= chars:
+        return len(encoding)
+    token = encoding.char_to_token(boundary)
+    if token is not None:
+        return int(token)
+    # The boundary character is in no token (a normalizer dropped it): count the tokens that end before it.
+    ends = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 1]
+    return int(np.count_nonzero(ends <= boundary))
 
 
 def cut_between_words(text: str, piece_chars: int) -> list[str]:
@@ -311,6 +364,8 @@ class Encoder:
         problems: dict[int, tuple[Reason, str]] = {}
         for column in self.format.columns:
             values = table.column(column)
+            if column in self.format.optional_columns:
+                continue
             if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_null(values.type)):
                 raise InputError(f"{origin}: column {column!r} holds {values.type} values; it must hold strings")
             null = pc.is_null(values).to_numpy(zero_copy_only=False)
@@ -324,41 +379,49 @@ class Encoder:
                 problems.setdefault(i, (Reason.EMPTY_TEXT, f"{column!r} is empty; {need}"))
         return problems
 
-    def _pieces(self, table: pa.Table) -> list[str]:
-        """The texts to tokenize, column by column: for prompt/response, each joined with its part of the template."""
-        columns = [table.column(column) for column in self.format.columns]
-        if self.format.kind == ExampleKind.PROMPT_RESPONSE:
-            before, between, after = split_prompt_template(self.format.prompt_template)
-            prompts, responses = columns
-            columns = [pc.binary_join_element_wise(before, prompts, between, ""), pc.binary_join_element_wise(responses, after, "")]
-        return [text for values in columns for text in values.to_pylist()]
+    def _texts(self, table: pa.Table) -> tuple[list[str], np.ndarray]:
+        """Each example's text, and the character where its trained part starts (the response; 0 for plain text)."""
+        if self.format.kind == ExampleKind.TEXT:
+            texts = table.column(self.format.columns[0]).to_pylist()
+            return texts, np.zeros(len(texts), np.int64)
+        prompts, responses = self.format.prompt_response().render(table, self.format.system_prompt or "")
+        boundaries = pc.utf8_length(prompts).to_numpy(zero_copy_only=False).astype(np.int64)
+        return pc.binary_join_element_wise(prompts, responses, "").to_pylist(), boundaries
 
     def _conversations(self, table: pa.Table) -> list:
         """The chats of ``table``: its messages column, or prompt/response rows as user/assistant turns (``--as-chat``)."""
         if not self.format.as_chat:
             return table.column(self.format.columns[0]).to_pylist()
         prompts, responses = (table.column(column).to_pylist() for column in self.format.columns)
+        system = [] if self.format.system_prompt is None else [{"role": "system", "content": self.format.system_prompt}]
         return [
-            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            [*system, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
             for prompt, response in zip(prompts, responses)
         ]
 
     def _encode_texts(self, table: pa.Table) -> EncodedBatch:
-        n, columns = table.num_rows, len(self.format.columns)
-        texts = self._pieces(table)
-        ids, text_lengths = encode_ids(self.backend, texts, self.dtype, self.piece_chars)
-        # Example i is its pieces (prefix, its texts, suffix) in a row; they are gathered from
-        # one buffer holding the prefix, the suffix, then every text's tokens, column by column.
+        """``[bos] text [eos]``, the text tokenized whole; loss on the response (every token of plain text) and EOS."""
+        texts, boundaries = self._texts(table)
+        ids, text_lengths, prompt_tokens = encode_with_boundaries(self.backend, texts, boundaries, self.dtype, self.piece_chars)
+        n, text_starts = len(texts), np.cumsum(text_lengths) - text_lengths
+        cut = np.zeros(n, np.int64)
+        if self.format.keep_response:
+            cut = np.clip(text_lengths + len(self.prefix) + len(self.suffix) - self.max_len, 0, prompt_tokens)
+            text_starts, text_lengths, prompt_tokens = text_starts + cut, text_lengths - cut, prompt_tokens - cut
+        # Example i is the prefix, its text's tokens and the suffix, gathered from one buffer that
+        # holds the prefix, the suffix, then every text's tokens.
         affixes = np.array(self.prefix + self.suffix, dtype=self.dtype)
-        text_starts = (np.cumsum(text_lengths) - text_lengths + affixes.size).reshape(columns, n).T
-        piece_starts = np.column_stack([np.zeros(n, np.int64), text_starts, np.full(n, len(self.prefix))])
-        piece_lengths = np.column_stack(
-            [np.full(n, len(self.prefix)), text_lengths.reshape(columns, n).T, np.full(n, len(self.suffix))]
-        )
+        piece_starts = np.column_stack([np.zeros(n, np.int64), text_starts + affixes.size, np.full(n, len(self.prefix))])
+        piece_lengths = np.column_stack([np.full(n, len(self.prefix)), text_lengths, np.full(n, len(self.suffix))])
         tokens = np.concatenate([affixes, ids])[gather_index(piece_starts.ravel(), piece_lengths.ravel())]
-        text_mask = [1 if self.format.train_on_prompt else 0, 1] if self.format.kind == ExampleKind.PROMPT_RESPONSE else [1]
-        piece_mask = np.tile(np.array([0, *text_mask, 1], dtype=np.uint8), n)
-        return EncodedBatch(piece_lengths.sum(axis=1), tokens, np.repeat(piece_mask, piece_lengths.ravel()))
+        # The mask in four runs: the prefix, the prompt, the response (or the whole text) and the suffix.
+        mask_lengths = np.column_stack([piece_lengths[:, 0], prompt_tokens, text_lengths - prompt_tokens, piece_lengths[:, 2]])
+        mask_values = np.tile(np.array([0, int(self.format.train_on_prompt), 1, 1], dtype=np.uint8), n)
+        lengths = piece_lengths.sum(axis=1)
+        fitted = int(np.count_nonzero((cut > 0) & (lengths <= self.max_len)))
+        batch = EncodedBatch(lengths, tokens, np.repeat(mask_values, mask_lengths.ravel()))
+        batch.prompt_cut = (fitted, int(cut.sum()))
+        return batch
 
     def _encode_chat(
         self, conversations: list, rows: BatchRows, source_rows: np.ndarray

@@ -36,7 +36,7 @@ class SpilledBatch:
     """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]``
     tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
 
-    ``rejected``, ``untrained`` and ``turns`` are the batch's bad rows, untrained and chat turn counts (see EncodedBatch).
+    ``rejected``, ``untrained``, ``turns`` and ``prompt_cut`` are the batch's bad rows and counts (see EncodedBatch).
     """
 
     path: str
@@ -46,6 +46,7 @@ class SpilledBatch:
     rejected: list = field(default_factory=list)
     untrained: tuple[int, int] = (0, 0)
     turns: Counter[str] = field(default_factory=Counter)
+    prompt_cut: tuple[int, int] = (0, 0)
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -64,7 +65,8 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str, rows_read: int) -> Spi
     release_freed_memory()
     rows = batch.example_rows.astype(np.int32)
     return SpilledBatch(
-        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns
+        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns,
+        batch.prompt_cut,
     )
 
 

@@ -28,6 +28,8 @@ from pipeline.errors import InputError
 from pipeline.read.readers import FORMATS, file_format
 
 README = "README.md"
+# Files ``datasets`` writes beside the data (save_to_disk, dataset_infos): not data.
+METADATA = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
 _FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*(\n|\Z)", re.DOTALL)
 
 
@@ -38,6 +40,7 @@ class SplitFiles:
     files: tuple[str, ...]
     scripts: tuple[str, ...]
     splits: tuple[str, ...]  # every split the repository has
+    other_splits: tuple[str, ...] = ()  # the data files of the other splits, not read
 
 
 def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
@@ -48,8 +51,8 @@ def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
         return None
 
 
-def _config_patterns(readme: str | None) -> dict[str, list[str]] | None:
-    """``{split: [pattern, ...]}`` of the default config in a dataset card's YAML header, or None."""
+def _default_data_files(readme: str | None) -> object:
+    """The ``data_files`` of the default config in a dataset card's YAML header, or None."""
     match = _FRONT_MATTER.match(readme or "")
     if not match:
         return None
@@ -61,15 +64,22 @@ def _config_patterns(readme: str | None) -> dict[str, list[str]] | None:
     if not isinstance(configs, list) or not configs:
         return None
     default = next((c for c in configs if isinstance(c, dict) and (c.get("default") or c.get("config_name") == "default")), configs[0])
-    data_files = default.get("data_files") if isinstance(default, dict) else None
+    return default.get("data_files") if isinstance(default, dict) else None
+
+
+def _config_patterns(readme: str | None) -> dict[str, list[str]] | None:
+    """``{split: [pattern, ...]}`` of the default config in a dataset card's YAML header, or None."""
+    data_files = _default_data_files(readme)
     if data_files is None:
         return None
-    if isinstance(data_files, (str, list)) and not (isinstance(data_files, list) and data_files and isinstance(data_files[0], dict)):
-        return {"train": [data_files] if isinstance(data_files, str) else list(data_files)}
+    if isinstance(data_files, str):
+        return {"train": [data_files]}
+    if isinstance(data_files, list) and not (data_files and isinstance(data_files[0], dict)):
+        return {"train": list(data_files)}
     if isinstance(data_files, dict):
         return {split: [p] if isinstance(p, str) else list(p) for split, p in data_files.items()}
     patterns: dict[str, list[str]] = {}
-    for entry in data_files:
+    for entry in data_files if isinstance(data_files, list) else []:
         path = entry.get("path")
         patterns.setdefault(str(entry.get("split", "train")), []).extend([path] if isinstance(path, str) else list(path or []))
     return patterns
@@ -86,23 +96,42 @@ def _resolve(patterns: list[str], base: str) -> list[str]:
     return sorted({str(path) for path in resolved if file_format(str(path))})
 
 
+def _unnamed(base: str, named: set[str]) -> list[str]:
+    """The data files under ``base`` (not hidden, not ``datasets`` metadata) that no split's pattern matched."""
+    hidden = re.compile(r"(^|/)[._]")
+    return [
+        path for path in _resolve(["**"], base)
+        if path not in named and not hidden.search(path.rsplit(base.rstrip("/"), 1)[-1]) and storage.basename(path) not in METADATA
+    ]
+
+
 def split_files(base: str, split: str) -> SplitFiles:
-    """The data files of ``split`` in the repository at ``base``; raises InputError when it has none."""
+    """The data files of ``split`` in the repository at ``base``; raises InputError when it has none.
+
+    Without a dataset card's ``configs``, files whose names name no split are ``train``, also
+    beside files that do (``train.jsonl`` and ``more_data.jsonl``), where ``datasets`` would skip them.
+    """
     from datasets.data_files import EmptyDatasetError, get_data_patterns
 
     fs, root = fsspec.core.url_to_fs(base)
     scripts = tuple(sorted(storage.basename(p) for p in fs.glob(f"{root.rstrip('/')}/*.py")))
     patterns = _config_patterns(_read_text(fs, f"{root.rstrip('/')}/{README}"))
+    by_name = patterns is None
     if patterns is None:
         try:
             patterns = {str(name): list(p) for name, p in get_data_patterns(base).items()}
         except EmptyDatasetError:
             patterns = {}
-    splits = tuple(patterns)
-    files = _resolve(patterns[split], base) if split in patterns else []
+    resolved = {name: _resolve(p, base) for name, p in patterns.items()}
+    if by_name and resolved:
+        unnamed = _unnamed(base, {path for files in resolved.values() for path in files})
+        resolved["train"] = sorted({*resolved.get("train", []), *unnamed})
+    splits = tuple(resolved)
+    files = resolved.get(split, [])
     if not files:
-        if split not in patterns:
+        if split not in resolved:
             where = f"its splits are {', '.join(splits)}: pass --split NAME" if splits else f"it holds no {', '.join(FORMATS)} files"
             raise InputError(f"{base}: no split {split!r} ({where})")
         raise InputError(f"{base}: split {split!r} holds no {', '.join(FORMATS)} files")
-    return SplitFiles(tuple(files), scripts, splits)
+    others = tuple(sorted({path for name, paths in resolved.items() if name != split for path in paths} - set(files)))
+    return SplitFiles(tuple(files), scripts, splits, others)

@@ -96,6 +96,9 @@ class Source:
     tasks: tuple[ReadTask, ...]
     default_format: ExampleFormat | None = None
     notes: tuple[str, ...] = ()  # what the user should know about how the dataset is read
+    files: tuple[str, ...] = ()  # the files read, as the report and the manifest name them
+    files_unread: tuple[str, ...] = ()  # files in the dataset's directory that are neither read nor another split's
+    all_columns: tuple[str, ...] | None = None  # every file's columns (None: as ``columns``)
 
     @property
     def known_examples(self) -> int | None:
@@ -126,6 +129,17 @@ def _common_columns(scans: list[FileScan]) -> tuple[str, ...]:
     return tuple(c for c in scans[0].columns if all(c in s.columns for s in scans[1:]))
 
 
+def _any_columns(scans: list[FileScan]) -> tuple[str, ...]:
+    """The columns any scanned file has, in the order they are first seen."""
+    return tuple(dict.fromkeys(c for scan in scans for c in scan.columns))
+
+
+def _relative(paths: tuple[str, ...] | list[str], root: str) -> tuple[str, ...]:
+    """``paths`` named relative to ``root`` (the dataset directory), as the report and the manifest list them."""
+    prefix = root.rstrip("/") + "/"
+    return tuple(path.removeprefix(prefix) if not storage.is_url(path) or path.startswith(prefix) else path for path in paths)
+
+
 def _slug(text: str) -> str:
     """A directory-name-safe form of a dataset name."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "dataset"
@@ -154,7 +168,7 @@ def _gsm8k(config: PackConfig) -> Source:
     )
     return Source(
         "gsm8k", inputs, scan.columns, _limit_tasks(list(scan.tasks), config.num_examples),
-        ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("question", "answer")),
+        ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("question", "answer")), files=(f"{GSM8K_PACKAGE}/{'/'.join(GSM8K_FILE)}",),
     )
 
 
@@ -171,8 +185,8 @@ def _synthetic(name: str, config: PackConfig) -> Source:
     }
     content_hash = hashlib.sha256(json.dumps(parameters, sort_keys=True).encode()).hexdigest()
     inputs = DatasetInputs(id=name, split=config.split or "train", content_hash=content_hash, num_examples=count)
-    # The generated lengths are exact for prompt and response joined as they are.
-    joined = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("prompt", "response"), prompt_template="{prompt}{response}")
+    # The generated lengths are exact for prompt and response joined by a space: every word is one token.
+    joined = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("prompt", "response"), prompt_template="{prompt} {response}")
     return Source(name, inputs, ("prompt", "response"), tasks, joined)
 
 
@@ -198,7 +212,10 @@ def _hub(repo: str, config: PackConfig, name: str, default_format: ExampleFormat
     content_hash = hashlib.sha256(f"{repo}@{revision}:{split}\n{listing}".encode()).hexdigest()
     inputs = DatasetInputs(id=repo, split=split, content_hash=content_hash, revision=revision, num_examples=config.num_examples)
     tasks = [task for scan in scans for task in scan.tasks]
-    return Source(name, inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples), default_format, notes)
+    return Source(
+        name, inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples), default_format, notes,
+        _relative(layout.files, base), _any_columns(scans),
+    )
 
 
 def _looks_like_files(spec: str) -> bool:
@@ -208,43 +225,108 @@ def _looks_like_files(spec: str) -> bool:
     )
 
 
-def _data_files(spec: str, split: str) -> tuple[list[str], str]:
-    """The data files ``spec`` names, sorted, and the root their names are taken relative to.
+def _saved_split(directory: str) -> list[str] | None:
+    """The Arrow files a ``datasets`` ``save_to_disk`` directory of one Dataset lists in its state file, else None."""
+    state = storage.join(directory, "state.json")
+    if not storage.exists(state):
+        return None
+    try:
+        return [storage.join(directory, entry["filename"]) for entry in json.loads(storage.read_bytes(state))["_data_files"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{state}: not a datasets save_to_disk state file ({err})") from err
+
+
+def _saved_dataset(directory: str, split: str) -> tuple[list[str], tuple[str, ...]] | None:
+    """The Arrow files of a ``save_to_disk`` directory (of ``split``, for a DatasetDict) and those of its
+    other splits, else None."""
+    if not storage.exists(storage.join(directory, "dataset_dict.json")):
+        saved = _saved_split(directory)
+        return None if saved is None else (saved, ())
+    splits = json.loads(storage.read_bytes(storage.join(directory, "dataset_dict.json"))).get("splits", [])
+    if split not in splits:
+        raise InputError(
+            f"{directory}: a saved DatasetDict without split {split!r} (its splits are {', '.join(splits)}); pass --split NAME"
+        )
+    files = {name: _saved_split(storage.join(directory, name)) or [] for name in splits}
+    return files[split], tuple(path for name in splits if name != split for path in files[name])
+
+
+def _glob_files(spec: str) -> tuple[list[str], str, tuple[str, ...]]:
+    """The data files a glob matches, and the directory before its first wildcard."""
+    root = re.split(r"[*?\[]", spec, maxsplit=1)[0].rsplit("/", 1)[0] or "."
+    files = [p for p in storage.glob(spec) if file_format(p)]
+    if not files:
+        raise InputError(f"{spec}: no {', '.join(FORMATS)} files match")
+    return files, root, ()
+
+
+def _directory_files(spec: str, split: str) -> tuple[list[str], str, tuple[str, ...]]:
+    """The data files of ``split`` in a directory: a ``save_to_disk`` directory's Arrow files, a local
+    directory's as a Hub repository's, every data file of a directory at a URL."""
+    saved = _saved_dataset(spec, split)
+    if saved is not None:
+        return saved[0], spec, saved[1]
+    if not storage.is_url(spec):
+        layout = repo_files.split_files(spec, split)
+        return list(layout.files), spec, layout.other_splits
+    hidden = re.compile(r"(^|/)\.")
+    files = [p for p in storage.glob(storage.join(spec, "**")) if file_format(p) and not hidden.search(p[len(spec):])]
+    if not files:
+        raise InputError(f"{spec}: the directory holds no {', '.join(FORMATS)} files")
+    return files, spec, ()
+
+
+def _data_files(spec: str, split: str) -> tuple[list[str], str, tuple[str, ...]]:
+    """The data files ``spec`` names, sorted, the root their names are taken relative to, and the
+    files of other splits.
 
     A local directory is read like a Hub repository: only the files of ``split``, when its
-    directory or file names name splits.
+    directory or file names name splits; a directory ``datasets`` saved (``save_to_disk``) as its Arrow files.
     """
     if _GLOB_CHARS.search(spec):
-        root = re.split(r"[*?\[]", spec, maxsplit=1)[0].rsplit("/", 1)[0] or "."
-        files = [p for p in storage.glob(spec) if file_format(p)]
-        if not files:
-            raise InputError(f"{spec}: no {', '.join(FORMATS)} files match")
-        return files, root
+        return _glob_files(spec)
     if not storage.exists(spec) and not storage.is_dir(spec):
         raise InputError(f"{spec}: no such file or directory")
-    if storage.is_dir(spec) and not storage.is_url(spec):
-        return list(repo_files.split_files(spec, split).files), spec
     if storage.is_dir(spec):
-        pattern = storage.join(spec, "**", "*") if not storage.is_url(spec) else storage.join(spec, "**")
-        hidden = re.compile(r"(^|/)\.")
-        files = [p for p in storage.glob(pattern) if file_format(p) and not hidden.search(p[len(spec):])]
-        if not files:
-            raise InputError(f"{spec}: the directory holds no {', '.join(FORMATS)} files")
-        return files, spec
+        return _directory_files(spec, split)
     if file_format(spec) is None:
         raise InputError(f"{spec}: unsupported file type; use {', '.join(FORMATS)} files, a directory or a glob")
     if not storage.is_url(spec) and not os.access(spec, os.R_OK):
         raise InputError(f"{spec}: permission denied")
-    return [spec], (os.path.dirname(spec) or ".") if not storage.is_url(spec) else spec.rsplit("/", 1)[0]
+    return [spec], (os.path.dirname(spec) or ".") if not storage.is_url(spec) else spec.rsplit("/", 1)[0], ()
+
+
+# Files a dataset directory holds beside its data, read by no one: not worth a warning.
+_NOT_DATA = re.compile(r"(^|/)(\.|_)|(^|/)(README|LICENSE|LICENCE|CITATION)[^/]*$|\.(md|py|gitattributes)$", re.IGNORECASE)
+
+
+def _unread_files(spec: str, read: list[str], other_splits: tuple[str, ...]) -> tuple[str, ...]:
+    """The files of local directory ``spec``, relative to it, that are not read, not another split's and not
+    documentation, scripts or ``datasets`` metadata."""
+    if storage.is_url(spec) or not os.path.isdir(spec):
+        return ()
+    known = {os.path.realpath(path) for path in (*read, *other_splits)}
+    found = []
+    for directory, _, names in os.walk(spec):
+        for name in names:
+            path = os.path.join(directory, name)
+            relative = os.path.relpath(path, spec)
+            if os.path.realpath(path) not in known and not _NOT_DATA.search(relative) and name not in repo_files.METADATA:
+                found.append(relative)
+    return tuple(sorted(found))
 
 
 def _local(spec: str, config: PackConfig) -> Source:
     split = config.split or "train"
-    files, root = _data_files(spec, split)
+    files, root, other_splits = _data_files(spec, split)
     scans = [scan_file(path) for path in files]
+    names = [os.path.relpath(scan.path, root) if not storage.is_url(root) else scan.path for scan in scans]
+    if len(scans) > 1 and not _common_columns(scans):
+        shown = "; ".join(f"{name}: {', '.join(scan.columns) or 'none'}" for name, scan in zip(names[:6], scans))
+        raise InputError(f"{spec}: its {len(scans)} files share no column ({shown}); pack them apart, or name some with a glob")
     digest = hashlib.sha256()
-    for scan in scans:
-        digest.update(f"{os.path.relpath(scan.path, root) if not storage.is_url(root) else scan.path}\0{scan.sha256}\n".encode())
+    for name, scan in zip(names, scans):
+        digest.update(f"{name}\0{scan.sha256}\n".encode())
     tasks = [task for scan in scans for task in scan.tasks]
     stem = storage.basename(spec if not _GLOB_CHARS.search(spec) else root)
     for suffix in FORMATS:
@@ -253,7 +335,14 @@ def _local(spec: str, config: PackConfig) -> Source:
         id=f"local:{storage.basename(spec)}", split=split, content_hash=digest.hexdigest(),
         num_examples=config.num_examples,
     )
-    return Source(_slug(stem), inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples))
+    notes = ()
+    if other_splits:
+        others = ", ".join(os.path.relpath(path, root) for path in other_splits)
+        notes = (f"{spec}: reading split {split} ({len(names)} files); the files of other splits are not read: {others}",)
+    return Source(
+        _slug(stem), inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples), notes=notes,
+        files=tuple(names), files_unread=_unread_files(spec, files, other_splits), all_columns=_any_columns(scans),
+    )
 
 
 def resolve_source(config: PackConfig) -> Source:

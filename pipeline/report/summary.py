@@ -52,6 +52,7 @@ def format_report(
         lines.append(("trimmed", describe_trimmed(stats)))
     if stats.chat_turns:
         lines.append(("turns", describe_turns(stats)))
+    lines += inputs_section(stats)
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
@@ -78,6 +79,18 @@ def describe_examples(stats: PackingStats, capacity: int) -> str:
     line = f"{stats.examples_read:,} read, {stats.examples_kept:,} kept, {sum(dropped.values()):,} dropped"
     reasons = [f"{count:,} {DROP_REASONS[reason].format(capacity=capacity)}" for reason, count in dropped.items()]
     return line + (": " + ", ".join(reasons) if reasons else "")
+
+
+def inputs_section(stats: PackingStats) -> list[tuple[str, str]]:
+    """What the build read: the files, the columns that reached the tokens, and those present but not read."""
+    if not (stats.source_files or stats.source_columns_used):
+        return []
+    files = stats.source_files
+    shown = ", ".join(files[:5]) + (f", ... ({len(files):,} files)" if len(files) > 5 else "")
+    lines = [("files read", shown or "none (generated)"), ("columns", ", ".join(stats.source_columns_used) or "none")]
+    if stats.source_columns_unused:
+        lines.append(("not read", ", ".join(stats.source_columns_unused) + " (columns present in the source)"))
+    return lines
 
 
 def describe_overflow(stats: PackingStats) -> str:
