@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 # The project's modules (pyarrow, numpy, Beam behind them) are imported inside the functions, once main()
 # handles Ctrl-C: an interrupt while they load is then one line too.
 if TYPE_CHECKING:
+    from pipeline.build import BuildResult
     from pipeline.config import PackConfig
     from schemas import Manifest
 
@@ -236,9 +237,15 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> PackConfi
     from pipeline.config import PackConfig
 
     args, beam_args = make_parser(prog).parse_known_args(argv)
-    beam_args = _resolve_runner(beam_args)
-    _check_beam_args(beam_args)
-    return PackConfig(**vars(args), beam_args=tuple(beam_args))
+    return PackConfig(**vars(args), beam_args=beam_options(beam_args))
+
+
+def beam_options(beam_args: Sequence[str]) -> tuple[str, ...]:
+    """Apache Beam options as pack passes them on: runners Beam knows only by module path spelled out,
+    unknown options and the multi-threading direct runner refused (ConfigError)."""
+    resolved = _resolve_runner(list(beam_args))
+    _check_beam_args(resolved)
+    return tuple(resolved)
 
 
 def _token_list(value: str) -> tuple[str, ...]:
@@ -322,19 +329,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         quiet.verbose = config.verbose
         if not config.verbose:
             threading.excepthook = thread_errors
-        from pipeline.build import build
-        from pipeline.report.summary import format_report
-
-        result = build(config, write_figure=write_report_figure if config.report else None)
-        manifest = result.manifest
-        verb = "reusing" if result.reused else "wrote"
-        print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
-        print(format_report(
-            manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
-            result.layout, manifest.rejected,
-        ))
-        if result.figure is not None:
-            print(f"  {'histograms':<12}  {result.figure}")
+        build_and_report(config)
     except BaseException as err:
         if config is not None and config.verbose:
             traceback.print_exc()
@@ -350,6 +345,24 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         thread_errors.release()
     return 0
+
+
+def build_and_report(config: PackConfig) -> BuildResult:
+    """Build (or reuse) what ``config`` describes and print pack's report of it."""
+    from pipeline.build import build
+    from pipeline.report.summary import format_report
+
+    result = build(config, write_figure=write_report_figure if config.report else None)
+    manifest = result.manifest
+    verb = "reusing" if result.reused else "wrote"
+    print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
+    print(format_report(
+        manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
+        result.layout, manifest.rejected,
+    ))
+    if result.figure is not None:
+        print(f"  {'histograms':<12}  {result.figure}")
+    return result
 
 
 def write_report_figure(out_dir: str, manifest: Manifest) -> str | None:
