@@ -200,6 +200,9 @@ class PackingStats:
     num_example_ids: int = 0
     # Conversations --drop-dangling-turns shortened (format 5).
     conversations_trimmed: int = 0
+    # Examples checked against the reference tokenization (a sample, or all), and those equal to it.
+    examples_checked: int = 0
+    examples_equal: int = 0
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
 
