@@ -18,26 +18,28 @@ sample`` (the default) an example is checked when its place in the dataset falls
 permutation's first SAMPLE_SIZE places, so exactly that many rows of a dataset of known size are
 checked, wherever they are read; ``all`` checks every example and ``off`` none.
 
->>> first_differences([np.array([1, 5, 6, 2]), np.array([1, 7, 2])], [[1, 5, 6, 2], [1, 7, 7, 2]]).tolist()
+>>> built, reference = np.array([1, 5, 6, 2, 1, 7, 2]), np.array([1, 5, 6, 2, 1, 7, 7, 2])
+>>> first_differences(built, np.array([4, 3]), reference, np.array([4, 4])).tolist()
 [-1, 2]
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.config import OnTokenMismatch
 from pipeline.encode.bad_rows import RowProblem
 from pipeline.encode.chat import conversation
-from pipeline.encode.examples import EncodedBatch
-from pipeline.config import OnTokenMismatch
+from pipeline.encode.examples import EncodedBatch, encode_ids
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import TokenMismatchError
+from pipeline.ranges import gather_index
 from pipeline.read.formats import ExampleFormat, split_prompt_template
 from pipeline.read.readers import BatchRows, select_columns
 from schemas import ExampleKind
@@ -57,21 +59,31 @@ class CheckCounts:
     first_mismatch: str | None = None
 
 
-def first_differences(built: Sequence[np.ndarray], reference: Sequence[Sequence[int]]) -> np.ndarray:
+def first_differences(
+    built: np.ndarray, built_lengths: np.ndarray, reference: np.ndarray, reference_lengths: np.ndarray
+) -> np.ndarray:
     """For each example, the index of its first token that differs from the reference, or -1 when they are equal.
 
-    A sequence that is a prefix of the other differs at the shorter one's length.
+    Both sides are flat token arrays, example ``i`` being the next ``lengths[i]`` tokens. A
+    sequence that is a prefix of the other differs at the shorter one's length.
     """
-    found = np.full(len(built), -1, dtype=np.int64)
-    for i, (ours, theirs) in enumerate(zip(built, reference)):
-        theirs_array = np.asarray(theirs, dtype=np.int64)
-        common = min(ours.size, theirs_array.size)
-        unequal = np.flatnonzero(ours[:common].astype(np.int64) != theirs_array[:common])
-        if unequal.size:
-            found[i] = int(unequal[0])
-        elif ours.size != theirs_array.size:
-            found[i] = common
+    common = np.minimum(built_lengths, reference_lengths)
+    built_starts = np.cumsum(built_lengths) - built_lengths
+    reference_starts = np.cumsum(reference_lengths) - reference_lengths
+    unequal = built[gather_index(built_starts, common)].astype(np.int64) != reference[
+        gather_index(reference_starts, common)
+    ].astype(np.int64)
+    found = np.where(built_lengths == reference_lengths, -1, common)
+    at = np.flatnonzero(unequal)
+    examples, first = np.unique(np.repeat(np.arange(common.size), common)[at], return_index=True)
+    found[examples] = (at[first] - (np.cumsum(common) - common)[examples])
     return found
+
+
+def _flat(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists as one flat array and their lengths."""
+    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    return np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum())), lengths
 
 
 def sample_mask(example_ids: np.ndarray, known_examples: int | None, seed: int, size: int = SAMPLE_SIZE) -> np.ndarray:
@@ -114,26 +126,38 @@ class TokenChecker:
         if not examples.size:
             return CheckCounts()
         source_rows = batch.example_rows[examples]
-        reference = self.reference(select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows)))
-        starts, lengths = batch.starts[examples], batch.lengths[examples]
-        built = [batch.tokens[start : start + length] for start, length in zip(starts.tolist(), lengths.tolist())]
-        differences = first_differences(built, reference)
+        reference, reference_lengths = self.reference(
+            select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows))
+        )
+        lengths = batch.lengths[examples]
+        built = batch.tokens[gather_index(batch.starts[examples], lengths)]
+        differences = first_differences(built, lengths, reference, reference_lengths)
         differ = np.flatnonzero(differences >= 0)
         first = None
         if differ.size:
             i = int(differ[0])
-            first = self.describe(rows.name(int(source_rows[i])), built[i].tolist(), list(reference[i]), int(differences[i]))
+            ours = built[int(lengths[:i].sum()) :][: int(lengths[i])].tolist()
+            theirs = reference[int(reference_lengths[:i].sum()) :][: int(reference_lengths[i])].tolist()
+            first = self.describe(rows.name(int(source_rows[i])), ours, theirs, int(differences[i]))
             if self.on_mismatch == OnTokenMismatch.ERROR:
                 raise TokenMismatchError(first)
         return CheckCounts(int(examples.size), int(examples.size - differ.size), first)
 
-    def reference(self, table: pa.Table) -> list[list[int]]:
-        """The reference tokens of each row of ``table`` (the format's columns, rows that made examples)."""
+    def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """The reference tokens of the rows of ``table`` (the format's columns, rows that made examples),
+        as one flat array and each row's length."""
         if self.format.is_chat:
-            return [self._chat_reference(messages) for messages in self._conversations(table)]
-        prefix, suffix = list(self.tokenizer.prefix_ids), list(self.tokenizer.suffix_ids)
-        encodings = self.backend.encode_batch_fast(self.rendered_texts(table), add_special_tokens=False)
-        return [prefix + encoding.ids + suffix for encoding in encodings]
+            return _flat([self._chat_reference(messages) for messages in self._conversations(table)])
+        ids, lengths = encode_ids(self.backend, self.rendered_texts(table), np.dtype(np.int64))
+        prefix, suffix = self.tokenizer.prefix_ids, self.tokenizer.suffix_ids
+        # Each example is the prefix, its text's tokens and the suffix, gathered from one buffer.
+        buffer = np.concatenate([np.array(prefix + suffix, dtype=np.int64), ids])
+        n = lengths.size
+        piece_starts = np.column_stack(
+            [np.zeros(n, np.int64), np.cumsum(lengths) - lengths + len(prefix) + len(suffix), np.full(n, len(prefix))]
+        )
+        piece_lengths = np.column_stack([np.full(n, len(prefix)), lengths, np.full(n, len(suffix))])
+        return buffer[gather_index(piece_starts.ravel(), piece_lengths.ravel())], piece_lengths.sum(axis=1)
 
     def rendered_texts(self, table: pa.Table) -> list[str]:
         """Each prompt/response or text example as one whole text, its template filled in."""
