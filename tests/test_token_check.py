@@ -96,16 +96,21 @@ def test_the_encoders_text_and_chat_examples_equal_the_reference():
     apply_chat_template) as the encoder makes them pass the check."""
     tokenizer = load_tokenizer()
     texts = pa.table({"text": ["Plain text. " * 20, "x" * 70_000 + " tail " + "word " * 20_000, "Short"]})
-    text_format = ExampleFormat(ExampleKind.TEXT, ("text",))
-    for example_format, table in ((text_format, texts), (ExampleFormat(ExampleKind.CHAT, ("messages",), chat_template=tokenizer.chat_template), pa.table({"messages": CHATS}))):
+    chats = pa.table({"messages": CHATS})
+    cases = [
+        (ExampleFormat(ExampleKind.TEXT, ("text",)), texts),
+        (ExampleFormat(ExampleKind.CHAT, ("messages",), chat_template=tokenizer.chat_template), chats),
+    ]
+    for example_format, table in cases:
         batch = Encoder(tokenizer, example_format, 4096, "split").encode(table, BatchRows("data.jsonl"))
-        counts = TokenChecker(tokenizer, example_format, "error").check(table, BatchRows("data.jsonl"), batch, np.ones(batch.lengths.size, bool))
+        everything = np.ones(batch.lengths.size, dtype=bool)
+        counts = TokenChecker(tokenizer, example_format, "error").check(table, BatchRows("data.jsonl"), batch, everything)
         assert counts.checked == counts.equal == table.num_rows
 
 
 def test_a_chat_build_checks_every_example_under_verify_tokens_all(tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat} for chat in CHATS])
-    assert main([ "--dataset", data, "--out", str(tmp_path / "out"), "--verify-tokens", "all", "--no-progress", "--no-report"]) == 0
+    assert main(["--dataset", data, "--out", str(tmp_path / "out"), "--verify-tokens", "all", "--no-progress", "--no-report"]) == 0
     report = capsys.readouterr().out
     assert f"{len(CHATS)} examples checked (all examples) against the tokenizer's own tokenization, {len(CHATS)} equal" in report
     stats = read_manifest(plan_build(PackConfig(dataset=data, out=str(tmp_path / "out"))).out_dir).stats
