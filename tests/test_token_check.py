@@ -1,7 +1,9 @@
 """Every build checks its own tokens against the tokenizer's own tokenization of each whole example.
 
-Tests named ``..._whole_text`` pack prompt/response data end to end: they pass once prompt and
-response are tokenized as one text (until then the check finds the extra ``▁`` it was built to find).
+Tests named ``..._whole_text`` pack prompt/response data end to end, prompt and response tokenized as
+one text (the check finds the extra ``▁`` of the two tokenized apart). The reference renders each example
+as the build does (its template's named fields, Alpaca's layouts, the system prompt, merged system turns
+and dropped dangling turns) but takes its tokens from the tokenizer alone.
 """
 
 from __future__ import annotations
@@ -141,3 +143,104 @@ def test_the_docs_template_packs_no_double_space_whole_text(tmp_path, capsys):
     args = ["--dataset", data, "--out", str(tmp_path / "out"), "--prompt-template", DOCS_TEMPLATE, "--no-progress", "--no-report"]
     assert main(args) == 0, capsys.readouterr().err
     assert "3 examples checked (a seeded sample) against the tokenizer's own tokenization, 3 equal" in capsys.readouterr().out
+
+
+def encoded_and_checked(example_format: ExampleFormat, table: pa.Table, max_len: int = 4096, overflow: str = "split"):
+    """The encoder's batch of ``table`` and what checking all of its examples found."""
+    tokenizer = load_tokenizer()
+    batch = Encoder(tokenizer, example_format, max_len, overflow).encode(table, BatchRows("data.jsonl"))
+    checker = TokenChecker(tokenizer, example_format, "error")
+    return batch, checker.check(table, BatchRows("data.jsonl"), batch, np.ones(batch.lengths.size, dtype=bool))
+
+
+def test_named_fields_alpaca_rows_and_a_system_prompt_are_checked_as_the_encoder_renders_them():
+    """The reference renders prompt/response rows with the build's own template, whatever it names: text around
+    named columns, Alpaca's two layouts (an empty or null input leaves the input section out), a system prompt."""
+    alpaca = pa.table({
+        "instruction": ["Add the numbers.", "Say hello.", "Name a colour."],
+        "input": ["2 and 3", "", None],
+        "output": ["5", "Hello!", "Blue"],
+    })
+    named = pa.table({"question": ["How old is Tom?", "What is 2+3?"], "context": ["Tom is five.", "Sums."], "answer": ["Five", "5"]})
+    qa = pa.table({"q": ["How old is Tom?"], "a": ["Five"]})
+    cases = [
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("instruction", "input", "output"), prompt_template="alpaca"), alpaca),
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("instruction", "input", "output"), prompt_template="alpaca",
+                       system_prompt="Be brief."), alpaca),
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("context", "question", "answer"),
+                       prompt_template="<ctx>{context}</ctx> Q: {question}\\nA: {answer} (end)"), named.select([1, 0, 2])),
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template="[{system}] {q} => {a}", system_prompt="Be brief."),
+         qa),
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE, system_prompt="Be brief."), qa),
+    ]
+    for example_format, table in cases:
+        table = table.select(list(example_format.columns))
+        _, counts = encoded_and_checked(example_format, table)
+        assert counts.checked == counts.equal == table.num_rows, example_format
+    # The reference is the rendered text itself: Alpaca's prompt, tokenized whole by the tokenizer.
+    checker = TokenChecker(load_tokenizer(), cases[0][0], "error")
+    texts = checker.rendered_texts(alpaca)
+    assert "### Input:\n2 and 3\n\n### Response:\n5" in texts[0]
+    assert "### Input" not in texts[1] and "### Input" not in texts[2]
+    system = TokenChecker(load_tokenizer(), cases[4][0], "error").rendered_texts(qa)
+    assert system == ["Be brief.\n\n### Question: How old is Tom?\n### Answer: Five"]
+
+
+SHAREGPT = [
+    [{"from": "system", "value": f"Answer as number {i}."}, {"from": "human", "value": f"What is {i} + {i}?"},
+     {"from": "gpt", "value": f"It is {2 * i}."}, {"from": "human", "value": "Thanks!"}]
+    for i in range(6)
+]
+
+
+def test_a_merged_system_turn_and_dropped_dangling_turns_are_checked_as_the_build_uses_them():
+    """Mistral's template refuses system turns, so the build merges the system turn into the first user turn,
+    and drops ShareGPT's trailing user turn: the reference is apply_chat_template of those same messages,
+    and tokens that lost the system turn instead are caught."""
+    tokenizer = load_tokenizer()
+    example_format = ExampleFormat(ExampleKind.CHAT, ("conversations",), chat_template=tokenizer.chat_template)
+    table = pa.table({"conversations": SHAREGPT})
+    batch, counts = encoded_and_checked(example_format, table)
+    assert counts.checked == counts.equal == len(SHAREGPT)
+    text = tokenizer.backend().decode(batch.tokens[: batch.lengths[0]].tolist(), skip_special_tokens=False)
+    assert text.startswith("<s>[INST] Answer as number 0.\n\nWhat is 0 + 0? [/INST]") and "Thanks" not in text
+    without_system = pa.table({"conversations": [chat[1:] for chat in SHAREGPT]})
+    lost = Encoder(tokenizer, example_format, 4096, "split").encode(without_system, BatchRows("data.jsonl"))
+    with pytest.raises(TokenMismatchError, match="data.jsonl row 0: its tokens differ from the tokenizer's apply_chat_template"):
+        TokenChecker(tokenizer, example_format, "error").check(table, BatchRows("data.jsonl"), lost, np.ones(6, dtype=bool))
+    as_chat = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), chat_template=tokenizer.chat_template, as_chat=True,
+                            system_prompt="Be brief.")
+    _, counts = encoded_and_checked(as_chat, pa.table({"q": ["How old is Tom?"], "a": ["Five"]}))
+    assert counts.checked == counts.equal == 1
+
+
+def test_truncate_side_left_examples_are_checked_as_the_whole_texts_last_tokens():
+    """An example whose prompt's head --truncate-side left cut is the BOS and the whole text's last tokens; a
+    kept token that is not is caught."""
+    example_format = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE, keep_response=True)
+    table = pa.table({"q": ["word " * 60, "Short?"], "a": ["The answer is five.", "Yes."]})
+    batch, counts = encoded_and_checked(example_format, table, max_len=32, overflow="truncate")
+    assert batch.prompt_cut[0] == 1 and batch.lengths[0] == 32
+    assert counts.checked == counts.equal == 2
+    batch.tokens[5] += 1  # a kept prompt token of the cut example, now another
+    with pytest.raises(TokenMismatchError, match="data.jsonl row 0: .* at token 5"):
+        TokenChecker(load_tokenizer(), example_format, "error").check(table, BatchRows("data.jsonl"), batch, np.ones(2, bool))
+
+
+@pytest.mark.parametrize("name", ["alpaca", "named fields", "sharegpt system"])
+def test_the_issues_examples_pack_with_every_example_checked_equal(tmp_path, capsys, name):
+    """Packed end to end: an Alpaca file, a template with text around named fields and a system prompt, and
+    ShareGPT chats with a system turn and a dangling user turn; the report checks every example, all equal."""
+    rows, options = {
+        "alpaca": ([{"instruction": f"Add {i} and {i}.", "input": "" if i % 2 else f"{i}, {i}", "output": f"{2 * i}"}
+                    for i in range(8)], []),
+        "named fields": ([{"question": f"What is {i}+{i}?", "context": "Arithmetic.", "answer": f"{2 * i}"} for i in range(8)],
+                         ["--prompt-template", "Context: {context}\\nQuestion: {question}\\nAnswer: {answer}.",
+                          "--system-prompt", "Be exact."]),
+        "sharegpt system": ([{"conversations": chat} for chat in SHAREGPT], []),
+    }[name]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    args = ["--dataset", data, "--out", str(tmp_path / "out"), "--no-progress", "--no-report", *options]
+    assert main(args) == 0, capsys.readouterr().err
+    n = len(rows)
+    assert f"{n} examples checked (a seeded sample) against the tokenizer's own tokenization, {n} equal\n" in capsys.readouterr().out

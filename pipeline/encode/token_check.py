@@ -2,11 +2,22 @@
 
 The reference is what the tokenizer alone makes of the example, outside the build's own encoding:
 
-- prompt/response and text: the whole rendered text tokenized at once, with the BOS and EOS the
-  build puts around each example;
+- prompt/response and text: the whole text, rendered with the build's template (named fields,
+  Alpaca's two layouts, the ``--system-prompt``), tokenized at once by the tokenizer alone, with
+  the BOS and EOS the build puts around each example;
 - chat: the tokenizer's own ``apply_chat_template(messages, tokenize=True)`` (transformers) with
   the build's chat template, less the whitespace the template writes after the last turn (a
-  built chat example ends with its end-of-turn token).
+  built chat example ends with its end-of-turn token). The messages are those the build uses:
+  dangling turns dropped as ``chat.conversation`` documents, prompt/response rows (``--as-chat``)
+  as a user and an assistant turn after the ``--system-prompt``, and a system turn merged into the
+  first user turn (``system\n\nuser``) when the template writes none.
+
+The check compares each example as encoding made it, before packing: ``--overflow split`` and
+``truncate`` cut rows later, so the whole example is compared, and examples ``truncate`` left with
+no trained token are not packed and not checked. Under ``--truncate-side left`` an example whose
+prompt's head was cut to fit is compared with the reference less as many tokens after its BOS:
+its tokens must be the whole text's last ones; where the cut falls (never in the response) is
+``--truncate-side``'s own test's to show.
 
 ``first_differences`` compares the two, a pure function over token ids. A difference stops the
 build with an error naming the example and showing both sequences (``--on-token-mismatch
@@ -32,15 +43,16 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.config import OnTokenMismatch
 from pipeline.encode.bad_rows import RowProblem
 from pipeline.encode.chat import conversation
-from pipeline.encode.examples import EncodedBatch, encode_ids
+from pipeline.encode.examples import ENCODE_CHUNK, PROBE_CHAT, PROBE_SYSTEM, EncodedBatch, token_ids
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import TokenMismatchError
 from pipeline.ranges import gather_index
-from pipeline.read.formats import ExampleFormat, split_prompt_template
+from pipeline.read.formats import ExampleFormat
 from pipeline.read.readers import BatchRows, select_columns
 from schemas import ExampleKind
 
@@ -107,6 +119,18 @@ def sample_mask(example_ids: np.ndarray, known_examples: int | None, seed: int, 
     return places < size
 
 
+def merged_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with a leading system turn merged into the first user turn, ``system\n\nuser``.
+
+    >>> merged_system([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    [{'role': 'user', 'content': 'Be brief.\n\nHi'}]
+    """
+    if not messages or messages[0]["role"] != "system":
+        return messages
+    system, user, *rest = messages
+    return [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *rest]
+
+
 class TokenChecker:
     """Checks the examples of encoded batches against the reference tokenization, batch by batch."""
 
@@ -116,6 +140,7 @@ class TokenChecker:
         self.on_mismatch = on_mismatch
         self.backend = tokenizer.backend()
         self._chat_tokenizer: Any = None
+        self._writes_system: bool | None = None
 
     def check(self, table: pa.Table, rows: BatchRows, batch: EncodedBatch, selected: np.ndarray) -> CheckCounts:
         """Compare the examples of ``batch`` (encoded from ``table``) for which boolean ``selected`` is true.
@@ -131,6 +156,8 @@ class TokenChecker:
         )
         lengths = batch.lengths[examples]
         built = batch.tokens[gather_index(batch.starts[examples], lengths)]
+        if self.format.keep_response and not self.format.is_chat:
+            reference, reference_lengths = self.without_cut_heads(reference, reference_lengths, lengths)
         differences = first_differences(built, lengths, reference, reference_lengths)
         differ = np.flatnonzero(differences >= 0)
         first = None
@@ -148,7 +175,14 @@ class TokenChecker:
         as one flat array and each row's length."""
         if self.format.is_chat:
             return _flat([self._chat_reference(messages) for messages in self._conversations(table)])
-        ids, lengths = encode_ids(self.backend, self.rendered_texts(table), np.dtype(np.int64))
+        texts = self.rendered_texts(table)
+        # The tokenizer alone, each text whole: none of the encoder's cutting into pieces or boundaries.
+        parts = [
+            token_ids(self.backend.encode_batch_fast(texts[i : i + ENCODE_CHUNK], add_special_tokens=False), np.dtype(np.int64))
+            for i in range(0, len(texts), ENCODE_CHUNK)
+        ]
+        ids = np.concatenate([part[0] for part in parts]) if parts else np.zeros(0, np.int64)
+        lengths = np.concatenate([part[1] for part in parts]) if parts else np.zeros(0, np.int64)
         prefix, suffix = self.tokenizer.prefix_ids, self.tokenizer.suffix_ids
         # Each example is the prefix, its text's tokens and the suffix, gathered from one buffer.
         buffer = np.concatenate([np.array(prefix + suffix, dtype=np.int64), ids])
@@ -159,22 +193,57 @@ class TokenChecker:
         piece_lengths = np.column_stack([np.full(n, len(prefix)), lengths, np.full(n, len(suffix))])
         return buffer[gather_index(piece_starts.ravel(), piece_lengths.ravel())], piece_lengths.sum(axis=1)
 
-    def rendered_texts(self, table: pa.Table) -> list[str]:
-        """Each prompt/response or text example as one whole text, its template filled in."""
-        columns = [table.column(column).to_pylist() for column in self.format.columns]
-        if self.format.kind != ExampleKind.PROMPT_RESPONSE:
-            return columns[0]
-        before, between, after = split_prompt_template(self.format.prompt_template)
-        return [before + prompt + between + response + after for prompt, response in zip(*columns)]
+    def without_cut_heads(
+        self, reference: np.ndarray, reference_lengths: np.ndarray, built_lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The reference of examples ``--truncate-side left`` shortened, less as many tokens after its
+        prefix (the BOS) as the built example is shorter: what the cut example must then equal."""
+        cut = np.maximum(reference_lengths - built_lengths, 0)
+        head = np.minimum(reference_lengths, len(self.tokenizer.prefix_ids))
+        starts = np.cumsum(reference_lengths) - reference_lengths
+        piece_starts = np.column_stack([starts, starts + head + cut]).ravel()
+        piece_lengths = np.column_stack([head, reference_lengths - head - cut]).ravel()
+        return reference[gather_index(piece_starts, piece_lengths)], reference_lengths - cut
 
-    def _conversations(self, table: pa.Table) -> list[list[dict[str, str]]]:
+    def rendered_texts(self, table: pa.Table) -> list[str]:
+        """Each prompt/response or text example as one whole text: the template's rendering of its fields
+        (and the system prompt), prompt and response joined."""
+        if self.format.kind != ExampleKind.PROMPT_RESPONSE:
+            return table.column(self.format.columns[0]).to_pylist()
+        prompts, responses = self.format.prompt_response().render(table, self.format.system_prompt or "")
+        return pc.binary_join_element_wise(prompts, responses, "").to_pylist()
+
+    def _conversations(self, table: pa.Table) -> list[list[dict[str, Any]]]:
+        """The messages each example is made of, after the transformations the build documents."""
         if self.format.kind != ExampleKind.CHAT:
             prompts, responses = (table.column(column).to_pylist() for column in self.format.columns)
-            return [[{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
-        try:
-            return [conversation(value, self.format.drop_dangling_turns) for value in table.column(self.format.columns[0]).to_pylist()]
-        except RowProblem as problem:  # the encoder took these rows, so it is the two that disagree
-            raise TokenMismatchError(f"a conversation the build encoded is refused by the reference: {problem.message}") from problem
+            system = [] if self.format.system_prompt is None else [{"role": "system", "content": self.format.system_prompt}]
+            chats = [[*system, {"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
+        else:
+            try:
+                values = table.column(self.format.columns[0]).to_pylist()
+                chats = [conversation(value, self.format.drop_dangling_turns).messages for value in values]
+            except RowProblem as problem:  # the encoder took these rows, so it is the two that disagree
+                raise TokenMismatchError(
+                    f"a conversation the build encoded is refused by the reference: {problem.message}"
+                ) from problem
+        if self.writes_system_turns():
+            return chats
+        return [merged_system(messages) for messages in chats]
+
+    def writes_system_turns(self) -> bool:
+        """Whether the chat template writes a system turn, tried once through ``apply_chat_template``: one
+        that leaves it out or refuses it (Gemma's, Phi-3's) gets it merged into the first user turn."""
+        if self._writes_system is None:
+            from jinja2 import TemplateError
+
+            probe = [{"role": "system", "content": PROBE_SYSTEM}, *PROBE_CHAT]
+            try:
+                text = self.chat_tokenizer().apply_chat_template(probe, chat_template=self.format.chat_template, tokenize=False)
+                self._writes_system = PROBE_SYSTEM in text
+            except TemplateError:
+                self._writes_system = False
+        return self._writes_system
 
     def _chat_reference(self, messages: list[dict[str, str]]) -> list[int]:
         """``apply_chat_template(messages, tokenize=True)``, less the whitespace-only tokens after the last turn."""
