@@ -10,7 +10,7 @@ The reference is what the tokenizer alone makes of the example, outside the buil
   built chat example ends with its end-of-turn token). The messages are those the build uses:
   dangling turns dropped as ``chat.conversation`` documents, prompt/response rows (``--as-chat``)
   as a user and an assistant turn after the ``--system-prompt``, and a system turn merged into the
-  first user turn (``system\n\nuser``) when the template writes none.
+  first user turn (``system\\n\\nuser``) when the template writes none.
 
 The check compares each example as encoding made it, before packing: ``--overflow split`` and
 ``truncate`` cut rows later, so the whole example is compared, and examples ``truncate`` left with
@@ -120,10 +120,10 @@ def sample_mask(example_ids: np.ndarray, known_examples: int | None, seed: int, 
 
 
 def merged_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with a leading system turn merged into the first user turn, ``system\n\nuser``.
+    """``messages`` with a leading system turn merged into the first user turn, ``system\\n\\nuser``.
 
     >>> merged_system([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    [{'role': 'user', 'content': 'Be brief.\n\nHi'}]
+    [{'role': 'user', 'content': 'Be brief.\\n\\nHi'}]
     """
     if not messages or messages[0]["role"] != "system":
         return messages
