@@ -44,13 +44,16 @@ from pipeline.beam_worker import WORKER_COMMAND
 from pipeline.build_plan import BuildPlan
 from pipeline.encode.chat import turn_stats
 from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
-from pipeline.encode.examples import Encoder
+from pipeline.config import VerifyTokens
+from pipeline.encode.examples import EncodedBatch, Encoder
+from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
 from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import spill
 from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
 from pipeline.read.inputs import InputsRead
+from pipeline.read.readers import BatchRows
 from pipeline.read.sources import ReadTask
 from pipeline.report import progress
 from pipeline.write.shard_writer import finish_build, publish_shard
@@ -90,33 +93,53 @@ class ReadAndEncode(beam.DoFn):
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
+        self.checker = None
+        if config.verify_tokens != VerifyTokens.OFF:
+            self.checker = TokenChecker(plan.tokenizer, plan.example_format, config.on_token_mismatch)
+        # Where each read task's rows start in the dataset (known when every task knows its row count).
+        sizes = [task.rows if task.limit is None else min(task.rows, task.limit) for task in plan.source.tasks if task.rows is not None]
+        self.task_starts = np.cumsum(sizes) - sizes
 
     def teardown(self):
         self.pool.shutdown(cancel_futures=True)
 
     def __getstate__(self) -> dict:
         # Some runners (Dask) pickle the DoFn again after setup(); the pool and encoder are per-worker.
-        return {k: v for k, v in self.__dict__.items() if k not in ("pool", "encoder")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("pool", "encoder", "checker")}
 
     def process(self, element: tuple[int, ReadTask]):
         task_index, task = element
         pending: deque = deque()
         batches = task.read(self.plan.example_format.column_types, self.plan.config.batch_size)
         for part, (first_row, table) in enumerate(batches):
-            pending.append((part, table.num_rows, self.pool.submit(self.encoder.encode, table, task.batch_rows(first_row))))
+            encoding = self.pool.submit(self._encode, table, task.batch_rows(first_row), task_index, first_row)
+            pending.append((part, table.num_rows, encoding))
             if len(pending) == self.IN_FLIGHT:
                 yield self._finish(task_index, *pending.popleft())
         while pending:
             yield self._finish(task_index, *pending.popleft())
 
+    def _encode(self, table, rows: BatchRows, task_index: int, first_row: int) -> tuple[EncodedBatch, CheckCounts]:
+        """The batch's examples, and what checking them (all, or those in the sample) against the reference found."""
+        batch = self.encoder.encode(table, rows)
+        if self.checker is None:
+            return batch, CheckCounts()
+        selected = np.ones(batch.lengths.size, dtype=bool)
+        if self.plan.config.verify_tokens == VerifyTokens.SAMPLE:
+            places = first_row + batch.example_rows  # within the task: in the dataset once every task's size is known
+            if self.known_examples is not None:
+                places = places + self.task_starts[task_index]
+            selected = sample_mask(places, self.known_examples, self.plan.config.seed)
+        return batch, self.checker.check(table, rows, batch, selected)
+
     def _finish(self, task_index: int, part: int, rows: int, encoding: Future):
-        batch = encoding.result()
+        batch, token_check = encoding.result()
         self.rows_read += rows
         self._count_bad_rows(batch.rejected)
         self.examples.inc(rows)
         self.tokens.inc(batch.tokens.size)
         progress.advance("examples tokenized", rows, self.known_examples, "ex")
-        return (task_index, part), spill(batch, self.spill_dir, f"{task_index:06d}-{part:06d}", rows)
+        return (task_index, part), spill(batch, self.spill_dir, f"{task_index:06d}-{part:06d}", rows, token_check)
 
     def _count_bad_rows(self, rejected: list[BadRow]) -> None:
         """Stop early once this worker alone has met more bad rows than the whole build may hold (in the rows it read)."""
@@ -134,7 +157,8 @@ class ReadAndEncode(beam.DoFn):
 @dataclass(frozen=True)
 class Filtered:
     """What reading and encoding left out: bad rows by reason, examples truncation left untrained, and
-    chat turns read, used and dropped (``chat.count_turns``)."""
+    chat turns read, used and dropped (``chat.count_turns``); the examples checked against the reference
+    tokenization and those equal to it."""
 
     rejected: RejectedRows
     untrained_examples: int
@@ -143,27 +167,39 @@ class Filtered:
     # Examples and tokens --truncate-side left cut from prompts' heads (counted as truncated).
     prompt_cut_examples: int = 0
     prompt_cut_tokens: int = 0
+    examples_checked: int = 0
+    examples_equal: int = 0
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str]]], out_dir: str,
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str], CheckCounts]],
+    out_dir: str,
     max_bad_rows: int | float,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
     ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained and
-    prompt-cut counts (examples, tokens, examples, tokens) and its chat turn counts.
+    prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts and what checking its
+    tokens found. The first example whose tokens differ from the reference (under
+    ``--on-token-mismatch count``) is logged as a warning.
     """
     notes = sorted(notes, key=lambda note: note[0])
-    bad_rows = [row for _, _, rejected, _, _ in notes for row in rejected]
-    rows_read = sum(rows for _, rows, _, _, _ in notes)
+    bad_rows = [row for _, _, rejected, *_ in notes for row in rejected]
+    rows_read = sum(rows for _, rows, *_ in notes)
     bad = [row for row in bad_rows if row.is_bad]
     if bad and bound_exceeded(len(bad), rows_read, max_bad_rows):
         raise bound_error(len(bad), rows_read, max_bad_rows, bad[0])
     write_rejected(bad_rows, out_dir)
-    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _ in notes))] or [0, 0, 0, 0]
-    turns = sum((turns for *_, turns in notes), Counter())
-    return Filtered(summarize(bad_rows), untrained[0], untrained[1], turns, untrained[2], untrained[3])
+    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _, _ in notes))] or [0, 0, 0, 0]
+    turns = sum((turns for *_, turns, _ in notes), Counter())
+    checks = [check for *_, check in notes]
+    mismatch = next((check.first_mismatch for check in checks if check.first_mismatch), None)
+    if mismatch is not None:
+        logging.getLogger("varpack").warning("%s", mismatch)
+    return Filtered(
+        summarize(bad_rows), untrained[0], untrained[1], turns, untrained[2], untrained[3],
+        sum(check.checked for check in checks), sum(check.equal for check in checks),
+    )
 
 
 def placements(counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int):
@@ -237,6 +273,7 @@ def write_build_manifest(
     stats.chat_turns, stats.dangling_turns_dropped, stats.conversations_trimmed = turn_stats(filtered.turns)
     stats.examples_truncated += filtered.prompt_cut_examples
     stats.tokens_truncated += filtered.prompt_cut_tokens
+    stats.examples_checked, stats.examples_equal = filtered.examples_checked, filtered.examples_equal
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
     read.record(stats)
     if stats.rows == 0:
@@ -277,7 +314,9 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, spill_dir, main_pid))
     )
     filtered = _gather(
-        "Notes", encoded | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns))
+        "Notes",
+        encoded
+        | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check)),
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.

@@ -34,6 +34,21 @@ EXAMPLES_PER_GROUP = 50_000_000
 TARGET_SHARD_TOKENS = 1 << 23
 
 
+class VerifyTokens(StrEnum):
+    """Which examples a build checks against the reference tokenization (``--verify-tokens``)."""
+
+    SAMPLE = "sample"
+    ALL = "all"
+    OFF = "off"
+
+
+class OnTokenMismatch(StrEnum):
+    """What an example whose tokens differ from the reference does (``--on-token-mismatch``)."""
+
+    ERROR = "error"
+    COUNT = "count"
+
+
 def default_rows_per_shard(capacity: int) -> int:
     """Rows per shard so that a full shard holds about TARGET_SHARD_TOKENS tokens."""
     return max(1, TARGET_SHARD_TOKENS // capacity)
@@ -98,6 +113,9 @@ class PackConfig:
     # Under --on-bad-row skip: a count of bad rows (an int), or a fraction of the rows read (a float
     # below 1), that stops the build, whose data is then mostly garbage.
     max_bad_rows: int | float = 0.1
+    # Which examples are checked against the reference tokenization, and what a difference does.
+    verify_tokens: str = VerifyTokens.SAMPLE
+    on_token_mismatch: str = OnTokenMismatch.ERROR
     # Examples per Beam element: one tokenizer call and one shuffle record each.
     batch_size: int = 4096
     # Rows per shard file; None: about 8M tokens per shard.
@@ -178,6 +196,8 @@ class PackConfig:
         one_of("--packing", self.packing, PackingAlgorithm, ConfigError)
         one_of("--on-bad-row", self.on_bad_row, BadRowPolicy, ConfigError)
         one_of("--truncate-side", self.truncate_side, TruncateSide, ConfigError)
+        one_of("--verify-tokens", self.verify_tokens, VerifyTokens, ConfigError)
+        one_of("--on-token-mismatch", self.on_token_mismatch, OnTokenMismatch, ConfigError)
         bound = self.max_bad_rows
         if isinstance(bound, bool) or not (
             (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 < bound < 1)
@@ -205,4 +225,5 @@ class PackConfig:
 # Every other setting is, directly or through the dataset, tokenizer or template it resolves.
 RUN_SETTINGS = frozenset(
     {"out", "force", "lock_timeout", "max_bad_rows", "batch_size", "progress", "report", "verbose", "strict", "beam_args"}
+    | {"verify_tokens", "on_token_mismatch"}
 )

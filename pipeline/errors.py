@@ -28,3 +28,9 @@ class OutputDirError(VarpackError):
     """The output directory holds something a build must not overwrite, or another run is building it."""
 
     kind = "output"
+
+
+class TokenMismatchError(InputError):
+    """An example's tokens differ from the reference tokenization; the message shows both, one line each."""
+
+    lines_kept = True

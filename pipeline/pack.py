@@ -51,7 +51,7 @@ PROG = "python -m pipeline.pack"
 
 
 def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    from pipeline.config import PackConfig, TruncateSide
+    from pipeline.config import OnTokenMismatch, PackConfig, TruncateSide, VerifyTokens
     from schemas import BadRowPolicy, Overflow, PackingAlgorithm
 
     parser = argparse.ArgumentParser(
@@ -135,6 +135,12 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--max-bad-rows", type=bad_row_bound, default=default.max_bad_rows,
         help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05) "
              "are bad (default: %(default)s)")
+    add("--verify-tokens", choices=[e.value for e in VerifyTokens], default=default.verify_tokens,
+        help="check the built tokens against the tokenizer's own tokenization of each whole example: a seeded sample "
+             "of 1,000 examples, all of them, or none (default: %(default)s)")
+    add("--on-token-mismatch", choices=[e.value for e in OnTokenMismatch], default=default.on_token_mismatch,
+        help="an example whose tokens differ from that reference: stop with an error showing both, or count it in the "
+             "report and the manifest (default: %(default)s)")
     add("--batch-size", type=int, default=default.batch_size, help="examples per pipeline element (default: %(default)s)")
     add("--rows-per-shard", type=int, default=default.rows_per_shard, help="rows per shard file (default: about 8M tokens per shard)")
     add("--examples-per-group", type=int, default=default.examples_per_group,
@@ -258,7 +264,7 @@ def _token_list(value: str) -> tuple[str, ...]:
 
 def _one_line(err: BaseException) -> str:
     """What went wrong, in one line: the VarpackError behind ``err``, else the last line of a worker's
-    traceback, else ``err`` itself."""
+    traceback, else ``err`` itself. An error whose lines are its layout (``lines_kept``) keeps them."""
     from schemas import VarpackError
 
     found = VarpackError.behind(err)
@@ -273,6 +279,8 @@ def _one_line(err: BaseException) -> str:
         message += " (pass --verbose for the traceback)"
     # Beam appends the step that failed: [while running 'ReadAndEncode']
     message = re.sub(r"\s*\[while running '[^']*'\]", "", message)
+    if getattr(found, "lines_kept", False):  # a message laid out in lines (two token sequences to compare)
+        return "\n".join(line.rstrip() for line in message.splitlines())
     return " ".join(message.split())
 
 
@@ -358,7 +366,7 @@ def build_and_report(config: PackConfig) -> BuildResult:
     print(f"varpack: {verb} {result.out_dir} (fingerprint {manifest.fingerprint})")
     print(format_report(
         manifest.stats, manifest.capacity, len(manifest.shards), result.out_dir, result.elapsed_s, result.reused,
-        result.layout, manifest.rejected,
+        result.layout, manifest.rejected, config.verify_tokens,
     ))
     if result.figure is not None:
         print(f"  {'histograms':<12}  {result.figure}")

@@ -27,7 +27,9 @@ FORMAT_NAME = "varpack.shards"
 # 4: inputs.loss_masking is one of LossMasking's values (a free string before).
 # 5: manifest_digest; every shard carries its identity in its Arrow schema metadata (shard_identity.py);
 #    example ids are source row numbers, below stats.num_example_ids; stats.conversations_trimmed.
-FORMAT_VERSION = 5
+# 6: stats.examples_checked and stats.examples_equal (the build's check of its tokens); the optional
+#    stats.chat_turns, stats.dangling_turns_dropped and source lists (SOURCE_LISTS), written only when set.
+FORMAT_VERSION = 6
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -210,6 +212,9 @@ class PackingStats:
     chat_turns: dict[str, dict[str, int]] = field(default_factory=dict)
     # Dangling chat turns dropped: {"leading_assistant": 212, "trailing_user": 3}.
     dangling_turns_dropped: dict[str, int] = field(default_factory=dict)
+    # Examples checked against the reference tokenization (a sample, or all), and those equal to it (format 6).
+    examples_checked: int = 0
+    examples_equal: int = 0
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
     # The source files read, and the source columns that reached the tokens and those that did not
@@ -469,6 +474,7 @@ def _holds(value: Any, schema: dict[str, Any]) -> bool:
 ADDED_IN_VERSION_2 = {"": ("rejected",), "inputs": ("on_bad_row",), "stats": ("examples_untrained", "tokens_untrained")}
 ADDED_IN_VERSION_3 = {"": ("shards_digest",)}
 ADDED_IN_VERSION_5 = {"": ("manifest_digest",), "stats": ("num_example_ids", "conversations_trimmed")}
+ADDED_IN_VERSION_6 = {"stats": ("examples_checked", "examples_equal")}
 
 
 def _check_across_fields(data: dict[str, Any], source: str) -> None:
@@ -483,7 +489,10 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
             raise ManifestError(f"{source}: shards[{i}] holds more rows or tokens than rows_per_shard and capacity allow")
     if stats["rows"] != sum(s["rows"] for s in shards) or stats["tokens"] != sum(s["tokens"] for s in shards):
         raise ManifestError(f"{source}: stats.rows/stats.tokens disagree with the shard list")
-    for version, added in ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3), (5, ADDED_IN_VERSION_5)):
+    if stats.get("examples_equal", 0) > stats.get("examples_checked", 0):
+        raise ManifestError(f"{source}: stats.examples_equal is more than stats.examples_checked")
+    added_in = ((2, ADDED_IN_VERSION_2), (3, ADDED_IN_VERSION_3), (5, ADDED_IN_VERSION_5), (6, ADDED_IN_VERSION_6))
+    for version, added in added_in:
         if data["format_version"] < version:
             continue
         for where, names in added.items():

@@ -238,7 +238,7 @@ def test_the_issue_reproduction_packs_one_example_and_reports_one_row_left_out(t
         assert main(["--dataset", str(path), "--messages-column", "conversations", *flags, "--out", str(out),
                      "--no-progress"]) == 0, capsys.readouterr().err
         report = capsys.readouterr().out
-        assert re.search(r"examples +1\n", report) and "rejected      1 row (1 only_dangling_turns)" in report
+        assert re.search(r"examples +1 read, 1 kept, 0 dropped\n", report) and "rejected      1 row (1 only_dangling_turns)" in report
     plan = plan_build(PackConfig(dataset=str(path), messages_column="conversations"))
     hello = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     for build_dir in out.iterdir():

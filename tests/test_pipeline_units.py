@@ -372,6 +372,8 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "verbose": {"verbose": True},
         "strict": {"strict": True},
         "beam_args": {"beam_args": ("--direct_num_workers=2",)},
+        "verify_tokens": {"verify_tokens": "all"},
+        "on_token_mismatch": {"on_token_mismatch": "count"},
     }
     for name, change in run_settings.items():
         reference = prints["on_bad_row"] if name == "max_bad_rows" else fingerprint

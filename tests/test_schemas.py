@@ -42,6 +42,7 @@ from schemas.manifest import (
     ADDED_IN_VERSION_2,
     ADDED_IN_VERSION_3,
     ADDED_IN_VERSION_5,
+    ADDED_IN_VERSION_6,
     SOURCE_LISTS,
     manifest_digest,
     shards_digest,
@@ -233,7 +234,7 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     for key in ("inputs", "stats"):
         assert not optional[key] & set(data[key])
         assert set(data[key]) | optional[key] == set(properties[key]["properties"])
-        added = set(ADDED_IN_VERSION_2[key]) | set(ADDED_IN_VERSION_5.get(key, ()))
+        added = set(ADDED_IN_VERSION_2[key]) | set(ADDED_IN_VERSION_5.get(key, ())) | set(ADDED_IN_VERSION_6.get(key, ()))
         assert set(properties[key]["required"]) == set(data[key]) - added
     for key in ("dataset", "tokenizer"):
         assert set(data["inputs"][key]) == set(properties["inputs"]["properties"][key]["properties"])

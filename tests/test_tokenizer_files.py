@@ -1,11 +1,16 @@
 """Tokenizers as they ship: SentencePiece ``tokenizer.model`` and tiktoken ``*.tiktoken`` files, or
-directories holding one, load through ``--tokenizer`` with the ids of the reference encoders."""
+directories holding one, and GGUF files, load through ``--tokenizer`` with the ids of the reference encoders.
+
+``tests/data/llama-cpp-vocab`` holds four of llama.cpp's vocabulary files with their reference
+tokenizations (``.inp`` texts, ``.out`` ids), as the llama-cpp-python sdist ships them
+(``vendor/llama.cpp/models/``, MIT licence, ``LICENSE`` beside them)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +20,15 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from pipeline.build import build
 from pipeline.config import PackConfig
-from pipeline.encode.tokenizer import load_tokenizer
+from pipeline.encode.tokenizer import gguf_reference, load_tokenizer
 from pipeline.errors import InputError
 from pipeline.pack import main
 from tests.test_pipeline_e2e import read_examples
+
+LLAMA_CPP_VOCAB = Path(__file__).parent / "data" / "llama-cpp-vocab"
+# The four vocabularies transformers' GGUF conversion tokenized unlike llama.cpp (issue 27 item 6):
+# Falcon regrouped digit runs, llama-spm lost leading whitespace, StarCoder and DeepSeek-coder split "½" apart.
+GGUF_VOCABS = ("falcon", "llama-spm", "starcoder", "deepseek-coder")
 
 TEXTS = [
     "Hello world. The quick brown fox 12 jumps over the lazy dog 345!",
@@ -142,3 +152,60 @@ def test_several_models_in_one_directory_are_named(tiktoken_ranks, tmp_path):
         load_tokenizer(str(tmp_path / "a.tiktoken")).backend().encode("hello world").ids,
         load_tokenizer(str(path)).backend().encode("hello world").ids,
     )
+
+
+def test_a_bare_sentencepiece_model_adds_the_bos_it_reports(sentencepiece_model):
+    """Issue 27 item 6: a tokenizer.model reported BOS <s> but put none before an example, while the
+    layout line showed [bos]. It now puts the model's BOS there, as llama.cpp and LlamaTokenizer do."""
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    tokenizer = load_tokenizer(str(sentencepiece_model))
+    assert tokenizer.prefix_ids == (reference.bos_id(),) and tokenizer.bos_token == reference.id_to_piece(reference.bos_id())
+    assert tokenizer.describe_affixes().startswith(f"BOS <s> ({reference.bos_id()}), EOS </s> ({reference.eos_id()})")
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizers(tmp_path_factory):
+    """The GGUF_VOCABS files as load_tokenizer converts them, each once, into a cache of this module's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VARPACK_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+        yield {name: load_tokenizer(str(LLAMA_CPP_VOCAB / f"ggml-vocab-{name}.gguf")) for name in GGUF_VOCABS}
+
+
+@pytest.mark.parametrize("name", GGUF_VOCABS)
+def test_gguf_tokenizers_reproduce_llama_cpps_reference_tokenizations(name, gguf_tokenizers):
+    """Every text of llama.cpp's reference (``3333`` as ``333,3`` for Falcon, leading spaces for llama-spm, ...)."""
+    reference = gguf_reference(LLAMA_CPP_VOCAB / f"ggml-vocab-{name}.gguf")
+    assert reference is not None and len(reference) == 46
+    backend = gguf_tokenizers[name].backend()
+    wrong = [text for text, ids in reference if backend.encode(text, add_special_tokens=False).ids != ids]
+    assert not wrong, f"{len(wrong)} of {len(reference)} differ: {wrong[:3]}"
+
+
+def test_a_gguf_conversion_that_does_not_reproduce_its_reference_is_refused_naming_the_file(tmp_path, capsys):
+    vocab = tmp_path / "ggml-vocab-starcoder.gguf"
+    shutil.copyfile(LLAMA_CPP_VOCAB / vocab.name, vocab)
+    shutil.copyfile(LLAMA_CPP_VOCAB / f"{vocab.name}.inp", f"{vocab}.inp")
+    lines = (LLAMA_CPP_VOCAB / f"{vocab.name}.out").read_text(encoding="utf-8").split("\n")
+    lines[10] = " 1 2 3"  # not what llama.cpp makes of "Hello world"
+    Path(f"{vocab}.out").write_text("\n".join(lines), encoding="utf-8")
+    with pytest.raises(InputError, match=rf"tokenizer {vocab}: its conversion does not reproduce llama.cpp's tokenization of 1 of"):
+        load_tokenizer(str(vocab))
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    assert main(["--dataset", str(tmp_path / "data.jsonl"), "--tokenizer", str(vocab), "--no-progress"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"varpack: error: tokenizer {vocab}: ") and "\n" not in error
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_cached_by_content(tmp_path, monkeypatch):
+    """A second load, of the same file under another name, reads the cached conversion: transformers is not called."""
+    first = load_tokenizer(str(LLAMA_CPP_VOCAB / "ggml-vocab-deepseek-coder.gguf"))
+    (cached,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(LLAMA_CPP_VOCAB / "ggml-vocab-deepseek-coder.gguf", copy)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", refuse)
+    again = load_tokenizer(str(copy))
+    assert again.content_hash == first.content_hash and [p.name for p in (tmp_path / "cache" / "tokenizers").iterdir()] == [cached.name]

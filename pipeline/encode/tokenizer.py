@@ -460,6 +460,18 @@ def _check_sentencepiece(model_file: Path) -> None:
         raise InputError(f"tokenizer {model_file}: not a SentencePiece model ({_first_line(err)}); {CONVERT_HINT}") from err
 
 
+def _with_model_bos(loaded: LoadedTokenizer, model_file: Path) -> LoadedTokenizer:
+    """``loaded`` with the BOS piece of SentencePiece model ``model_file`` before every example, as llama.cpp
+    and transformers' LlamaTokenizer put it (transformers' conversion of a bare model adds none); unchanged
+    for a model that defines no BOS."""
+    import sentencepiece
+
+    model = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    if model.bos_id() < 0:
+        return loaded
+    return loaded.with_special_tokens(model.id_to_piece(model.bos_id()), None)
+
+
 def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
     """A SentencePiece or tiktoken model file as a fast tokenizer, converted once and cached by content
     (a tiktoken file's with the JSON beside it, see TiktokenEncoding)."""
@@ -480,6 +492,8 @@ def _converted(model_file: Path, kind: str, name: str) -> LoadedTokenizer:
 
     target = _cached_conversion(cache_dir() / "tokenizers" / f"{kind}-{key[:16]}", convert)
     loaded = _from_files(name, target / "tokenizer.json", target / "tokenizer_config.json")
+    if kind == SENTENCEPIECE and not loaded.prefix_ids:
+        loaded = _with_model_bos(loaded, model_file)
     if kind == TIKTOKEN and encoding.pat_str is None:
         guess = (
             f"tokenizer {model_file}: a tiktoken ranks file holds no split pattern, so cl100k_base's is a guess, and "
@@ -508,13 +522,12 @@ def _converted_default(target: Path, written: tuple[int, int, int]) -> LoadedTok
     )
 
 
-def _from_transformers(spec: str, gguf_file: str | None = None) -> LoadedTokenizer:
-    """A Hub id or local directory (with ``gguf_file``, the tokenizer of that GGUF file in it) loaded
-    with AutoTokenizer; it must have a fast (Rust) backend."""
+def _from_transformers(spec: str) -> LoadedTokenizer:
+    """A Hub id or local directory loaded with AutoTokenizer; it must have a fast (Rust) backend."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, **({"gguf_file": gguf_file} if gguf_file else {}))
+        tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as err:
         if not Path(spec).exists() and hub.is_offline():
             raise hub.unreachable_error("tokenizer", spec, "HF_HUB_OFFLINE is set and it is not in the local cache") from err
@@ -523,8 +536,135 @@ def _from_transformers(spec: str, gguf_file: str | None = None) -> LoadedTokeniz
     if backend is None:
         raise InputError(f"tokenizer {spec!r} has no fast (tokenizers) backend; {CONVERT_HINT}")
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-    name = str(Path(spec) / gguf_file) if gguf_file else spec
-    return LoadedTokenizer.from_backend(name, backend, tokenizer.bos_token, tokenizer.eos_token, template)
+    return LoadedTokenizer.from_backend(spec, backend, tokenizer.bos_token, tokenizer.eos_token, template)
+
+
+# How llama.cpp splits text before byte-level BPE, by the GGUF's ``tokenizer.ggml.pre``, for the
+# pre-tokenizers transformers' GGUF conversion does not set (it then splits as GPT-2 does). Each
+# expression splits the pieces the one before left, keeping what lies between matches, as
+# llama.cpp's ``unicode_regex_split`` does (src/llama-vocab.cpp, MIT licence).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+GGUF_SPLITS: dict[str, tuple[str, ...]] = {
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]"),
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"), (r"\p{N}", _GPT2_SPLIT)
+    ),
+    **dict.fromkeys(("gpt-2", "mpt", "olmo", "jais"), (_GPT2_SPLIT,)),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", '[一-龥ࠀ-一가-\ud7ff]+', r"\p{N}"),
+    "deepseek-llm": (
+        '[\r\n]',
+        (
+            '\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-'
+            'ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ'
+            '-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+'
+        ),
+        '\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+',
+        '\\s+$',
+        '[一-龥ࠀ-一가-\ud7ff]+',
+        '\\p{N}+',
+    ),
+}
+# The conversion's version, part of its cache key: a new one converts every GGUF file again.
+GGUF_CONVERSION = "gguf2"
+# llama.cpp's reference tokenizations beside a vocabulary file: NAME.gguf.inp holds texts separated
+# by this line, NAME.gguf.out the ids of each, one line per text.
+GGUF_REFERENCE_SEPARATOR = "\n__ggml_vocab_test__\n"
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """What a GGUF file says of its tokenizer beyond the vocabulary: ``tokenizer.ggml.model`` (``llama``
+    for SentencePiece, ``gpt2`` for byte-level BPE), ``tokenizer.ggml.pre``, and whether SentencePiece
+    text gets a space before it (``tokenizer.ggml.add_space_prefix``, true when absent)."""
+
+    model: str | None
+    pre: str | None
+    add_space_prefix: bool
+
+    @classmethod
+    def read(cls, path: Path) -> GgufVocab:
+        from gguf import GGUFReader
+
+        try:
+            fields = GGUFReader(str(path)).fields
+        except (ValueError, OSError) as err:
+            raise InputError(f"tokenizer {path}: not a GGUF file ({_first_line(err)}); {CONVERT_HINT}") from err
+
+        def value(key: str) -> Any:
+            return fields[key].contents() if key in fields else None
+
+        return cls(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre"), value("tokenizer.ggml.add_space_prefix") is not False)
+
+    def fix(self, backend: Any) -> None:
+        """Make ``backend`` (transformers' conversion) split text as llama.cpp does, in place: the
+        pre-tokenizer of GGUF_SPLITS for byte-level BPE, and for SentencePiece a space before the text
+        even when it starts with one (transformers' Metaspace adds none then)."""
+        from tokenizers import Regex, normalizers, pre_tokenizers
+
+        if self.model == "gpt2" and self.pre in GGUF_SPLITS:
+            splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in GGUF_SPLITS[self.pre]]
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
+        elif self.model == "llama" and (json.loads(backend.to_str()).get("pre_tokenizer") or {}).get("type") == "Metaspace":
+            spaces = [normalizers.Replace(" ", "▁")]
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), *spaces] if self.add_space_prefix else spaces)
+            backend.pre_tokenizer = None
+
+
+def gguf_reference(path: Path) -> list[tuple[str, list[int]]] | None:
+    """llama.cpp's reference tokenizations of a GGUF file, from ``NAME.gguf.inp`` and ``NAME.gguf.out``
+    beside it: (text, ids) pairs, or None without them."""
+    texts_file, ids_file = path.with_name(path.name + ".inp"), path.with_name(path.name + ".out")
+    if not (texts_file.is_file() and ids_file.is_file()):
+        return None
+    texts = texts_file.read_text(encoding="utf-8").split(GGUF_REFERENCE_SEPARATOR)
+    lines = ids_file.read_text(encoding="utf-8").split("\n")
+    texts, lines = texts[:-1] if texts and not texts[-1] else texts, lines[:-1] if lines and not lines[-1] else lines
+    if len(texts) != len(lines):
+        raise InputError(f"{ids_file}: {len(lines)} lines of token ids for the {len(texts)} texts of {texts_file.name}")
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, lines)]
+
+
+def check_gguf_reference(path: Path, backend: Any) -> int:
+    """Raise InputError, naming the file, when the converted tokenizer of GGUF file ``path`` does not
+    reproduce llama.cpp's reference tokenizations beside it; returns how many texts were checked."""
+    reference = gguf_reference(path)
+    if reference is None:
+        return 0
+    encodings = backend.encode_batch([text for text, _ in reference], add_special_tokens=False)
+    wrong = [(text, ids, encoding.ids) for (text, ids), encoding in zip(reference, encodings) if encoding.ids != ids]
+    if wrong:
+        text, expected, got = wrong[0]
+        raise InputError(
+            f"tokenizer {path}: its conversion does not reproduce llama.cpp's tokenization of {len(wrong)} of the "
+            f"{len(reference)} texts in {path.name}.inp (the first, {text[:40]!r}: {got[:12]} for {expected[:12]}); "
+            f"convert the model's own tokenizer instead ({CONVERT_HINT})"
+        )
+    return len(reference)
+
+
+def _from_gguf(path: Path) -> LoadedTokenizer:
+    """A GGUF file's tokenizer, converted once with transformers (its splits made llama.cpp's), cached by
+    the file's content, and checked against llama.cpp's reference tokenizations beside it."""
+    target = cache_dir() / "tokenizers" / f"{GGUF_CONVERSION}-{file_sha256(path)[:16]}"
+    cached = (target / "tokenizer.json").is_file()
+    if not cached:
+        vocab = GgufVocab.read(path)
+        from huggingface_hub.errors import StrictDataclassError
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except (OSError, ValueError, StrictDataclassError) as err:  # the last: a model config transformers cannot read
+            raise InputError(f"tokenizer {path} could not be converted ({_first_line(err)}); {CONVERT_HINT}") from err
+        vocab.fix(tokenizer.backend_tokenizer)
+        check_gguf_reference(path, tokenizer.backend_tokenizer)
+        _save_converted(tokenizer, target)
+    loaded = _from_files(str(path), target / "tokenizer.json", target / "tokenizer_config.json")
+    if cached:  # the reference files may have appeared since
+        check_gguf_reference(path, loaded.backend())
+    return loaded
 
 
 def _from_tokenizer_json(path: Path) -> LoadedTokenizer:
@@ -609,7 +749,7 @@ def _load(spec: str) -> LoadedTokenizer:
         if path.suffix == ".json":
             return _from_tokenizer_json(path)
         if path.suffix == ".gguf":
-            return _from_transformers(str(path.parent), gguf_file=path.name)
+            return _from_gguf(path)
         kind = model_file_kind(path)
         if kind is None:
             raise InputError(f"tokenizer {spec}: not a tokenizer file; {CONVERT_HINT}")

@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.encode.examples import EncodedBatch
+from pipeline.encode.token_check import CheckCounts
 
 SPILL_PREFIX = ".spill-"
 CLUSTER_SPILL_PREFIX = "varpack-spill-"
@@ -36,7 +37,8 @@ class SpilledBatch:
     """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]``
     tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
 
-    ``rejected``, ``untrained``, ``turns`` and ``prompt_cut`` are the batch's bad rows and counts (see EncodedBatch).
+    ``rejected``, ``untrained``, ``turns`` and ``prompt_cut`` are the batch's bad rows and counts (see EncodedBatch);
+    ``token_check`` what checking its tokens against the reference found.
     """
 
     path: str
@@ -47,6 +49,7 @@ class SpilledBatch:
     untrained: tuple[int, int] = (0, 0)
     turns: Counter[str] = field(default_factory=Counter)
     prompt_cut: tuple[int, int] = (0, 0)
+    token_check: CheckCounts = CheckCounts()
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -57,7 +60,9 @@ def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
     return storage.join(out_dir, f"{SPILL_PREFIX}{run}")
 
 
-def spill(batch: EncodedBatch, spill_dir: str, name: str, rows_read: int) -> SpilledBatch:
+def spill(
+    batch: EncodedBatch, spill_dir: str, name: str, rows_read: int, token_check: CheckCounts = CheckCounts()
+) -> SpilledBatch:
     """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``; ``batch`` came from ``rows_read`` source rows."""
     table = pa.table({"tokens": batch.tokens, "loss_mask": batch.loss_mask})
     path = storage.join(spill_dir, f"{name}.arrow")
@@ -66,7 +71,7 @@ def spill(batch: EncodedBatch, spill_dir: str, name: str, rows_read: int) -> Spi
     rows = batch.example_rows.astype(np.int32)
     return SpilledBatch(
         path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns,
-        batch.prompt_cut,
+        batch.prompt_cut, token_check,
     )
 
 

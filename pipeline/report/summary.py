@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.config import VerifyTokens
 from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.encode.chat import ROLE_ORDER
 from schemas import PackingStats, RejectedRows
@@ -33,9 +34,10 @@ def format_report(
     reused: bool,
     layout: str = "",
     rejected: RejectedRows | None = None,
+    verify_tokens: str = VerifyTokens.SAMPLE,
 ) -> str:
     """A few aligned lines: the example layout, examples read, kept and dropped, tokens, overflow, rows and fill,
-    examples per row, rows left out, time, path."""
+    examples per row, rows left out, chat turns, the inputs read, the check of the tokens, time, path."""
     mean, low, high = examples_per_row(stats)
     lines = [
         *([("example", layout)] if layout else []),
@@ -53,6 +55,7 @@ def format_report(
     if stats.chat_turns:
         lines.append(("turns", describe_turns(stats)))
     lines += inputs_section(stats)
+    lines.append(("token check", describe_token_check(stats, verify_tokens)))
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
@@ -106,6 +109,21 @@ def describe_overflow(stats: PackingStats) -> str:
             "trained token left after truncation"
         )
     return overflow
+
+
+def describe_token_check(stats: PackingStats, verify_tokens: str) -> str:
+    """The examples checked against the tokenizer's own tokenization of each whole example, and those equal."""
+    if verify_tokens == VerifyTokens.OFF:
+        return "off (--verify-tokens off): the tokens were not compared with the tokenizer's own"
+    which = "all examples" if verify_tokens == VerifyTokens.ALL else "a seeded sample"
+    line = (
+        f"{plural(stats.examples_checked, 'example')} checked ({which}) against the tokenizer's own tokenization, "
+        f"{stats.examples_equal:,} equal"
+    )
+    differ = stats.examples_checked - stats.examples_equal
+    if differ:
+        line += f", {differ:,} differ (--on-token-mismatch count; the first is logged above)"
+    return line
 
 
 def describe_trimmed(stats: PackingStats) -> str:

@@ -1,0 +1,296 @@
+"""Every build checks its own tokens: each example (or a seeded sample) against an independent reference.
+
+The reference is what the tokenizer alone makes of the example, outside the build's own encoding:
+
+- prompt/response and text: the whole text, rendered with the build's template (named fields,
+  Alpaca's two layouts, the ``--system-prompt``), tokenized at once by the tokenizer alone, with
+  the BOS and EOS the build puts around each example;
+- chat: the tokenizer's own ``apply_chat_template(messages, tokenize=True)`` (transformers) with
+  the build's chat template, less the whitespace the template writes after the last turn (a
+  built chat example ends with its end-of-turn token). The messages are those the build uses:
+  dangling turns dropped as ``chat.conversation`` documents, prompt/response rows (``--as-chat``)
+  as a user and an assistant turn after the ``--system-prompt``, and a system turn merged into the
+  first user turn (``system\\n\\nuser``) when the template writes none.
+
+The check compares each example as encoding made it, before packing: ``--overflow split`` and
+``truncate`` cut rows later, so the whole example is compared, and examples ``truncate`` left with
+no trained token are not packed and not checked. Under ``--truncate-side left`` an example whose
+prompt's head was cut to fit is compared with the reference less as many tokens after its BOS:
+its tokens must be the whole text's last ones; where the cut falls (never in the response) is
+``--truncate-side``'s own test's to show.
+
+``first_differences`` compares the two, a pure function over token ids. A difference stops the
+build with an error naming the example and showing both sequences (``--on-token-mismatch
+error``, the default), or is counted in the report and the manifest (``count``); the examples
+checked and equal are recorded either way (``stats.examples_checked`` / ``examples_equal``).
+
+Which examples are checked needs no coordination between workers: with ``--verify-tokens
+sample`` (the default) an example is checked when its place in the dataset falls in a seeded
+permutation's first SAMPLE_SIZE places, so exactly that many rows of a dataset of known size are
+checked, wherever they are read; ``all`` checks every example and ``off`` none.
+
+>>> built, reference = np.array([1, 5, 6, 2, 1, 7, 2]), np.array([1, 5, 6, 2, 1, 7, 7, 2])
+>>> first_differences(built, np.array([4, 3]), reference, np.array([4, 4])).tolist()
+[-1, 2]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.config import OnTokenMismatch
+from pipeline.encode.bad_rows import RowProblem
+from pipeline.encode.chat import conversation
+from pipeline.encode.examples import ENCODE_CHUNK, PROBE_CHAT, PROBE_SYSTEM, EncodedBatch, token_ids
+from pipeline.encode.tokenizer import LoadedTokenizer
+from pipeline.errors import TokenMismatchError
+from pipeline.ranges import gather_index
+from pipeline.read.formats import ExampleFormat
+from pipeline.read.readers import BatchRows, select_columns
+from schemas import ExampleKind
+
+# Examples a sampled check covers (all of them in a smaller dataset).
+SAMPLE_SIZE = 1000
+# Tokens shown on each side of the first difference in a mismatch message.
+CONTEXT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class CheckCounts:
+    """Examples of a batch checked and found equal to the reference, and the first one that differs (its message)."""
+
+    checked: int = 0
+    equal: int = 0
+    first_mismatch: str | None = None
+
+
+def first_differences(
+    built: np.ndarray, built_lengths: np.ndarray, reference: np.ndarray, reference_lengths: np.ndarray
+) -> np.ndarray:
+    """For each example, the index of its first token that differs from the reference, or -1 when they are equal.
+
+    Both sides are flat token arrays, example ``i`` being the next ``lengths[i]`` tokens. A
+    sequence that is a prefix of the other differs at the shorter one's length.
+    """
+    common = np.minimum(built_lengths, reference_lengths)
+    built_starts = np.cumsum(built_lengths) - built_lengths
+    reference_starts = np.cumsum(reference_lengths) - reference_lengths
+    unequal = built[gather_index(built_starts, common)].astype(np.int64) != reference[
+        gather_index(reference_starts, common)
+    ].astype(np.int64)
+    found = np.where(built_lengths == reference_lengths, -1, common)
+    at = np.flatnonzero(unequal)
+    examples, first = np.unique(np.repeat(np.arange(common.size), common)[at], return_index=True)
+    found[examples] = (at[first] - (np.cumsum(common) - common)[examples])
+    return found
+
+
+def _flat(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists as one flat array and their lengths."""
+    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    return np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum())), lengths
+
+
+def sample_mask(example_ids: np.ndarray, known_examples: int | None, seed: int, size: int = SAMPLE_SIZE) -> np.ndarray:
+    """Whether each example (by its place in the dataset, ``0 .. known_examples - 1``) is in the seeded sample.
+
+    The sample is the examples an affine permutation of the places, ``(a * id + b) mod N`` with
+    ``a`` prime to ``N``, sends below ``size``: exactly ``min(size, N)`` places. Without a known
+    ``N``, the first ``size`` places of each read task (``example_ids`` then count within it).
+    """
+    if known_examples is None:
+        return example_ids < size
+    n = max(known_examples, 1)
+    if n <= size:
+        return np.ones(example_ids.size, dtype=bool)
+    rng = np.random.default_rng(seed)
+    a = int(rng.integers(1, min(n, 1 << 31)))
+    while math.gcd(a, n) != 1:
+        a += 1
+    b = int(rng.integers(0, n))
+    places = (example_ids.astype(np.uint64) * np.uint64(a) + np.uint64(b)) % np.uint64(n)
+    return places < size
+
+
+def merged_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with a leading system turn merged into the first user turn, ``system\\n\\nuser``.
+
+    >>> merged_system([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    [{'role': 'user', 'content': 'Be brief.\\n\\nHi'}]
+    """
+    if not messages or messages[0]["role"] != "system":
+        return messages
+    system, user, *rest = messages
+    return [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *rest]
+
+
+class TokenChecker:
+    """Checks the examples of encoded batches against the reference tokenization, batch by batch."""
+
+    def __init__(self, tokenizer: LoadedTokenizer, example_format: ExampleFormat, on_mismatch: str):
+        self.tokenizer = tokenizer
+        self.format = example_format
+        self.on_mismatch = on_mismatch
+        self.backend = tokenizer.backend()
+        self._chat_tokenizer: Any = None
+        self._writes_system: bool | None = None
+
+    def check(self, table: pa.Table, rows: BatchRows, batch: EncodedBatch, selected: np.ndarray) -> CheckCounts:
+        """Compare the examples of ``batch`` (encoded from ``table``) for which boolean ``selected`` is true.
+
+        Raises TokenMismatchError for the first that differs under ``--on-token-mismatch error``.
+        """
+        examples = np.flatnonzero(selected)
+        if not examples.size:
+            return CheckCounts()
+        source_rows = batch.example_rows[examples]
+        reference, reference_lengths = self.reference(
+            select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows))
+        )
+        lengths = batch.lengths[examples]
+        built = batch.tokens[gather_index(batch.starts[examples], lengths)]
+        if self.format.keep_response and not self.format.is_chat:
+            reference, reference_lengths = self.without_cut_heads(reference, reference_lengths, lengths)
+        differences = first_differences(built, lengths, reference, reference_lengths)
+        differ = np.flatnonzero(differences >= 0)
+        first = None
+        if differ.size:
+            i = int(differ[0])
+            ours = built[int(lengths[:i].sum()) :][: int(lengths[i])].tolist()
+            theirs = reference[int(reference_lengths[:i].sum()) :][: int(reference_lengths[i])].tolist()
+            first = self.describe(rows.name(int(source_rows[i])), ours, theirs, int(differences[i]))
+            if self.on_mismatch == OnTokenMismatch.ERROR:
+                raise TokenMismatchError(first)
+        return CheckCounts(int(examples.size), int(examples.size - differ.size), first)
+
+    def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """The reference tokens of the rows of ``table`` (the format's columns, rows that made examples),
+        as one flat array and each row's length."""
+        if self.format.is_chat:
+            return _flat([self._chat_reference(messages) for messages in self._conversations(table)])
+        texts = self.rendered_texts(table)
+        # The tokenizer alone, each text whole: none of the encoder's cutting into pieces or boundaries.
+        parts = [
+            token_ids(self.backend.encode_batch_fast(texts[i : i + ENCODE_CHUNK], add_special_tokens=False), np.dtype(np.int64))
+            for i in range(0, len(texts), ENCODE_CHUNK)
+        ]
+        ids = np.concatenate([part[0] for part in parts]) if parts else np.zeros(0, np.int64)
+        lengths = np.concatenate([part[1] for part in parts]) if parts else np.zeros(0, np.int64)
+        prefix, suffix = self.tokenizer.prefix_ids, self.tokenizer.suffix_ids
+        # Each example is the prefix, its text's tokens and the suffix, gathered from one buffer.
+        buffer = np.concatenate([np.array(prefix + suffix, dtype=np.int64), ids])
+        n = lengths.size
+        piece_starts = np.column_stack(
+            [np.zeros(n, np.int64), np.cumsum(lengths) - lengths + len(prefix) + len(suffix), np.full(n, len(prefix))]
+        )
+        piece_lengths = np.column_stack([np.full(n, len(prefix)), lengths, np.full(n, len(suffix))])
+        return buffer[gather_index(piece_starts.ravel(), piece_lengths.ravel())], piece_lengths.sum(axis=1)
+
+    def without_cut_heads(
+        self, reference: np.ndarray, reference_lengths: np.ndarray, built_lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The reference of examples ``--truncate-side left`` shortened, less as many tokens after its
+        prefix (the BOS) as the built example is shorter: what the cut example must then equal."""
+        cut = np.maximum(reference_lengths - built_lengths, 0)
+        head = np.minimum(reference_lengths, len(self.tokenizer.prefix_ids))
+        starts = np.cumsum(reference_lengths) - reference_lengths
+        piece_starts = np.column_stack([starts, starts + head + cut]).ravel()
+        piece_lengths = np.column_stack([head, reference_lengths - head - cut]).ravel()
+        return reference[gather_index(piece_starts, piece_lengths)], reference_lengths - cut
+
+    def rendered_texts(self, table: pa.Table) -> list[str]:
+        """Each prompt/response or text example as one whole text: the template's rendering of its fields
+        (and the system prompt), prompt and response joined."""
+        if self.format.kind != ExampleKind.PROMPT_RESPONSE:
+            return table.column(self.format.columns[0]).to_pylist()
+        prompts, responses = self.format.prompt_response().render(table, self.format.system_prompt or "")
+        return pc.binary_join_element_wise(prompts, responses, "").to_pylist()
+
+    def _conversations(self, table: pa.Table) -> list[list[dict[str, Any]]]:
+        """The messages each example is made of, after the transformations the build documents."""
+        if self.format.kind != ExampleKind.CHAT:
+            prompts, responses = (table.column(column).to_pylist() for column in self.format.columns)
+            system = [] if self.format.system_prompt is None else [{"role": "system", "content": self.format.system_prompt}]
+            chats = [[*system, {"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
+        else:
+            try:
+                values = table.column(self.format.columns[0]).to_pylist()
+                chats = [conversation(value, self.format.drop_dangling_turns).messages for value in values]
+            except RowProblem as problem:  # the encoder took these rows, so it is the two that disagree
+                raise TokenMismatchError(
+                    f"a conversation the build encoded is refused by the reference: {problem.message}"
+                ) from problem
+        if self.writes_system_turns():
+            return chats
+        return [merged_system(messages) for messages in chats]
+
+    def writes_system_turns(self) -> bool:
+        """Whether the chat template writes a system turn, tried once through ``apply_chat_template``: one
+        that leaves it out or refuses it (Gemma's, Phi-3's) gets it merged into the first user turn."""
+        if self._writes_system is None:
+            from jinja2 import TemplateError
+
+            probe = [{"role": "system", "content": PROBE_SYSTEM}, *PROBE_CHAT]
+            try:
+                text = self.chat_tokenizer().apply_chat_template(probe, chat_template=self.format.chat_template, tokenize=False)
+                self._writes_system = PROBE_SYSTEM in text
+            except TemplateError:
+                self._writes_system = False
+        return self._writes_system
+
+    def _chat_reference(self, messages: list[dict[str, str]]) -> list[int]:
+        """``apply_chat_template(messages, tokenize=True)``, less the whitespace-only tokens after the last turn."""
+        ids = list(
+            self.chat_tokenizer().apply_chat_template(
+                messages, chat_template=self.format.chat_template, tokenize=True, return_dict=False
+            )
+        )
+        while ids and not self.backend.decode(ids[-1:], skip_special_tokens=False).strip():
+            ids.pop()
+        return ids
+
+    def chat_tokenizer(self) -> Any:
+        """The tokenizer as transformers' ``PreTrainedTokenizerFast``, made once: it holds ``apply_chat_template``."""
+        if self._chat_tokenizer is None:
+            from tokenizers import Tokenizer
+            from transformers import PreTrainedTokenizerFast
+
+            self._chat_tokenizer = PreTrainedTokenizerFast(
+                tokenizer_object=Tokenizer.from_str(self.tokenizer.serialized), **self.tokenizer.special_tokens()
+            )
+        return self._chat_tokenizer
+
+    def describe(self, example: str, built: list[int], reference: list[int], at: int) -> str:
+        """The mismatch message: the example, then the built and the reference tokens around the first
+        difference and their decoded text, one line each."""
+        low, high = max(0, at - CONTEXT_TOKENS), at + CONTEXT_TOKENS
+
+        def window(ids: list[int]) -> str:
+            shown = ", ".join(map(str, ids[low:high]))
+            return ("..., " if low else "") + shown + (", ..." if len(ids) > high else "")
+
+        def text(ids: list[int]) -> str:
+            return repr(self.backend.decode(ids[low:high], skip_special_tokens=False))
+
+        return (
+            f"{example}: its tokens differ from the {self.reference_name()} at token {at} "
+            f"({len(built)} tokens built, {len(reference)} in the reference); pass --on-token-mismatch count to pack "
+            "anyway and count such examples\n"
+            f"  built:          [{window(built)}]\n"
+            f"  reference:      [{window(reference)}]\n"
+            f"  built text:     {text(built)}\n"
+            f"  reference text: {text(reference)}"
+        )
+
+    def reference_name(self) -> str:
+        """What the examples are checked against, for messages and the report."""
+        if self.format.is_chat:
+            return "tokenizer's apply_chat_template"
+        return "whole text tokenized at once"
