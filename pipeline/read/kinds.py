@@ -17,6 +17,7 @@ A new kind is a new class in ``KINDS``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -114,7 +115,7 @@ _KIND_OPTIONS = (
 )
 
 
-class Kind:
+class Kind(ABC):
     """One kind of example over the options of its ``ExampleFormat``."""
 
     kind: ClassVar[ExampleKind]
@@ -157,36 +158,36 @@ class Kind:
         return ()
 
     @property
+    @abstractmethod
     def template(self) -> str:
         """How the tokens are laid out, for the fingerprint."""
-        raise NotImplementedError
 
     @property
     def loss_masking(self) -> LossMasking:
         """Which tokens are trained on, for the fingerprint."""
         return LossMasking.ALL_TOKENS if self.format.train_on_prompt else self.trained
 
+    @abstractmethod
     def describe(self) -> str:
         """The layout of one example, for the report."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
         """The rows of ``table`` (``source_rows`` of the batch ``rows`` names) tokenized by ``encoder``."""
-        raise NotImplementedError
 
     @classmethod
     def check(cls, config: PackConfig, chosen: ExampleFormat, where: str, chat_template: str | None) -> None:
-        """Raise ConfigError for an option that does not fit ``chosen`` (read from ``where``), or InputError when
-        a chat template is needed and there is none."""
+        """Raise ConfigError for an option that does not fit ``chosen`` (read from ``where``); a kind that needs
+        more (a chat template, a template naming its columns) checks that too."""
         _check_kind_options(cls, config, where)
 
 
 class _TextKind(Kind):
     """A kind rendered as one text per row, ``[bos] text [eos]``, trained on from a character of it."""
 
+    @abstractmethod
     def render_text(self, table: pa.Table) -> tuple[list[str], np.ndarray]:
         """Each row's text, and the character where its trained part starts."""
-        raise NotImplementedError
 
     def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
         return encoder.encode_texts(*self.render_text(table))
@@ -200,9 +201,9 @@ class _ChatKind(Kind):
     # Where the turns come from, for the report.
     turns_from: ClassVar[str]
 
+    @abstractmethod
     def conversations(self, table: pa.Table) -> list:
         """Each row's messages as read (``encode/chat.py`` reads their roles and contents)."""
-        raise NotImplementedError
 
     def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
         return encoder.encode_chats(self.conversations(table), rows, source_rows)
