@@ -41,7 +41,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
 from pipeline.read.formats import ExampleFormat
 from pipeline.read.readers import BatchRows, select_columns
-from schemas import BadRowPolicy, ExampleKind, Overflow
+from schemas import BadRowPolicy, Overflow
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # A special marker as chat templates write them: <|im_start|>, <|eot_id|>, <start_of_turn>, </s>;
@@ -255,7 +255,11 @@ def cuts_between_words(backend) -> bool:
 
 
 class Encoder:
-    """Encodes tables of source rows in one format with one tokenizer; checks every value on the way."""
+    """Encodes tables of source rows in one format with one tokenizer; checks every value on the way.
+
+    The format's kind (``read/kinds.py``) renders each batch as texts or chats and hands them
+    back to ``encode_texts`` or ``encode_chats``.
+    """
 
     def __init__(
         self,
@@ -276,22 +280,18 @@ class Encoder:
         self.dtype = token_dtype(self.backend.get_vocab_size(with_added_tokens=True))
         self.piece_chars = PIECE_CHARS if cuts_between_words(self.backend) else None
         self.strict = strict
+        self.kind = example_format.example_kind
         self.merges_system = example_format.is_chat and not self._writes("system", PROBE_SYSTEM)
         self.writes_tool_calls = example_format.is_chat and self._writes("tool_calls", "probe_function_name")
 
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
         table = select_columns(table, self.format.columns, rows.origin)
-        problems = self._not_objects(table, rows)
-        if self.format.kind != ExampleKind.CHAT:
-            problems = {**self._text_problems(table, rows.origin), **problems}
+        problems = {**self._text_problems(table, rows.origin), **self._not_objects(table, rows)}
         rejected, table, source_rows = self._leave_out(problems, table, rows, np.arange(table.num_rows))
-        if self.format.is_chat:
-            batch, problems = self._encode_chat(self._conversations(table), rows, source_rows)
-            more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
-            rejected += more
-        else:
-            batch = self._encode_texts(table)
+        batch, problems = self.kind.encode(self, table, rows, source_rows)
+        more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
+        rejected += more
         empty = np.flatnonzero(batch.lengths == 0)
         if empty.size:
             problems = {int(i): (Reason.NO_TOKENS, "encodes to no tokens") for i in empty}
@@ -325,9 +325,11 @@ class Encoder:
             bad = [BadRow(rows.name(source_rows[i]), *problems[i], {}) for i in indices if problems[i][0] not in DROPPED_WHOLE]
             if bad:
                 raise bad[0].error()
-        values = table.take(pa.array(indices, type=pa.int64())).to_pylist()
-        if self.format.kind == ExampleKind.CHAT:
-            values = [{column: as_read(value) for column, value in row.items()} for row in values]
+        messages = self.kind.messages_columns
+        values = [
+            {column: as_read(value) if column in messages else value for column, value in row.items()}
+            for row in table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        ]
         names = rows.names(source_rows[indices])
         bad_rows = [BadRow(where, *problems[i], row) for i, where, row in zip(indices, names, values)]
         keep = np.ones(table.num_rows, dtype=bool)
@@ -362,10 +364,8 @@ class Encoder:
     def _text_problems(self, table: pa.Table, origin: str) -> dict[int, tuple[Reason, str]]:
         """Rows with a null or empty value in a text column (the first problem of each row), by index."""
         problems: dict[int, tuple[Reason, str]] = {}
-        for column in self.format.columns:
+        for column in self.kind.text_columns:
             values = table.column(column)
-            if column in self.format.optional_columns:
-                continue
             if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_null(values.type)):
                 raise InputError(f"{origin}: column {column!r} holds {values.type} values; it must hold strings")
             null = pc.is_null(values).to_numpy(zero_copy_only=False)
@@ -379,30 +379,10 @@ class Encoder:
                 problems.setdefault(i, (Reason.EMPTY_TEXT, f"{column!r} is empty; {need}"))
         return problems
 
-    def _texts(self, table: pa.Table) -> tuple[list[str], np.ndarray]:
-        """Each example's text, and the character where its trained part starts (the response; 0 for plain text)."""
-        if self.format.kind == ExampleKind.TEXT:
-            texts = table.column(self.format.columns[0]).to_pylist()
-            return texts, np.zeros(len(texts), np.int64)
-        prompts, responses = self.format.prompt_response().render(table, self.format.system_prompt or "")
-        boundaries = pc.utf8_length(prompts).to_numpy(zero_copy_only=False).astype(np.int64)
-        return pc.binary_join_element_wise(prompts, responses, "").to_pylist(), boundaries
-
-    def _conversations(self, table: pa.Table) -> list:
-        """The chats of ``table``: its messages column, or prompt/response rows as user/assistant turns (``--as-chat``)."""
-        if not self.format.as_chat:
-            return table.column(self.format.columns[0]).to_pylist()
-        prompts, responses = (table.column(column).to_pylist() for column in self.format.columns)
-        system = [] if self.format.system_prompt is None else [{"role": "system", "content": self.format.system_prompt}]
-        return [
-            [*system, {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            for prompt, response in zip(prompts, responses)
-        ]
-
-    def _encode_texts(self, table: pa.Table) -> EncodedBatch:
-        """``[bos] text [eos]``, the text tokenized whole; loss on the response (every token of plain text) and EOS."""
-        texts, boundaries = self._texts(table)
-        ids, text_lengths, prompt_tokens = encode_with_boundaries(self.backend, texts, boundaries, self.dtype, self.piece_chars)
+    def encode_texts(self, texts: list[str], trained_from: np.ndarray) -> tuple[EncodedBatch, dict[int, tuple[Reason, str]]]:
+        """``[bos] text [eos]``, the text tokenized whole; loss from the token holding character ``trained_from[i]``
+        (the response; 0 for plain text) through EOS. No text is refused."""
+        ids, text_lengths, prompt_tokens = encode_with_boundaries(self.backend, texts, trained_from, self.dtype, self.piece_chars)
         n, text_starts = len(texts), np.cumsum(text_lengths) - text_lengths
         cut = np.zeros(n, np.int64)
         if self.format.keep_response:
@@ -421,12 +401,13 @@ class Encoder:
         fitted = int(np.count_nonzero((cut > 0) & (lengths <= self.max_len)))
         batch = EncodedBatch(lengths, tokens, np.repeat(mask_values, mask_lengths.ravel()))
         batch.prompt_cut = (fitted, int(cut.sum()))
-        return batch
+        return batch, {}
 
-    def _encode_chat(
+    def encode_chats(
         self, conversations: list, rows: BatchRows, source_rows: np.ndarray
     ) -> tuple[EncodedBatch, dict[int, tuple[Reason, str]]]:
-        """The conversations rendered and tokenized, and those that could not be (by index)."""
+        """The conversations (``source_rows`` of the batch ``rows`` names) rendered with the chat template and
+        tokenized, loss on the assistant turns; and those that could not be, by index, with the reason."""
         label = "/".join(self.format.columns)
         rendered, spans, problems, turns = [], [], {}, Counter()
         for i, value in enumerate(conversations):
