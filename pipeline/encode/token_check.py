@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from pipeline.config import OnTokenMismatch
 from pipeline.encode.bad_rows import RowProblem
@@ -208,10 +207,8 @@ class TokenChecker:
     def rendered_texts(self, table: pa.Table) -> list[str]:
         """Each prompt/response or text example as one whole text: the template's rendering of its fields
         (and the system prompt), prompt and response joined."""
-        if self.format.kind != ExampleKind.PROMPT_RESPONSE:
-            return table.column(self.format.columns[0]).to_pylist()
-        prompts, responses = self.format.prompt_response().render(table, self.format.system_prompt or "")
-        return pc.binary_join_element_wise(prompts, responses, "").to_pylist()
+        texts, _ = self.format.example_kind.render_text(table)
+        return texts
 
     def _conversations(self, table: pa.Table) -> list[list[dict[str, Any]]]:
         """The messages each example is made of, after the transformations the build documents."""
