@@ -42,7 +42,7 @@ from loaders.blend import BlendState, blend, check_weights, integer_weights
 from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
-from loaders.partition import resolve_rank
+from loaders.partition import max_rows_per_batch, plan_epoch, resolve_rank
 from loaders.resume import from_state_dict
 from loaders.shard_reader import Shard
 from schemas import ManifestError, VarpackError, one_of, positive_int
@@ -195,6 +195,7 @@ class PackedMixture(PackedIterableDataset):
             np.concatenate([np.arange(s.rows) for r in self._readers for s in r.manifest.shards]),
         ), axis=1)
         self._row_units = [self._units(i) for i in range(len(self._readers))]
+        self._global_row_units = np.concatenate(self._row_units)  # indexed by global row id
         self.epoch_units = float(sum(u.sum() for u in self._row_units))
         for name, units in zip(self.names, self._row_units):
             if units.sum() == 0:
@@ -319,7 +320,26 @@ class PackedMixture(PackedIterableDataset):
                 chosen[picks == i] = stream[: taken[i]] + self._source_first_row[i]
                 positions[i] = self._advance(i, positions[i], int(taken[i]))
             rows.append(chosen)
-        return np.concatenate(rows), (state, tuple(positions))
+        epoch_rows = np.concatenate(rows)
+        return epoch_rows, self._trained_end(epoch_rows, self._epoch_starts[epoch])
+
+    def _trained_end(self, rows: np.ndarray, start: _EpochStart) -> _EpochStart:
+        """Where the schedule stands after the rows of an epoch that the ranks read, from its ``start``.
+
+        The rows the batches leave over at the epoch's end (``EpochPlan.dropped_rows``) are not
+        taken: the next epoch's schedule, from the same state, picks them first. So the rows
+        trained, epoch after epoch, are one schedule, and every source's stream is read in order
+        with no row skipped.
+        """
+        plan = plan_epoch(rows, self._row_tokens, rank=0, world_size=self.world_size,
+                          batch_rows=self.batch_rows or 1, tokens_per_batch=self.tokens_per_batch)
+        kept = rows[: rows.size - plan.dropped_rows.size]
+        sources = self._row_place[kept, 0]
+        picks = np.bincount(sources, minlength=len(self._readers))
+        units = np.bincount(sources, weights=self._global_row_units[kept], minlength=len(self._readers))
+        consumed = tuple(int(c) + int(u) for c, u in zip(start[0].consumed, units.astype(np.int64).tolist()))
+        state = BlendState(consumed, int(start[0].total) + int(self._global_row_units[kept].sum()))
+        return state, tuple(self._advance(i, p, int(n)) for i, (p, n) in enumerate(zip(start[1], picks.tolist())))
 
     def _supply(self, source: int, position: _StreamPosition, units: float) -> np.ndarray:
         """Source ``source``'s next rows from ``position``: at least ``units`` units, or up to its epoch cap."""
@@ -357,10 +377,11 @@ class PackedMixture(PackedIterableDataset):
         where the state says, once that start is checked against the builds and the weights."""
         epoch = from_state_dict(state_dict, self._identity()).epoch
         start = self._saved_epoch_start(epoch, _reader_state(state_dict).get(SCHEDULE))
-        if self._epoch_starts.setdefault(epoch, start) != start:
+        if self._epoch_starts.get(epoch, start) != start:
             raise ValueError(f"loader state: {SCHEDULE} is not where mixture epoch {epoch} starts; the state is "
                              "corrupt or was edited")
         before = dict(self._epoch_starts), self._latest_rows, self._plan_cache
+        self._epoch_starts.setdefault(epoch, start)
         try:
             super().load_state_dict(state_dict)
         except ValueError:
@@ -371,7 +392,8 @@ class PackedMixture(PackedIterableDataset):
         """The start of mixture epoch ``epoch`` that a state saved; ValueError naming a field that cannot be one.
 
         Checks what the schedule keeps at every prefix: the units taken in all end the epoch before
-        (less than a row past its last unit), each source is within a row of its share, and each
+        (less than a row past its last unit, less the rows its batches left over), each source is
+        within a row of its share, and each
         source's stream position holds exactly the units it has taken, within its ``max_epochs``.
         """
         largest = max(int(u.max()) for u in self._row_units)
@@ -391,14 +413,18 @@ class PackedMixture(PackedIterableDataset):
         fields = {}
         for field in ("consumed", "source_epochs", "source_offsets"):
             value = saved.get(field)
-            if not (isinstance(value, dict) and list(value) == self.names
+            # Read by name in source order: a JSON round trip may sort the keys (save_loader_state does).
+            if not (isinstance(value, dict) and sorted(value) == sorted(self.names)
                     and all(type(v) is int and 0 <= v < MAX_COUNT for v in value.values())):
                 refuse(field, f"be {{name: non-negative integer}} for the sources {', '.join(self.names)}")
-            fields[field] = list(value.values())
+            fields[field] = [value[name] for name in self.names]
         consumed, total = fields["consumed"], saved.get("total")
-        if type(total) is not int or total != sum(consumed) or not 0 <= total - epoch * epoch_units < largest:
+        # Epoch e - 1 blends to e * epoch_units (less than a row past it); the rows its batches leave over go back.
+        rows_per_batch = self.batch_rows or max_rows_per_batch(self._row_tokens, self.tokens_per_batch or 0)
+        low = max(0, epoch * epoch_units - self.world_size * rows_per_batch * largest)
+        if type(total) is not int or total != sum(consumed) or not low <= total < epoch * epoch_units + largest:
             refuse("total", f"be the sum of consumed, where mixture epoch {epoch - 1} ends: in "
-                            f"[{epoch * epoch_units}, {epoch * epoch_units + largest})")
+                            f"[{low}, {epoch * epoch_units + largest})")
         shares = integer_weights(self.weights)
         whole = sum(shares)
         for c, m in zip(consumed, shares):
