@@ -522,11 +522,18 @@ def _combined_weighting(reduction: str, readers: list[PackedIterableDataset]) ->
     """One loss weighting over all builds, each build's example ids after the last's: (weighting, offset per build)."""
     if reduction != LossReduction.SEQUENCE:
         return LossWeighting(reduction), np.zeros(len(readers), dtype=np.int64)
-    targets = [reader.loss_weighting.example_targets for reader in readers]
-    assert all(t is not None for t in targets)  # "sequence" reads every build's example targets
-    sizes = [t.size for t in targets if t is not None]
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    return LossWeighting(reduction, None, np.concatenate([t for t in targets if t is not None])), offsets
+    tables = [(reader.loss_weighting.example_ids, reader.loss_weighting.example_targets) for reader in readers]
+    offsets, next_id = [], 0
+    for reader, (ids, _) in zip(readers, tables):
+        assert ids is not None  # "sequence" reads every build's example targets
+        offsets.append(next_id)
+        next_id += int(ids[-1]) + 1 if ids.size else 0
+        if next_id > np.iinfo(np.int64).max:
+            raise ValueError(f"{reader.source}: example ids up to {int(ids[-1])}; loss_reduction='sequence' numbers "
+                             "the examples of a mixture's builds one after another, below 2**63")
+    ids = np.concatenate([ids + offset for (ids, _), offset in zip(tables, offsets)])
+    targets = np.concatenate([targets for _, targets in tables])
+    return LossWeighting(reduction, None, targets, ids), np.array(offsets, dtype=np.int64)
 
 
 def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -427,6 +427,31 @@ def test_fixed_shapes_and_sequence_loss_weights(builds):
             assert batch["loss_weight_sum"] == pytest.approx(sum(t > 0 for t in trained), rel=1e-5)
 
 
+def test_sequence_loss_sizes_its_tables_by_the_example_ids_present_not_the_largest(tmp_path):
+    """One row whose example id is 2**45 (the manifest's num_examples says so; nothing is forged): the loader keeps
+    a table of the ids present, so it neither allocates per id nor fails."""
+    from pipeline.write.shard_writer import ShardWriter
+    from schemas import BuildInputs, DatasetInputs, TokenizerInputs
+
+    top = 1 << 45
+    paths = {}
+    for name, example in (("big", top), ("small", 3)):
+        inputs = BuildInputs(
+            dataset=DatasetInputs(id=name, split="train", content_hash="h", num_examples=example + 1),
+            tokenizer=TokenizerInputs(name="t", content_hash="t", vocab_size=100), template="none",
+            loss_masking="given", max_len=8, overflow="split", packing="best_fit_decreasing", seed=0,
+            package_version="0.1.0")
+        with ShardWriter(tmp_path / name, inputs) as writer:
+            writer.write_row([5, 6, 7, 8], loss_mask=[0, 1, 1, 1], example_ids=[example])
+        paths[name] = tmp_path / name
+    alone = PackedIterableDataset(paths["big"], loss_reduction="sequence")
+    assert alone.loss_weighting.example_ids.tolist() == [top]
+    for batch in (*alone, *PackedMixture(paths, weights={"big": 1, "small": 1}, loss_reduction="sequence")):
+        weights = batch["loss_weights"][0]
+        assert weights[batch["labels"][0] != -100].tolist() == pytest.approx([1 / 3] * 3)
+        assert batch["loss_weight_sum"] == pytest.approx(1.0)
+
+
 def test_incompatible_builds_and_bad_mixtures_are_one_line_errors(builds, tmp_path):
     paths = {name: build.path for name, build in builds.items()}
     other_tokenizer = build_shard_dir(tmp_path / "other", [10, 20, 30], capacity=CAPACITY, vocab_size=500)
