@@ -35,6 +35,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
+import fsspec
 import numpy as np
 import torch
 
@@ -172,6 +173,8 @@ class PackedMixture(PackedIterableDataset):
                     bucket_shapes=bucket_shapes, pad_token_id=pad_token_id, loss_reduction=loss_reduction))
             except FileNotFoundError as err:
                 raise ManifestError(f"mixture source {name!r}: {path}: no such build ({err})") from None
+            except ManifestError as err:  # the build's own error names its file; this names the source too
+                raise type(err)(f"mixture source {name!r}: {err}") from None
         _check_compatible(self.names, self._readers)
         first = self._readers[0]
         self.manifest = first.manifest  # the builds share its tokenizer and capacity; manifests() has each
@@ -473,6 +476,17 @@ def _check_build(name: str, build: Any) -> None:
     if not isinstance(build, str) or not build or "\0" in build:
         raise ValueError(f"sources[{name!r}] must be a build directory, manifest or URL (a non-empty string without "
                          f"NUL), got {reprlib.repr(build)}")
+    if "://" in build:
+        protocol = build.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            raise ValueError(f"sources[{name!r}] is {build}: no installed filesystem opens {protocol}:// URLs; use a "
+                             "local path or a URL fsspec knows (s3://, gs://, https://, ...)") from None
+        except ImportError as err:
+            fix = "pip install aiohttp" if protocol in ("http", "https") else "install the package it names"
+            raise ValueError(f"sources[{name!r}] is {build}: opening {protocol}:// URLs needs a package that is not "
+                             f"installed ({err}); {fix}") from None
 
 
 def _check_max_epochs(max_epochs: Any, names: list[str]) -> np.ndarray:
@@ -522,16 +536,18 @@ def _combined_weighting(reduction: str, readers: list[PackedIterableDataset]) ->
     """One loss weighting over all builds, each build's example ids after the last's: (weighting, offset per build)."""
     if reduction != LossReduction.SEQUENCE:
         return LossWeighting(reduction), np.zeros(len(readers), dtype=np.int64)
-    tables = [(reader.loss_weighting.example_ids, reader.loss_weighting.example_targets) for reader in readers]
+    tables: list[tuple[np.ndarray, np.ndarray]] = []
     offsets, next_id = [], 0
-    for reader, (ids, _) in zip(readers, tables):
-        assert ids is not None  # "sequence" reads every build's example targets
+    for reader in readers:
+        ids, targets = reader.loss_weighting.example_ids, reader.loss_weighting.example_targets
+        assert ids is not None and targets is not None  # "sequence" reads every build's example targets
+        tables.append((ids + next_id, targets))
         offsets.append(next_id)
         next_id += int(ids[-1]) + 1 if ids.size else 0
         if next_id > np.iinfo(np.int64).max:
             raise ValueError(f"{reader.source}: example ids up to {int(ids[-1])}; loss_reduction='sequence' numbers "
                              "the examples of a mixture's builds one after another, below 2**63")
-    ids = np.concatenate([ids + offset for (ids, _), offset in zip(tables, offsets)])
+    ids = np.concatenate([ids for ids, _ in tables])
     targets = np.concatenate([targets for _, targets in tables])
     return LossWeighting(reduction, None, targets, ids), np.array(offsets, dtype=np.int64)
 
@@ -656,8 +672,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m loaders.mixture")
                 raise ValueError(f"{option} must be a positive integer, got {value}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib, which is not installed; pip install 'varpack[plot]'")
-        mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,
-                                verify_checksum=False)
+        options = load_mixture_file(args.mixture)
+        try:
+            mixture = PackedMixture(**options, batch_rows=args.batch_rows, seed=args.seed, verify_checksum=False)
+        except ManifestError as err:
+            raise type(err)(f"{args.mixture}: {err}") from None
         records = describe(mixture, args.steps)
         if args.plot:
             plot_shares(mixture, args.steps, args.plot)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import json
 import os
@@ -476,6 +477,18 @@ def test_incompatible_builds_and_bad_mixtures_are_one_line_errors(builds, tmp_pa
         PackedMixture(paths, weights=WEIGHTS, max_epochs={"code": 2})
 
 
+def test_a_source_that_is_no_build_is_named_with_the_mixture_file(builds, tmp_path, capsys):
+    from pipeline import cli
+
+    path = tmp_path / "mixture.json"
+    path.write_text(json.dumps({"sources": {"flan": str(builds["flan"].path), "root": "/"}, "weights": {"flan": 1, "root": 1}}))
+    with pytest.raises(ManifestError, match=r"^mixture source 'root': /manifest.json: no manifest"):
+        PackedMixture(**load_mixture_file(path))
+    assert cli.main(["inspect", "--steps", "3", str(path)]) == 1
+    assert capsys.readouterr().err.startswith(f"varpack inspect: error: {path}: mixture source 'root': /manifest.json: "
+                                              "no manifest")
+
+
 def test_mixture_file(builds, tmp_path):
     spec = {"sources": {name: str(build.path) for name, build in builds.items()}, "weights": WEIGHTS,
             "unit": "loss_tokens", "max_epochs": {"gsm8k": 50}}
@@ -523,11 +536,18 @@ BAD_MIXTURE_FILES = {  # the file's text, and what the error says after the file
                            "max_epochs['flan'] must be a positive integer, got True"),
     "unit-not-a-string": ('{%s, %s, "unit": 5}' % (SOURCES, EQUAL), "unit must be one of"),
     "nested-too-deeply": ("[" * 100_000 + "]" * 100_000, "not a JSON mixture file"),
+    "url-of-an-unknown-protocol": ('{"sources": {"flan": "flan", "gsm8k": "nosuch://x/build"}, %s}' % EQUAL,
+                                   "sources['gsm8k'] is nosuch://x/build: no installed filesystem opens nosuch:// URLs"),
+    **({"http-url-without-aiohttp": ('{"sources": {"flan": "flan", "gsm8k": "http://127.0.0.1:9/b"}, %s}' % EQUAL,
+                                     "sources['gsm8k'] is http://127.0.0.1:9/b: opening http:// URLs needs a package "
+                                     "that is not installed")}
+       if importlib.util.find_spec("aiohttp") is None else {}),
 }
 
 
 AUDITED = {"weights-whose-sum-overflows", "integer-weight-of-1e38", "build-path-not-a-string", "max-epochs-a-list",
-           "max-epochs-a-number", "max-epochs-of-1e23"}  # run as a subprocess too: the tracebacks an audit found
+           "max-epochs-a-number", "max-epochs-of-1e23", "http-url-without-aiohttp"}  # run as a subprocess too: the
+# tracebacks an audit found
 
 
 @pytest.mark.parametrize("case", BAD_MIXTURE_FILES)
