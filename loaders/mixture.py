@@ -13,7 +13,9 @@ guarantees: equal batches on every rank, any number of workers, exact resume.
 
 A mixture epoch takes as many units as all the builds hold together; a source with a large
 weight and few units is repeated within it (``plan()`` says how often), up to its
-``max_epochs``. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
+``max_epochs``. The rows an epoch's batches leave over are not taken: they are the next
+epoch's first, so the rows trained over all epochs are one schedule, and every build's stream
+is trained in order with no row skipped. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
 and the shares realised over its first steps (``--plot FILE.png`` draws them; matplotlib is
 imported for it only).
 """
@@ -293,7 +295,7 @@ class PackedMixture(PackedIterableDataset):
         return self._epoch_starts[epoch]
 
     def source_epochs(self, epoch: int) -> dict[str, float]:
-        """How many epochs of each build the stream has read by the end of mixture epoch ``epoch``: the repetition."""
+        """How many epochs of each build the stream has trained by the end of mixture epoch ``epoch``: the repetition."""
         positions = self._epoch_start(epoch + 1)[1]
         return {name: p.epoch + p.offset / reader.manifest.num_rows
                 for name, reader, p in zip(self.names, self._readers, positions)}
