@@ -56,7 +56,8 @@ class LossWeighting:
 
     reduction: str = LossReduction.TOKEN
     example_weights: np.ndarray | None = None  # float64 [example id count], indexed by example id
-    example_targets: np.ndarray | None = None  # "sequence": int64 targets of each example id, all chunks
+    example_targets: np.ndarray | None = None  # "sequence": int64 targets of each of example_ids, all chunks
+    example_ids: np.ndarray | None = None  # "sequence": the example ids the build holds, sorted (int64)
 
     def __post_init__(self) -> None:
         one_of("loss_reduction", self.reduction, LossReduction)
@@ -67,8 +68,9 @@ class LossWeighting:
         return self.reduction == LossReduction.TOKEN and self.example_weights is None
 
 
-def example_target_counts(shards: Sequence[Shard]) -> np.ndarray:
-    """Targets of every example id over all its chunks: its loss-mask tokens but the first of each chunk."""
+def example_target_counts(shards: Sequence[Shard]) -> tuple[np.ndarray, np.ndarray]:
+    """(the example ids present, sorted; the targets of each over all its chunks: its loss-mask tokens but the
+    first of each chunk). Sized by the ids present, not by the largest id."""
     per_shard = []
     for shard in shards:
         entry_row = np.repeat(np.arange(shard.num_rows), np.diff(shard.cu_offsets))
@@ -79,7 +81,8 @@ def example_target_counts(shards: Sequence[Shard]) -> np.ndarray:
         per_shard.append((shard.example_ids, trained[ends] - trained[np.minimum(starts + 1, ends)]))
     examples = np.concatenate([ids for ids, _ in per_shard])
     targets = np.concatenate([count for _, count in per_shard])
-    return np.bincount(examples, weights=targets, minlength=int(examples.max()) + 1).astype(np.int64)
+    ids, index = np.unique(examples, return_inverse=True)
+    return ids.astype(np.int64), np.bincount(index, weights=targets, minlength=ids.size).astype(np.int64)
 
 
 def make_loss_weighting(reduction: str, example_weights, num_example_ids: int, source: str,
@@ -91,9 +94,9 @@ def make_loss_weighting(reduction: str, example_weights, num_example_ids: int, s
 
     Under ``"sequence"`` the examples' target counts are read from ``shards`` (every shard of the build).
     """
-    targets = example_target_counts(shards) if reduction == LossReduction.SEQUENCE else None
+    ids, targets = example_target_counts(shards) if reduction == LossReduction.SEQUENCE else (None, None)
     if example_weights is None:
-        return LossWeighting(reduction, None, targets)
+        return LossWeighting(reduction, None, targets, ids)
     weights = np.asarray(example_weights, dtype=np.float64)
     if weights.ndim != 1 or weights.size != num_example_ids:
         raise ValueError(
@@ -103,7 +106,7 @@ def make_loss_weighting(reduction: str, example_weights, num_example_ids: int, s
     bad = np.flatnonzero(~np.isfinite(weights) | (weights < 0))
     if bad.size:
         raise ValueError(f"example_weights[{int(bad[0])}] is {weights[bad[0]]}; weights must be finite and >= 0")
-    return LossWeighting(reduction, weights, targets)
+    return LossWeighting(reduction, weights, targets, ids)
 
 
 def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWeighting,
@@ -112,8 +115,8 @@ def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWe
 
     ``segment_examples`` holds the example id of each real sequence of ``cu_seqlens``; any
     sequences after them (a fixed shape's pad) have no targets. Under ``"sequence"`` a sequence's
-    weight is divided by its example's number of targets (``weighting.example_targets``, all
-    chunks; by default the sequence's own).
+    weight is divided by its example's number of targets (``weighting.example_targets`` of its id
+    in ``weighting.example_ids``, all chunks; by default the sequence's own).
 
     >>> labels = np.array([-100, 5, 7, 8, -100, 9])
     >>> target_weights(labels, np.array([0, 4, 6]), LossWeighting("sequence"), np.array([0, 1])).tolist()
@@ -132,7 +135,9 @@ def target_weights(labels: np.ndarray, cu_seqlens: np.ndarray, weighting: LossWe
             targets = np.bincount(sequence, weights=is_target, minlength=lengths.size)
         else:
             targets = np.zeros(lengths.size, dtype=np.int64)
-            targets[: segment_examples.size] = weighting.example_targets[segment_examples]
+            assert weighting.example_ids is not None  # set with example_targets
+            found = np.searchsorted(weighting.example_ids, segment_examples)
+            targets[: segment_examples.size] = weighting.example_targets[found]
         weights /= np.maximum(targets, 1)
     return (weights[sequence] * is_target).astype(np.float32)
 

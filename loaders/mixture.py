@@ -13,7 +13,9 @@ guarantees: equal batches on every rank, any number of workers, exact resume.
 
 A mixture epoch takes as many units as all the builds hold together; a source with a large
 weight and few units is repeated within it (``plan()`` says how often), up to its
-``max_epochs``. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
+``max_epochs``. The rows an epoch's batches leave over are not taken: they are the next
+epoch's first, so the rows trained over all epochs are one schedule, and every build's stream
+is trained in order with no row skipped. ``python -m loaders.mixture MIXTURE.json`` prints the plan of a mixture file
 and the shares realised over its first steps (``--plot FILE.png`` draws them; matplotlib is
 imported for it only).
 """
@@ -35,6 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
+import fsspec
 import numpy as np
 import torch
 
@@ -42,7 +45,7 @@ from loaders.blend import BlendState, blend, check_weights, integer_weights
 from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
-from loaders.partition import resolve_rank
+from loaders.partition import max_rows_per_batch, plan_epoch, resolve_rank
 from loaders.resume import from_state_dict
 from loaders.shard_reader import Shard
 from schemas import ManifestError, VarpackError, one_of, positive_int
@@ -172,6 +175,8 @@ class PackedMixture(PackedIterableDataset):
                     bucket_shapes=bucket_shapes, pad_token_id=pad_token_id, loss_reduction=loss_reduction))
             except FileNotFoundError as err:
                 raise ManifestError(f"mixture source {name!r}: {path}: no such build ({err})") from None
+            except ManifestError as err:  # the build's own error names its file; this names the source too
+                raise type(err)(f"mixture source {name!r}: {err}") from None
         _check_compatible(self.names, self._readers)
         first = self._readers[0]
         self.manifest = first.manifest  # the builds share its tokenizer and capacity; manifests() has each
@@ -195,6 +200,7 @@ class PackedMixture(PackedIterableDataset):
             np.concatenate([np.arange(s.rows) for r in self._readers for s in r.manifest.shards]),
         ), axis=1)
         self._row_units = [self._units(i) for i in range(len(self._readers))]
+        self._global_row_units = np.concatenate(self._row_units)  # indexed by global row id
         self.epoch_units = float(sum(u.sum() for u in self._row_units))
         for name, units in zip(self.names, self._row_units):
             if units.sum() == 0:
@@ -289,7 +295,7 @@ class PackedMixture(PackedIterableDataset):
         return self._epoch_starts[epoch]
 
     def source_epochs(self, epoch: int) -> dict[str, float]:
-        """How many epochs of each build the stream has read by the end of mixture epoch ``epoch``: the repetition."""
+        """How many epochs of each build the stream has trained by the end of mixture epoch ``epoch``: the repetition."""
         positions = self._epoch_start(epoch + 1)[1]
         return {name: p.epoch + p.offset / reader.manifest.num_rows
                 for name, reader, p in zip(self.names, self._readers, positions)}
@@ -319,7 +325,26 @@ class PackedMixture(PackedIterableDataset):
                 chosen[picks == i] = stream[: taken[i]] + self._source_first_row[i]
                 positions[i] = self._advance(i, positions[i], int(taken[i]))
             rows.append(chosen)
-        return np.concatenate(rows), (state, tuple(positions))
+        epoch_rows = np.concatenate(rows)
+        return epoch_rows, self._trained_end(epoch_rows, self._epoch_starts[epoch])
+
+    def _trained_end(self, rows: np.ndarray, start: _EpochStart) -> _EpochStart:
+        """Where the schedule stands after the rows of an epoch that the ranks read, from its ``start``.
+
+        The rows the batches leave over at the epoch's end (``EpochPlan.dropped_rows``) are not
+        taken: the next epoch's schedule, from the same state, picks them first. So the rows
+        trained, epoch after epoch, are one schedule, and every source's stream is read in order
+        with no row skipped.
+        """
+        plan = plan_epoch(rows, self._row_tokens, rank=0, world_size=self.world_size,
+                          batch_rows=self.batch_rows or 1, tokens_per_batch=self.tokens_per_batch)
+        kept = rows[: rows.size - plan.dropped_rows.size]
+        sources = self._row_place[kept, 0]
+        picks = np.bincount(sources, minlength=len(self._readers))
+        units = np.bincount(sources, weights=self._global_row_units[kept], minlength=len(self._readers))
+        consumed = tuple(int(c) + int(u) for c, u in zip(start[0].consumed, units.astype(np.int64).tolist()))
+        state = BlendState(consumed, int(start[0].total) + int(self._global_row_units[kept].sum()))
+        return state, tuple(self._advance(i, p, int(n)) for i, (p, n) in enumerate(zip(start[1], picks.tolist())))
 
     def _supply(self, source: int, position: _StreamPosition, units: float) -> np.ndarray:
         """Source ``source``'s next rows from ``position``: at least ``units`` units, or up to its epoch cap."""
@@ -357,10 +382,11 @@ class PackedMixture(PackedIterableDataset):
         where the state says, once that start is checked against the builds and the weights."""
         epoch = from_state_dict(state_dict, self._identity()).epoch
         start = self._saved_epoch_start(epoch, _reader_state(state_dict).get(SCHEDULE))
-        if self._epoch_starts.setdefault(epoch, start) != start:
+        if self._epoch_starts.get(epoch, start) != start:
             raise ValueError(f"loader state: {SCHEDULE} is not where mixture epoch {epoch} starts; the state is "
                              "corrupt or was edited")
         before = dict(self._epoch_starts), self._latest_rows, self._plan_cache
+        self._epoch_starts.setdefault(epoch, start)
         try:
             super().load_state_dict(state_dict)
         except ValueError:
@@ -371,7 +397,8 @@ class PackedMixture(PackedIterableDataset):
         """The start of mixture epoch ``epoch`` that a state saved; ValueError naming a field that cannot be one.
 
         Checks what the schedule keeps at every prefix: the units taken in all end the epoch before
-        (less than a row past its last unit), each source is within a row of its share, and each
+        (less than a row past its last unit, less the rows its batches left over), each source is
+        within a row of its share, and each
         source's stream position holds exactly the units it has taken, within its ``max_epochs``.
         """
         largest = max(int(u.max()) for u in self._row_units)
@@ -391,14 +418,18 @@ class PackedMixture(PackedIterableDataset):
         fields = {}
         for field in ("consumed", "source_epochs", "source_offsets"):
             value = saved.get(field)
-            if not (isinstance(value, dict) and list(value) == self.names
+            # Read by name in source order: a JSON round trip may sort the keys (save_loader_state does).
+            if not (isinstance(value, dict) and sorted(value) == sorted(self.names)
                     and all(type(v) is int and 0 <= v < MAX_COUNT for v in value.values())):
                 refuse(field, f"be {{name: non-negative integer}} for the sources {', '.join(self.names)}")
-            fields[field] = list(value.values())
+            fields[field] = [value[name] for name in self.names]
         consumed, total = fields["consumed"], saved.get("total")
-        if type(total) is not int or total != sum(consumed) or not 0 <= total - epoch * epoch_units < largest:
+        # Epoch e - 1 blends to e * epoch_units (less than a row past it); the rows its batches leave over go back.
+        rows_per_batch = self.batch_rows or max_rows_per_batch(self._row_tokens, self.tokens_per_batch or 0)
+        low = max(0, epoch * epoch_units - self.world_size * rows_per_batch * largest)
+        if type(total) is not int or total != sum(consumed) or not low <= total < epoch * epoch_units + largest:
             refuse("total", f"be the sum of consumed, where mixture epoch {epoch - 1} ends: in "
-                            f"[{epoch * epoch_units}, {epoch * epoch_units + largest})")
+                            f"[{low}, {epoch * epoch_units + largest})")
         shares = integer_weights(self.weights)
         whole = sum(shares)
         for c, m in zip(consumed, shares):
@@ -447,6 +478,17 @@ def _check_build(name: str, build: Any) -> None:
     if not isinstance(build, str) or not build or "\0" in build:
         raise ValueError(f"sources[{name!r}] must be a build directory, manifest or URL (a non-empty string without "
                          f"NUL), got {reprlib.repr(build)}")
+    if "://" in build:
+        protocol = build.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            raise ValueError(f"sources[{name!r}] is {build}: no installed filesystem opens {protocol}:// URLs; use a "
+                             "local path or a URL fsspec knows (s3://, gs://, https://, ...)") from None
+        except ImportError as err:
+            fix = "pip install aiohttp" if protocol in ("http", "https") else "install the package it names"
+            raise ValueError(f"sources[{name!r}] is {build}: opening {protocol}:// URLs needs a package that is not "
+                             f"installed ({err}); {fix}") from None
 
 
 def _check_max_epochs(max_epochs: Any, names: list[str]) -> np.ndarray:
@@ -496,11 +538,20 @@ def _combined_weighting(reduction: str, readers: list[PackedIterableDataset]) ->
     """One loss weighting over all builds, each build's example ids after the last's: (weighting, offset per build)."""
     if reduction != LossReduction.SEQUENCE:
         return LossWeighting(reduction), np.zeros(len(readers), dtype=np.int64)
-    targets = [reader.loss_weighting.example_targets for reader in readers]
-    assert all(t is not None for t in targets)  # "sequence" reads every build's example targets
-    sizes = [t.size for t in targets if t is not None]
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    return LossWeighting(reduction, None, np.concatenate([t for t in targets if t is not None])), offsets
+    tables: list[tuple[np.ndarray, np.ndarray]] = []
+    offsets, next_id = [], 0
+    for reader in readers:
+        ids, targets = reader.loss_weighting.example_ids, reader.loss_weighting.example_targets
+        assert ids is not None and targets is not None  # "sequence" reads every build's example targets
+        tables.append((ids + next_id, targets))
+        offsets.append(next_id)
+        next_id += int(ids[-1]) + 1 if ids.size else 0
+        if next_id > np.iinfo(np.int64).max:
+            raise ValueError(f"{reader.source}: example ids up to {int(ids[-1])}; loss_reduction='sequence' numbers "
+                             "the examples of a mixture's builds one after another, below 2**63")
+    ids = np.concatenate([ids for ids, _ in tables])
+    targets = np.concatenate([targets for _, targets in tables])
+    return LossWeighting(reduction, None, targets, ids), np.array(offsets, dtype=np.int64)
 
 
 def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -623,8 +674,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m loaders.mixture")
                 raise ValueError(f"{option} must be a positive integer, got {value}")
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib, which is not installed; pip install 'varpack[plot]'")
-        mixture = PackedMixture(**load_mixture_file(args.mixture), batch_rows=args.batch_rows, seed=args.seed,
-                                verify_checksum=False)
+        options = load_mixture_file(args.mixture)
+        try:
+            mixture = PackedMixture(**options, batch_rows=args.batch_rows, seed=args.seed, verify_checksum=False)
+        except ManifestError as err:
+            raise type(err)(f"{args.mixture}: {err}") from None
         records = describe(mixture, args.steps)
         if args.plot:
             plot_shares(mixture, args.steps, args.plot)

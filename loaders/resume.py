@@ -14,6 +14,7 @@ batches the loader yielded), which is how a run resumes with a different ``num_w
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,9 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
         return from_state_dict(_dataset_state(state["dataset_state"]), identity)
     if state.get("format") != STATE_FORMAT:
         raise ValueError("not a PackedIterableDataset or StatefulDataLoader state dict (no 'format' key)")
-    if state.get("version", 0) > STATE_VERSION:
+    version = state.get("version", 0)
+    _refuse_unless(type(version) is int, "version", version, "an integer")
+    if version > STATE_VERSION:
         raise ValueError(f"loader state version {state['version']} is newer than this varpack reads ({STATE_VERSION})")
     changed = [
         f"{key} {state.get(key)!r} -> {identity[key]!r}" for key in identity if state.get(key) != identity[key]
@@ -119,7 +122,8 @@ def _position_field(state: dict[str, Any], name: str) -> Any:
 
 def _refuse_unless(holds: bool, name: str, value: Any, must_be: str) -> None:
     if not holds:
-        raise ValueError(f"loader state: {name} {value!r} must be {must_be}; the state is corrupt or was edited")
+        raise ValueError(f"loader state: {name} {reprlib.repr(value)} must be {must_be}; the state is corrupt or "
+                         "was edited")
 
 
 def _dataset_state(state: Any) -> dict[str, Any]:
@@ -131,9 +135,14 @@ def _dataset_state(state: Any) -> dict[str, Any]:
 def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, Any]) -> Position:
     """The rank's position from a multi-worker StatefulDataLoader state: the pass's start plus the batches yielded."""
     snapshot = state["_snapshot"]
-    workers = [from_state_dict(_dataset_state(w["dataset_state"]), identity) for w in snapshot["_worker_snapshots"].values()]
-    if not workers:
-        raise ValueError("the StatefulDataLoader state holds no worker states")
+    _refuse_unless(isinstance(snapshot, dict), "_snapshot", snapshot, "an object (a StatefulDataLoader's snapshot)")
+    snapshots = snapshot.get("_worker_snapshots")
+    _refuse_unless(isinstance(snapshots, dict) and bool(snapshots), "_snapshot._worker_snapshots", snapshots,
+                   "a non-empty object of {worker: state}")
+    for worker, saved in snapshots.items():
+        _refuse_unless(isinstance(saved, dict) and "dataset_state" in saved, f"_snapshot._worker_snapshots[{worker!r}]",
+                       saved, "an object with a dataset_state")
+    workers = [from_state_dict(_dataset_state(w["dataset_state"]), identity) for w in snapshots.values()]
     first = workers[0]
     if any((w.epoch, w.pass_start) != (first.epoch, first.pass_start) for w in workers):
         raise ValueError("the StatefulDataLoader's workers disagree on the epoch; the state is inconsistent")

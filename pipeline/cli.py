@@ -12,6 +12,7 @@ box that has the read side (torch, pyarrow, numpy) but no Apache Beam, datasets 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -32,12 +33,45 @@ def usage() -> str:
     return "usage: varpack COMMAND [options]  (varpack COMMAND --help for its options)\n\ncommands:\n" + "\n".join(lines)
 
 
+# The options of ``inspect`` (of a build or of a mixture file) that take a value, so that it is not the file.
+_INSPECT_VALUE_OPTIONS = ("--steps", "--batch-rows", "--seed", "--plot", "--rows", "--tokenizer")
+
+
 def _module_name(command: str, rest: list[str]) -> str:
-    """The module that runs ``command``: ``inspect`` of a mixture file (JSON) shows the mixture's plan,
-    which the read side computes (``loaders.mixture``)."""
-    if command == "inspect" and rest and rest[0].endswith(".json") and os.path.isfile(rest[0]):
-        return "loaders.mixture"
+    """The module that runs ``command``: ``inspect`` of a mixture file (a file that is not a manifest, whatever
+    the options before it) shows the mixture's plan, which the read side computes (``loaders.mixture``)."""
+    if command == "inspect":
+        target = _first_positional(rest)
+        if target is not None and os.path.isfile(target) and not _is_manifest(target):
+            return "loaders.mixture"
     return COMMANDS[command][0]
+
+
+def _first_positional(args: list[str]) -> str | None:
+    """The first argument that is neither an option nor an option's value (``--`` ends the options)."""
+    remaining = iter(args)
+    for arg in remaining:
+        if arg == "--":
+            return next(remaining, None)
+        if arg.startswith("-") and arg != "-":
+            # argparse takes any unambiguous prefix of an option: --step is --steps.
+            if arg.startswith("--") and "=" not in arg and any(o.startswith(arg) for o in _INSPECT_VALUE_OPTIONS):
+                next(remaining, None)
+            continue
+        return arg
+    return None
+
+
+def _is_manifest(path: str) -> bool:
+    """Whether the file at ``path`` is a build's manifest (by its content, not its name)."""
+    from schemas.manifest import FORMAT_NAME
+
+    try:
+        with open(path, "rb") as file:
+            data = json.loads(file.read())
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8 or not JSON: not a manifest
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT_NAME
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,8 +44,24 @@ TRAINED_OPEN, TRAINED_CLOSE = "«", "»"
 _GREEN, _BOLD, _DIM, _RESET = "\033[32m", "\033[1m", "\033[2m", "\033[0m"
 
 
+def printable(text: str, keep: str = "") -> str:
+    r"""``text`` with its control characters (C0 but those in ``keep``, DEL, C1) escaped as ``\xNN``, so that a
+    manifest's strings cannot start a line or colour the terminal.
+
+    >>> print(printable("2026-01-01\n\x1b[31m"))
+    2026-01-01\x0a\x1b[31m
+    """
+    return _CONTROL.sub(lambda found: found[0] if found[0] in keep else f"\\x{ord(found[0]):02x}", text)
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def locate_build(path: str) -> str:
-    """The build directory ``path`` names: itself when it holds a manifest, else its one build subdirectory."""
+    """The build directory ``path`` names: itself when it holds a manifest, else its one build subdirectory
+    (``path`` may also name the manifest itself)."""
+    if storage.basename(path) == MANIFEST_NAME and storage.exists(path) and not storage.is_dir(path):
+        return path.rstrip("/").rsplit("/", 1)[0] if storage.is_url(path) else os.path.dirname(os.path.abspath(path))
     if storage.exists(storage.join(path, MANIFEST_NAME)):
         return path
     builds = [d for d in storage.list_subdirs(path) if storage.exists(storage.join(path, d, MANIFEST_NAME))]
@@ -85,7 +102,7 @@ def _size(num_bytes: int) -> str:
     """``812 bytes``, ``1.2 MB``, ``40.3 GB``."""
     if num_bytes < 1000:
         return f"{num_bytes:,} bytes"
-    exponent = min(int(np.log10(num_bytes)) // 3, 3)
+    exponent = min((len(str(num_bytes)) - 1) // 3, 3)  # exact for any integer; bytes are at most 2**63 - 1
     return f"{num_bytes / 1000**exponent:,.1f} {('KB', 'MB', 'GB')[exponent - 1]}"
 
 
@@ -129,7 +146,7 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
         ("bad rows", bad_rows),
         *([("trimmed", describe_trimmed(stats))] if stats.conversations_trimmed else []),
     ]
-    return aligned(lines)
+    return aligned([(label, printable(value)) for label, value in lines])
 
 
 Decoder = Callable[[np.ndarray], str]
@@ -153,6 +170,7 @@ def _segment_text(ids: np.ndarray, mask: np.ndarray, decode: Decoder | None, col
         else:
             # Decode prefixes and take the difference: a span decoded alone loses its leading space.
             text = decode(ids[:end])[len(decode(ids[:start])) :] if start else decode(ids[:end])
+            text = printable(text, keep="\n\t")
         if trained:
             text = f"{_GREEN}{text}{_RESET}" if color else f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}"
         pieces.append(text)
@@ -171,7 +189,7 @@ def format_rows(build_dir: str, manifest: Manifest, num_rows: int, decode: Decod
         for i, row in enumerate(table.to_pylist()):
             cu, tokens = row["cu_seqlens"], row["num_tokens"]
             yield bold(
-                f"row {shown} ({info.path} row {i}): {plural(len(cu) - 1, 'example')}, {tokens:,} of "
+                f"row {shown} ({printable(info.path)} row {i}): {plural(len(cu) - 1, 'example')}, {tokens:,} of "
                 f"{manifest.capacity:,} tokens ({100 * tokens / manifest.capacity:.1f}%)"
             )
             ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"])
@@ -179,7 +197,7 @@ def format_rows(build_dir: str, manifest: Manifest, num_rows: int, decode: Decod
                 a, b = cu[j], cu[j + 1]
                 chunk = f", from token {offset:,} (a later chunk of a split example)" if offset else ""
                 yield dim(f"  -- example {example}: {plural(b - a, 'token')}{chunk}, positions {a} to {b - 1}")
-                text = _segment_text(ids[a:b], mask[a:b], decode, color)
+                text = _segment_text(ids[a:b], mask[a:b], decode, color)  # escapes the text's own controls
                 yield "    " + text.replace("\n", "\n    ")
             shown += 1
 
@@ -254,7 +272,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pipeline.insp
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (VarpackError, OSError) as err:
-        print(f"varpack: error: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"varpack: error: {printable(' '.join(str(err).split()))}", file=sys.stderr)
         return EXIT_ERROR
     return 0
 

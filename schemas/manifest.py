@@ -419,9 +419,15 @@ def _problem(value: Any, schema: dict[str, Any]) -> str | None:
         return f"must be at least {schema['minimum']}, got {value!r}"
     if "maximum" in schema and is_number and value > schema["maximum"]:
         return f"must be at most {schema['maximum']}, got {value!r}"
-    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
+    if "pattern" in schema and isinstance(value, str) and not re.search(_ecma_pattern(schema["pattern"]), value):
         return f"must match {schema['pattern']}, got {value!r}"
     return None
+
+
+def _ecma_pattern(pattern: str) -> str:
+    """A JSON Schema (ECMA 262) pattern for ``re``: its closing ``$`` ends the string, as there, and does not
+    also match before a final newline, as in Python."""
+    return pattern[:-1] + r"\Z" if pattern.endswith("$") and not pattern.endswith(r"\$") else pattern
 
 
 def _check_node(value: Any, schema: dict[str, Any], where: str, source: str) -> None:

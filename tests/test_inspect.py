@@ -241,8 +241,11 @@ def forged(build: Path, edit) -> Path:
         (lambda data: data["shards"][0].update(path="shard\x00-00000.arrow"), r"field shards\[0\].path holds a NUL"),
         (lambda data: data["stats"].update(segments_per_row={"many": 2}),
          "field stats.segments_per_row has key 'many', which must match"),
+        (lambda data: data["shards"][0].update(bytes=10**30), r"field shards\[0\].bytes must be at most 9223372036854775807"),
+        (lambda data: data.update(created_at="2026-01-01\n  rows 999,999 rows\x1b[31m"), "field created_at must match"),
     ],
-    ids=["rows-per-shard-2**62", "nul-in-tokenizer-name", "nul-in-shard-path", "segments-key-not-a-number"],
+    ids=["rows-per-shard-2**62", "nul-in-tokenizer-name", "nul-in-shard-path", "segments-key-not-a-number",
+         "shard-bytes-10**30", "control-characters-in-created-at"],
 )
 def test_a_forged_manifest_is_one_line_naming_the_file_and_field(tmp_path: Path, capsys, edit, field: str) -> None:
     """A manifest whose digests were recomputed after an edit is refused by inspect and the loader alike."""
@@ -256,6 +259,41 @@ def test_a_forged_manifest_is_one_line_naming_the_file_and_field(tmp_path: Path,
         assert len(err) == 1 and re.match(rf"^varpack: error: {message}", err[0]), err
     with pytest.raises(ManifestError, match=message):
         next(iter(PackedIterableDataset(build)))
+
+
+def test_inspect_escapes_the_control_characters_of_a_manifests_strings(tmp_path: Path, capsys) -> None:
+    """Names the schema cannot restrict (a dataset id, a tokenizer name) reach the terminal escaped: no line of
+    inspect's output comes from a manifest's newline, and no escape sequence colours it."""
+    build = tmp_path / "build"
+    random_token_build(build, [3, 4, 5], capacity=8)
+
+    def edit(data):
+        data["inputs"]["dataset"]["id"] = "gsm8k\n  rows         999,999 rows\x1b[31m"
+        data["inputs"]["tokenizer"]["name"] = "tok\r\x9b2J"
+        data["shards"][0]["bytes"] = 2**63 - 1
+
+    forged(build, edit)
+    assert main([str(build)]) == 0
+    out = capsys.readouterr().out
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f]", out)
+    assert not any(line.lstrip().startswith("rows         999") for line in out.splitlines())
+    assert "gsm8k\\x0a  rows         999,999 rows\\x1b[31m" in out and "tok\\x0d\\x9b2J" in out
+    assert "9,223,372,036.9 GB" in out  # the largest size the schema allows
+
+
+def test_inspect_routes_by_the_file_it_names_whatever_the_options_before_it(packed: Path, tmp_path: Path,
+                                                                             capsys) -> None:
+    """A mixture file after options is a mixture; a manifest, by its content, is a build."""
+    for name in ("a", "b"):
+        random_token_build(tmp_path / name, [3, 4, 5], capacity=8)
+    mixture = tmp_path / "mixture.json"
+    mixture.write_text(json.dumps({"sources": {"a": "a", "b": "b"}, "weights": {"a": 1, "b": 1}}))
+    for args in (["--steps", "5", str(mixture)], ["--step=5", "--batch-rows", "1", str(mixture)], ["--", str(mixture)]):
+        assert cli.main(["inspect", *args]) == 0, args
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["name"] for r in records] == ["a", "b"], args
+    assert cli.main(["inspect", "--json", str(packed / MANIFEST_NAME)]) == 0
+    assert json.loads(capsys.readouterr().out)["fingerprint"] == read_manifest(packed).fingerprint
 
 
 @pytest.mark.parametrize(("option", "value"), [("--steps", "-1"), ("--steps", "0"), ("--batch-rows", "0")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import json
 import os
@@ -324,6 +325,96 @@ def test_a_state_of_a_late_epoch_resumes_without_replaying_the_epochs_before_it(
     assert time.perf_counter() - started < 1.5
 
 
+def test_a_state_saved_as_json_with_sorted_keys_resumes_a_mixture_whose_names_are_not_sorted(builds, tmp_path):
+    """save_loader_state writes sorted keys; the schedule is read by source name, in the order of ``sources``."""
+    from loaders.train.checkpoint import load_loader_state, save_loader_state
+
+    unsorted = {name: builds[name].path for name in ("gsm8k", "chat", "flan")}
+
+    def make():
+        return PackedMixture(unsorted, weights=WEIGHTS, batch_rows=2, seed=3)
+
+    first = make()
+    first.set_epoch(1)
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(3)]
+    save_loader_state(tmp_path, 0, first.state_dict())
+    resumed = make()
+    resumed.load_state_dict(load_loader_state(tmp_path, 0))
+    expected = make()
+    expected.set_epoch(1)
+    assert_same_batches(head + list(resumed), list(expected))
+
+
+def shifted_schedules(data, state):
+    """The state's schedule with one source a row further on and another a row back: starts that are not real."""
+    schedule = state["mixture_schedule"]
+    for i, j in itertools.permutations(range(len(data.names)), 2):
+        forged = copy.deepcopy(state)
+        edit = forged["mixture_schedule"]
+        for k, step in ((i, -1), (j, +1)):
+            name, reader, units = data.names[k], data._readers[k], data._row_units[k]
+            epoch, offset = schedule["source_epochs"][name], schedule["source_offsets"][name] + step
+            if offset < 0:
+                epoch, offset = epoch - 1, reader.manifest.num_rows - 1
+            if offset >= reader.manifest.num_rows:
+                epoch, offset = epoch + 1, 0
+            edit["source_epochs"][name], edit["source_offsets"][name] = epoch, offset
+            edit["consumed"][name] = epoch * int(units.sum()) + int(units[reader._epoch_rows(epoch)[:offset]].sum())
+        edit["total"] = sum(edit["consumed"].values())
+        yield forged
+
+
+def test_a_refused_state_leaves_the_mixture_as_it_was(builds):
+    reference = mixture(builds)
+    reference.set_epoch(2)
+    state = json.loads(json.dumps(reference.state_dict()))
+    expected = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        expected.append(list(reference))
+    # A start the schedule's checks accept (see docs/mixtures.md), with a next batch outside the epoch.
+    accepted = []
+    for forged in shifted_schedules(mixture(builds), state):
+        try:
+            mixture(builds).load_state_dict(forged)
+        except ValueError:
+            continue
+        accepted.append(forged)
+    assert accepted, "no shifted start passes the checks; the test cannot show a refused state's effect"
+    data = mixture(builds)
+    with pytest.raises(ValueError, match="next_batch"):
+        data.load_state_dict({**accepted[0], "next_batch": 10**6})
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        assert_same_batches(list(data), expected[epoch])
+
+
+@pytest.mark.parametrize("unit", ["rows", "tokens"])
+def test_the_rows_trained_keep_their_shares_across_epochs_and_each_stream_is_read_without_a_gap(builds, unit):
+    """Rows an epoch's batches leave over are the next epoch's first: every prefix of the batches trained (batch j
+    of rank 0, 1, 2, then j + 1) keeps each source within a row of its share, epoch after epoch."""
+    world = 3
+    ranks = [mixture(builds, unit=unit, batch_rows=7, rank=r, world_size=world) for r in range(world)]
+    units = np.concatenate(ranks[0]._row_units)
+    largest, weights = int(units.max()), ranks[0].weights
+    trained = []
+    for epoch in range(30):
+        plans = [data._plan(epoch) for data in ranks]
+        trained += [plan.batch_rows(j) for j in range(len(plans[0])) for plan in plans]
+    rows = np.concatenate(trained)
+    sources = ranks[0]._row_place[rows, 0]
+    taken = np.cumsum(np.where(sources[:, None] == np.arange(3), units[rows, None], 0), axis=0)
+    behind = weights * taken.sum(axis=1, keepdims=True) - taken
+    assert behind.max() < largest and -behind.min() < largest
+    # Each source's stream is trained in order, build epoch after build epoch, every example once in each.
+    for source, data in enumerate(ranks[0]._readers):
+        read = rows[sources == source] - ranks[0]._source_first_row[source]
+        per_epoch = data.manifest.num_rows
+        stream = np.concatenate([data._epoch_rows(e) for e in range(read.size // per_epoch + 1)])
+        assert np.array_equal(read, stream[: read.size])
+
+
 def test_fixed_shapes_and_sequence_loss_weights(builds):
     for buckets in (False, True):
         data = mixture(builds, pad_to_fixed_shape=True, bucket_shapes=buckets, loss_reduction="sequence")
@@ -335,6 +426,31 @@ def test_fixed_shapes_and_sequence_loss_weights(builds):
             trained = [int((plain["labels"][0, a : a + n] != -100).sum()) for a, n in
                        zip(plain["cu_seq_lens_q"][:-1].tolist(), lengths.tolist())]
             assert batch["loss_weight_sum"] == pytest.approx(sum(t > 0 for t in trained), rel=1e-5)
+
+
+def test_sequence_loss_sizes_its_tables_by_the_example_ids_present_not_the_largest(tmp_path):
+    """One row whose example id is 2**45 (the manifest's num_examples says so; nothing is forged): the loader keeps
+    a table of the ids present, so it neither allocates per id nor fails."""
+    from pipeline.write.shard_writer import ShardWriter
+    from schemas import BuildInputs, DatasetInputs, TokenizerInputs
+
+    top = 1 << 45
+    paths = {}
+    for name, example in (("big", top), ("small", 3)):
+        inputs = BuildInputs(
+            dataset=DatasetInputs(id=name, split="train", content_hash="h", num_examples=example + 1),
+            tokenizer=TokenizerInputs(name="t", content_hash="t", vocab_size=100), template="none",
+            loss_masking="given", max_len=8, overflow="split", packing="best_fit_decreasing", seed=0,
+            package_version="0.1.0")
+        with ShardWriter(tmp_path / name, inputs) as writer:
+            writer.write_row([5, 6, 7, 8], loss_mask=[0, 1, 1, 1], example_ids=[example])
+        paths[name] = tmp_path / name
+    alone = PackedIterableDataset(paths["big"], loss_reduction="sequence")
+    assert alone.loss_weighting.example_ids.tolist() == [top]
+    for batch in (*alone, *PackedMixture(paths, weights={"big": 1, "small": 1}, loss_reduction="sequence")):
+        weights = batch["loss_weights"][0]
+        assert weights[batch["labels"][0] != -100].tolist() == pytest.approx([1 / 3] * 3)
+        assert batch["loss_weight_sum"] == pytest.approx(1.0)
 
 
 def test_incompatible_builds_and_bad_mixtures_are_one_line_errors(builds, tmp_path):
@@ -359,6 +475,18 @@ def test_incompatible_builds_and_bad_mixtures_are_one_line_errors(builds, tmp_pa
         PackedMixture(paths, weights=WEIGHTS, unit="bytes")
     with pytest.raises(ValueError, match="max_epochs names 'code'"):
         PackedMixture(paths, weights=WEIGHTS, max_epochs={"code": 2})
+
+
+def test_a_source_that_is_no_build_is_named_with_the_mixture_file(builds, tmp_path, capsys):
+    from pipeline import cli
+
+    path = tmp_path / "mixture.json"
+    path.write_text(json.dumps({"sources": {"flan": str(builds["flan"].path), "root": "/"}, "weights": {"flan": 1, "root": 1}}))
+    with pytest.raises(ManifestError, match=r"^mixture source 'root': /manifest.json: no manifest"):
+        PackedMixture(**load_mixture_file(path))
+    assert cli.main(["inspect", "--steps", "3", str(path)]) == 1
+    assert capsys.readouterr().err.startswith(f"varpack inspect: error: {path}: mixture source 'root': /manifest.json: "
+                                              "no manifest")
 
 
 def test_mixture_file(builds, tmp_path):
@@ -408,11 +536,18 @@ BAD_MIXTURE_FILES = {  # the file's text, and what the error says after the file
                            "max_epochs['flan'] must be a positive integer, got True"),
     "unit-not-a-string": ('{%s, %s, "unit": 5}' % (SOURCES, EQUAL), "unit must be one of"),
     "nested-too-deeply": ("[" * 100_000 + "]" * 100_000, "not a JSON mixture file"),
+    "url-of-an-unknown-protocol": ('{"sources": {"flan": "flan", "gsm8k": "nosuch://x/build"}, %s}' % EQUAL,
+                                   "sources['gsm8k'] is nosuch://x/build: no installed filesystem opens nosuch:// URLs"),
+    **({"http-url-without-aiohttp": ('{"sources": {"flan": "flan", "gsm8k": "http://127.0.0.1:9/b"}, %s}' % EQUAL,
+                                     "sources['gsm8k'] is http://127.0.0.1:9/b: opening http:// URLs needs a package "
+                                     "that is not installed")}
+       if importlib.util.find_spec("aiohttp") is None else {}),
 }
 
 
 AUDITED = {"weights-whose-sum-overflows", "integer-weight-of-1e38", "build-path-not-a-string", "max-epochs-a-list",
-           "max-epochs-a-number", "max-epochs-of-1e23"}  # run as a subprocess too: the tracebacks an audit found
+           "max-epochs-a-number", "max-epochs-of-1e23", "http-url-without-aiohttp"}  # run as a subprocess too: the
+# tracebacks an audit found
 
 
 @pytest.mark.parametrize("case", BAD_MIXTURE_FILES)

@@ -147,6 +147,42 @@ def test_a_stateful_dataloader_state_out_of_range_is_refused(build):
         PackedIterableDataset(build.path, batch_rows=2).load_state_dict(state)
 
 
+MALFORMED_STATES = {  # a state of the wrong shape, and the field the error names
+    "version-a-string": ({"format": "varpack.loader_state", "version": "2"}, "version '2' must be an integer"),
+    "snapshot-not-an-object": ({"_snapshot": 5}, "_snapshot 5 must be an object"),
+    "snapshot-without-workers": ({"_snapshot": {}}, "_snapshot._worker_snapshots None must be a non-empty object"),
+    "workers-a-list": ({"_snapshot": {"_worker_snapshots": [1]}}, r"_snapshot._worker_snapshots \[1\] must be"),
+    "worker-without-dataset-state": ({"_snapshot": {"_worker_snapshots": {"0": {}}}},
+                                     r"_snapshot._worker_snapshots\['0'\] {} must be an object with a dataset_state"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_STATES)
+def test_a_malformed_state_is_one_line_naming_its_field(build, tmp_path, case):
+    state, message = MALFORMED_STATES[case]
+    with pytest.raises(ValueError, match=rf"^loader state: {message}") as refused:
+        PackedIterableDataset(build.path, batch_rows=2).load_state_dict(state)
+    assert "\n" not in str(refused.value)
+
+
+def test_train_py_resume_from_a_malformed_loader_state_is_one_line(tmp_path):
+    import json
+
+    from test_train import MODEL, load_script
+
+    shards = build_shard_dir(tmp_path / "shards", np.random.default_rng(0).integers(8, 120, 30), capacity=256,
+                             vocab_size=128).path
+    common = ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
+              "--batch-rows", "2", "--out", str(tmp_path / "run")]
+    main = load_script().main
+    main([*common, "--max-steps", "2"])
+    (tmp_path / "run" / "checkpoint-2" / "loader_state.json").write_text(json.dumps({"_snapshot": {}}))
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--max-steps", "3", "--resume"])
+    assert str(refused.value).startswith("train.py: error: loader state: _snapshot._worker_snapshots None must be")
+    assert "\n" not in str(refused.value) and not (tmp_path / "run" / "checkpoint-3").exists()
+
+
 @st.composite
 def runs(draw, build):
     """Loader settings, and where a run stops and how it saves and resumes."""

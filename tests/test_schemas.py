@@ -269,7 +269,7 @@ def schema_breaking_changes(
     if "maximum" in schema:
         yield f"{name} above maximum", path, schema["maximum"] + (1 if "integer" in types else 0.5)
     if "pattern" in schema:
-        yield f"{name} breaks pattern", path, "XYZ"
+        yield f"{name} breaks pattern", path, "X\x1bYZ"  # no pattern takes an escape (created_at's refuses controls)
     if "enum" in schema or "const" in schema:
         yield f"{name} not allowed", path, "bogus"
     if isinstance(data, dict):
@@ -469,6 +469,29 @@ def test_integers_that_size_arrays_are_bounded_by_int32(path: tuple[Any, ...], f
     with pytest.raises(ManifestError, match=rf"^{MANIFEST_NAME}: field {re.escape(field)} must be at most 214748364[78], "
                                             f"got {2**62}$"):
         validate_manifest(data)
+
+
+def test_shard_bytes_are_bounded_by_int64() -> None:
+    """A forged shards[].bytes of 10**30 is refused, naming the field; the largest int64 is a size."""
+    for forged in (2**63, 10**30):
+        data = changed(BASE, ("shards", 0, "bytes"), forged)
+        assert not schema_accepts(data)
+        with pytest.raises(ManifestError, match=rf"^{MANIFEST_NAME}: field shards\[0\].bytes must be at most "
+                                                rf"{2**63 - 1}, got {forged}$"):
+            validate_manifest(data)
+    largest = changed(BASE, ("shards", 0, "bytes"), 2**63 - 1)
+    largest["shards_digest"] = shards_digest(largest["shards"])
+    assert code_accepts(largest)
+
+
+@pytest.mark.parametrize("value", ["2026-01-01\n  rows 999 rows", "\x1b[31m2026", "2026-01-01T00:00:00+00:00\n",
+                                   "2026\x85", "2026\x7f"])
+def test_created_at_holds_no_control_character(value: str) -> None:
+    """created_at reaches a terminal (varpack inspect): no newline, escape or other control character. A pattern's
+    closing $ ends the string, as in JSON Schema, not before a final newline as Python's re would have it."""
+    with pytest.raises(ManifestError, match=rf"^{MANIFEST_NAME}: field created_at must match "):
+        validate_manifest(changed(BASE, ("created_at",), value))
+    assert code_accepts(changed(BASE, ("created_at",), "2026-01-01T00:00:00+00:00"))
 
 
 def test_errors_name_the_field() -> None:
