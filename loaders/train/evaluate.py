@@ -3,6 +3,8 @@
 Evaluation data packs like training data, so it runs as fast: every row of every shard is read
 once, in order (no shuffle, nothing dropped), ``batch_rows`` rows per forward; with
 ``distributed=True`` the ranks share the batches and every rank gets the whole result.
+Its shards are checked as training's are (``loaders/verify.py``): size, sha256 (once per host),
+place in the build and every row invariant.
 Each target token's cross-entropy (fp32) is summed per packed sequence, and the sequences are
 summed per source example (``example_ids``), so the result is reported by example id (the
 source row number, rows the build left out included), in source order. An example's loss is
