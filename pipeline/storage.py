@@ -66,7 +66,8 @@ def is_dir(path: str) -> bool:
 
 
 def open_read(path: str) -> IO[bytes]:
-    """A binary file object for reading ``path`` (seekable for local files and Beam's URLs)."""
+    """A binary file object for reading ``path`` (seekable for local files and Beam's URLs); locally a regular file
+    only, else an OSError naming it."""
     if path.startswith(HUB_SCHEME):
         import fsspec
 
@@ -75,7 +76,7 @@ def open_read(path: str) -> IO[bytes]:
         from apache_beam.io.filesystem import CompressionTypes
 
         return _filesystems().open(path, compression_type=CompressionTypes.UNCOMPRESSED)
-    return open(path, "rb")
+    return schemas_io.open_regular(path)  # a FIFO planted at the name is refused, not waited on for ever
 
 
 def size(path: str) -> int:

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -297,33 +298,44 @@ def test_a_shard_rewritten_just_after_the_record_vouched_for_it_is_refused(build
         PackedIterableDataset(build.path)
 
 
-def test_a_fifo_at_a_shards_name_is_refused_not_waited_on(build, tmp_path, monkeypatch):
+def test_a_fifo_at_a_shards_name_is_refused_not_waited_on(build, tmp_path, monkeypatch, capsys):
+    """Opening a FIFO waits for a writer for ever; every reader refuses one in one line naming it instead."""
     import threading
 
     from loaders.train.evaluate import packed_batches
+    from pipeline import inspect
 
     monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
     path = shard_file(build, 1)
     path.unlink()
     os.mkfifo(path)
 
-    waited = threading.Event()
+    @contextlib.contextmanager
+    def not_waited_on() -> Iterator[None]:
+        waited = threading.Event()
 
-    def unblock() -> None:  # were a reader waiting on the FIFO, this lets it go on, and the test fail instead of hang
-        waited.set()
-        with contextlib.suppress(OSError):
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        def unblock() -> None:  # a reader waiting on the FIFO goes on, and the test fails instead of hanging
+            waited.set()
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
-    for read in (lambda: PackedIterableDataset(build.path), lambda: PackedIterableDataset(build.path, verify_checksum=False),
-                 lambda: list(packed_batches(build.path, batch_rows=1))):
         timer = threading.Timer(20, unblock)
         timer.start()
         try:
-            with pytest.raises(ShardError, match=r"shard-00001.arrow: cannot be read as a shard \(it is a FIFO"):
-                read()
+            yield
         finally:
             timer.cancel()
         assert not waited.is_set(), "the reader waited on the FIFO"
+
+    refused = r"shard-00001.arrow: .*\(.*it is a FIFO, not a regular file"
+    for read in (lambda: PackedIterableDataset(build.path), lambda: PackedIterableDataset(build.path, verify_checksum=False),
+                 lambda: list(packed_batches(build.path, batch_rows=1))):
+        with not_waited_on(), pytest.raises(ShardError, match=refused):
+            read()
+    with not_waited_on():
+        assert inspect.main([str(build.path), "--rows", "20", "--ids"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.search(refused, line), line
 
 
 def test_a_forged_rows_per_shard_is_one_line_naming_the_manifest(build):

@@ -72,7 +72,7 @@ def _hash_unless_recorded(path: Path, sha256: str, record: VerifiedShards) -> st
 
     Its identity on disk is taken once, on the open file, before it is hashed: a shard rewritten while it is
     hashed is not recorded as verified (with the identity of the rewrite), it fails."""
-    with open(path, "rb") as f:
+    with storage.open_read(str(path)) as f:
         before = disk_identity(os.fstat(f.fileno()))
         if record.unchanged(path, before):
             return None
