@@ -118,7 +118,8 @@ def finish_build(
     )
     if storage.is_url(out_dir) and storage.exists(storage.join(out_dir, MANIFEST_NAME)):
         return manifest  # another attempt at this URL published the build first, and the first manifest wins
-    write_manifest(manifest, out_dir, storage.output)
+    # Locally written through the descriptor of its temporary file (schemas.io.atomic_file); at a URL uploaded.
+    write_manifest(manifest, out_dir, storage.output if storage.is_url(out_dir) else None)
     return manifest
 
 
