@@ -23,9 +23,9 @@ from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weig
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import Position, StaleStateError, check_position, from_state_dict, to_state_dict
-from loaders.shard_reader import Identity, Shard, open_build_shard
+from loaders.shard_reader import Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
-from loaders.verify import verify_build
+from loaders.verify import checked_shards
 from schemas import Manifest, ManifestError, positive_int
 
 # Shards one shuffle window spans, by default: the window's rows come from about this many shards.
@@ -192,11 +192,8 @@ class PackedIterableDataset(IterableDataset):
         if bucket_shapes and not pad_to_fixed_shape:
             raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
         self.bucket_shapes = bool(bucket_shapes)
-        self._paths = location.local_shards(manifest, cache_dir, verify_checksum)
         # Each shard's identity on disk when it was verified (or first opened): a reopen, here or in a worker, compares.
-        self._identities: list[Identity | None] = [None] * len(self._paths)
-        if verify_checksum and location.is_local:
-            self._identities = list(verify_build(manifest, self._paths).identities)
+        self._paths, self._identities = checked_shards(location, manifest, cache_dir, verify_checksum)
         self.loss_weighting = make_loss_weighting(
             loss_reduction, example_weights, manifest.num_example_ids, location.source,
             [self._open(index) for index in range(len(self._paths))]

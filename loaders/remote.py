@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,20 +24,21 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from loaders.shard_reader import check_shard_file
+from loaders.shard_reader import check_open_shard, check_shard_file
 from schemas import (
     MANIFEST_NAME,
     Manifest,
     ManifestError,
     ShardError,
     ShardInfo,
-    atomic_output,
     atomic_write,
     cache_dir,
     read_manifest,
 )
-from schemas.io import make_own_dir
+from schemas.io import atomic_file, make_own_dir, make_own_subdirs
 from schemas.manifest import shards_digest
+
+COPY_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class BuildLocation:
 
     def _cached_copy(self, shard: ShardInfo, directory: Path, verify_checksum: bool) -> Path:
         """The cached copy of ``shard``: reused when it checks out, else fetched and verified."""
-        path = directory / shard.path
+        path = make_own_subdirs(directory, shard.path) / posixpath.basename(shard.path)  # no link on the way followed
         if path.is_file() and not path.is_symlink():  # a link is no copy of varpack's: replaced below
             try:
                 check_shard_file(path, shard, verify_checksum)
@@ -86,14 +88,15 @@ class BuildLocation:
             except ShardError:
                 pass  # a stale or damaged copy: fetch it again below
         url = self.fs.unstrip_protocol(posixpath.join(self.root, shard.path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(path) as tmp:
+        with atomic_file(path) as copy:
             try:
-                self.fs.get_file(posixpath.join(self.root, shard.path), str(tmp))
+                with self.fs.open(posixpath.join(self.root, shard.path), "rb") as source:
+                    shutil.copyfileobj(source, copy, COPY_CHUNK)
+                copy.flush()
             except FileNotFoundError as err:
                 raise ShardError(url, "shard file is missing at the source; rebuild the shards or fix the URL") from err
             try:
-                check_shard_file(tmp, shard, verify_checksum=True)
+                check_open_shard(copy, path, shard)
             except ShardError as err:
                 raise ShardError(
                     url, f"the copy does not match the manifest ({err}); the source shard is corrupt, rebuild it"

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas import Manifest, ShardError, ShardInfo, list_parts, stream_sha256, validate_table
+from schemas.io import open_regular
 from schemas.shard_identity import file_identity_problem, identity_problem
 from schemas.verified import disk_identity
 
@@ -96,13 +97,19 @@ def check_shard_file(path: Path, expected: ShardInfo | None, verify_checksum: bo
         _check_file(file, str(path), expected, verify_checksum)
 
 
+def check_open_shard(file: BinaryIO, path: Path, expected: ShardInfo) -> None:
+    """``check_shard_file`` (size and sha256) of the file open as ``file``, read through it, not reopened by name."""
+    _check_file(file, str(path), expected, verify_checksum=True)
+
+
 def _open_file(path: Path) -> BinaryIO:
+    """The shard file at ``path``, open for reading; a FIFO there is refused, not waited on for ever."""
     try:
-        return open(path, "rb")
+        return open_regular(path)
     except FileNotFoundError as err:
         raise ShardError(str(path), "shard file is missing; rebuild the shards or fix the path") from err
-    except IsADirectoryError as err:
-        raise ShardError(str(path), "is a directory, not a shard file; rebuild the shards or fix the path") from err
+    except OSError as err:
+        raise ShardError(str(path), f"cannot be read as a shard ({err.strerror}); rebuild the shards or fix the path") from err
 
 
 def _check_file(file: BinaryIO, name: str, expected: ShardInfo | None, verify_checksum: bool, why: str = "") -> None:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from loaders.remote import BuildLocation
 from loaders.shard_reader import Identity, check_shard_file
 from schemas import Manifest, ShardError
 from schemas.verified import VerifiedShards, disk_identity
@@ -25,6 +26,19 @@ class VerifiedBuild:
     identities: list[Identity]
 
 
+def checked_shards(
+    location: BuildLocation, manifest: Manifest, cache_root: str | os.PathLike[str] | None, verify_checksum: bool
+) -> tuple[list[Path], list[Identity | None]]:
+    """The local path of every shard of the build, and the identity on disk each was verified with (None where
+    ``open_build_shard`` is to take it on first open): remote shards are copied into the cache and checked
+    there, local ones hashed here unless this host recorded them unchanged (``verify_checksum=False``: sizes only).
+    What every reader of a build (training, evaluation) opens its shards with."""
+    paths = location.local_shards(manifest, cache_root, verify_checksum)
+    if verify_checksum and location.is_local:
+        return paths, list(verify_build(manifest, paths).identities)
+    return paths, [None] * len(paths)
+
+
 def verify_build(manifest: Manifest, paths: list[Path]) -> VerifiedBuild:
     """Check every shard's sha256 unless this host recorded it unchanged since.
 
@@ -34,10 +48,10 @@ def verify_build(manifest: Manifest, paths: list[Path]) -> VerifiedBuild:
     identities = []
     with VerifiedShards(manifest) as record:
         for path, info in zip(paths, manifest.shards):
-            if record.unchanged(path):
-                identities.append(_identity(path))
+            before = _identity(path)  # one identity: what the record vouches for is what the reader compares with
+            if record.unchanged(path, before):
+                identities.append(before)
                 continue
-            before = _identity(path)
             check_shard_file(path, info, verify_checksum=True)
             if _identity(path) != before:
                 raise ShardError(str(path), "was changed on disk while it was hashed; run again once nothing writes it")

@@ -11,14 +11,13 @@ import contextlib
 import glob as globlib
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from schemas.errors import LinkError
-from schemas.io import UPLOAD_MARK, atomic_output, link_error, open_own, write_error
+from schemas import io as schemas_io
+from schemas.io import UPLOAD_MARK, atomic_output, open_own, write_error
 
 HUB_SCHEME = "hf://"
 
@@ -67,7 +66,8 @@ def is_dir(path: str) -> bool:
 
 
 def open_read(path: str) -> IO[bytes]:
-    """A binary file object for reading ``path`` (seekable for local files and Beam's URLs)."""
+    """A binary file object for reading ``path`` (seekable for local files and Beam's URLs); locally a regular file
+    only, else an OSError naming it."""
     if path.startswith(HUB_SCHEME):
         import fsspec
 
@@ -76,7 +76,7 @@ def open_read(path: str) -> IO[bytes]:
         from apache_beam.io.filesystem import CompressionTypes
 
         return _filesystems().open(path, compression_type=CompressionTypes.UNCOMPRESSED)
-    return open(path, "rb")
+    return schemas_io.open_regular(path)  # a FIFO planted at the name is refused, not waited on for ever
 
 
 def size(path: str) -> int:
@@ -181,14 +181,25 @@ def write_scratch(path: str, write: Callable[[str], None]) -> None:
 def _make_private_dir(directory: str) -> None:
     """Make ``directory`` (mode 0700), or check that the one there is a directory of this user's that no one else can write."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode):
-        raise link_error(directory, "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory")
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise LinkError(
-            f"{directory}: is not a directory of this user's alone (another user's, or one others can write into), so "
-            "links could be planted in it; varpack keeps scratch files only in its own: remove it, then run again"
-        )
+    schemas_io.check_own_dir(directory, private=True)
+
+
+def make_own_dir(directory: str) -> None:
+    """Make a local ``directory`` varpack writes and deletes files in (a build directory in a shared ``--out``), or check
+    the one there: a real directory of this user's that no other user can write into, so that nobody else can plant a
+    link in it or swap a file varpack made there for one; else LinkError naming it. A no-op at a URL."""
+    if is_url(directory):
+        return
+    try:
+        schemas_io.make_own_dir(directory)
+    except OSError as err:
+        raise write_error(directory, err) from err
+
+
+def check_own_dir(directory: str, private: bool = False) -> None:
+    """``schemas.io.check_own_dir`` of a local ``directory`` (a no-op at a URL), just before deleting in it."""
+    if not is_url(directory):
+        schemas_io.check_own_dir(directory, private)
 
 
 def publish(local_path: str, dest: str) -> None:

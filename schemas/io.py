@@ -21,6 +21,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from schemas.errors import LinkError, ManifestError, WriteError
 from schemas.manifest import MANIFEST_NAME, Manifest, validate_manifest
@@ -109,14 +110,52 @@ def open_own(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int
     return fd
 
 
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file; anything else (a FIFO, whose open would wait for a writer for ever,
+    a device, a directory) is refused with an OSError naming ``path`` and what it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+        raise OSError(errno.EINVAL, f"it is {what}, not a regular file", os.fspath(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def make_own_dir(directory: str | os.PathLike[str]) -> Path:
-    """Make ``directory`` (and its parents) if missing; LinkError if it is a symbolic link, whose name varpack
-    chose and would otherwise write through."""
+    """Make ``directory`` (and its parents) if missing, and ``check_own_dir`` it."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if directory.is_symlink():
-        raise link_error(directory, "a symbolic link")
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    check_own_dir(directory)
     return directory
+
+
+def make_own_subdirs(root: Path, relative: str) -> Path:
+    """The directory of the file ``relative`` inside ``root`` (a directory of this user's), each component made
+    one at a time and ``check_own_dir``-ed before the next is made in it, so no link planted on the way is followed."""
+    directory = root
+    for part in Path(relative).parent.parts:
+        directory = directory / part
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o755)
+        check_own_dir(directory)
+    return directory
+
+
+def check_own_dir(directory: str | os.PathLike[str], private: bool = False) -> None:
+    """Raise LinkError naming ``directory`` unless it is a real directory (no link) of this user's that no other
+    user can write into (with ``private``: nor its group): only then can nobody else plant a link in it, or
+    replace a file varpack made there, between varpack's check and its write."""
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise link_error(directory, "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory")
+    if info.st_uid != os.getuid() or info.st_mode & (0o022 if private else 0o002):
+        whose = "another user's" if info.st_uid != os.getuid() else "one others can write into"
+        raise LinkError(
+            f"{directory}: is not a directory of this user's alone ({whose}), so files varpack writes there could be "
+            "replaced by links; varpack writes only into its own: remove it (or choose another directory), then run again"
+        )
 
 
 def link_error(path: str | os.PathLike[str], what: str) -> LinkError:
@@ -137,7 +176,10 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
-    """The error that reports ``err`` (a full disk, a read-only directory) met while writing ``path``."""
+    """The error that reports ``err`` (a full disk, a read-only directory, a link) met while writing ``path``."""
+    if err.errno == errno.ELOOP:
+        link = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink()), Path(path))
+        return link_error(link, "a symbolic link")
     return WriteError(
         f"{path}: could not be written ({err.strerror or err}); free some space or fix the directory's permissions, "
         "then run again"
@@ -183,10 +225,35 @@ def atomic_output(path: str | os.PathLike[str], directory: bool = False) -> Iter
             tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """``atomic_output`` through the file itself: the block writes (and may read back) the temporary file open
+    on the descriptor that made it new, so nothing swapped in at its name meanwhile is written through."""
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        raise write_error(path, err) from err
+    try:
+        with os.fdopen(fd, "w+b") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+            if os.lstat(tmp).st_ino != os.fstat(file.fileno()).st_ino:
+                raise link_error(tmp, "no longer the temporary file varpack made (it was replaced)")
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except OSError as err:
+        raise write_error(path, err) from err
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` atomically and durably."""
-    with atomic_output(path) as tmp:
-        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    with atomic_file(path) as file:
+        file.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def write_manifest(
@@ -203,14 +270,18 @@ def write_manifest(
     directory = os.fspath(directory)
     path = f"{directory.rstrip('/')}/{MANIFEST_NAME}" if "://" in directory else os.path.join(directory, MANIFEST_NAME)
     validate_manifest(manifest.to_dict(), path)
-    with (output or atomic_output)(path) as tmp:
+    if output is None:
+        atomic_write(path, manifest.to_json())
+        return path
+    with output(path) as tmp:
         tmp.write_text(manifest.to_json(), encoding="utf-8")
     return path
 
 
 def _read_local_or_fsspec(path: str) -> bytes:
     if "://" not in path:
-        return Path(path).read_bytes()
+        with open_regular(path) as file:
+            return file.read()
     import fsspec
 
     with fsspec.open(path, "rb") as f:

@@ -46,13 +46,9 @@ def disk_identity(stat: os.stat_result) -> tuple[int, int, int, int, int]:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
-def _identity(path: Path) -> list[int]:
-    return list(disk_identity(path.stat()))
-
-
 class VerifiedShards:
-    """The record of one build, held under its lock: ``unchanged(path)`` says whether a shard
-    was hashed whole and not rewritten since, ``add(path)`` records one just hashed whole.
+    """The record of one build, held under its lock: ``unchanged(path, identity)`` says whether a shard
+    was hashed whole and not rewritten since, ``add(path, identity)`` records one just hashed whole.
 
     Without a writable cache directory nothing is known and nothing recorded: every shard is
     hashed, as without a record.
@@ -84,14 +80,14 @@ class VerifiedShards:
         self.known = known if isinstance(known, dict) else {}
         return self
 
-    def unchanged(self, shard: Path) -> bool:
-        """Whether ``shard`` is the very file that was hashed whole (same device, inode, size, mtime and ctime)."""
-        key = str(shard.resolve())
-        return key in self.known and shard.is_file() and self.known[key] == _identity(shard)
+    def unchanged(self, shard: Path, identity: tuple[int, int, int, int, int]) -> bool:
+        """Whether ``shard``, whose identity on disk is ``identity`` now, is the very file that was hashed whole
+        (same device, inode, size, mtime and ctime). The caller takes ``identity`` once and goes on with it."""
+        return self.known.get(str(shard.resolve())) == list(identity)
 
-    def add(self, shard: Path, identity: tuple[int, int, int, int, int] | None = None) -> None:
-        """Record ``shard``, just hashed and found whole; ``identity``: its identity on disk when it was hashed."""
-        self.known[str(shard.resolve())] = list(identity) if identity is not None else _identity(shard)
+    def add(self, shard: Path, identity: tuple[int, int, int, int, int]) -> None:
+        """Record ``shard``, just hashed and found whole, with its identity on disk taken before it was hashed."""
+        self.known[str(shard.resolve())] = list(identity)
         self.added = True
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:

@@ -359,6 +359,35 @@ def test_reuse_hashes_a_build_once_per_host_and_the_loader_shares_the_record(dat
     assert f"rebuilding {out_dir}: {shards[2].name} fails its checksum (the file is corrupt)" in messages
 
 
+def test_a_shard_rewritten_while_pack_hashes_it_is_never_recorded_as_verified(data, finished, tmp_path, monkeypatch):
+    """Pack's reuse check takes a shard's identity before hashing it: a rewrite landing once the hash has read the
+    bytes fails the check (and the build is rebuilt), instead of being recorded, and then served, as verified."""
+    from pipeline.write import build_dir
+    from tests.test_loader_errors import rewrite_first_token
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    out_dir = finished(tmp_path / "out", rows_per_shard=40)
+    shard = out_dir / read_manifest(out_dir).shards[0].path
+    expected = shard.read_bytes()
+    real_sha256 = build_dir.stream_sha256
+    rewritten: list[int] = []
+
+    def hash_then_rewritten(f) -> str:
+        digest = real_sha256(f)
+        if not rewritten and os.fstat(f.fileno()).st_ino == shard.stat().st_ino:
+            rewritten.append(rewrite_first_token(shard))  # another process, once the hash has read the bytes
+        return digest
+
+    monkeypatch.setattr(build_dir, "stream_sha256", hash_then_rewritten)
+    messages: list[str] = []
+    assert not build(config(data, tmp_path / "out", rows_per_shard=40), log=messages.append).reused
+    # The check that met the rewrite refused it (and so the next one finds the rewritten bytes failing the checksum).
+    assert rewritten and f"rebuilding {out_dir}: {shard.name} fails its checksum (the file is corrupt)" in messages
+    assert shard.read_bytes() == expected
+    monkeypatch.setattr(build_dir, "stream_sha256", real_sha256)
+    assert int(next(iter(PackedIterableDataset(out_dir, batch_rows=1, shuffle=False)))["input_ids"][0, 0]) == rewritten[0]
+
+
 def test_swapped_manifest_entries_are_refused(data, finished, tmp_path):
     out_dir = finished(tmp_path / "out", rows_per_shard=40)
     path = out_dir / MANIFEST_NAME

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -252,3 +254,100 @@ def test_a_shard_truncated_while_it_is_read_is_one_error_naming_it_not_sigbus(bu
     assert run.returncode == 1, (run.returncode, run.stderr[-2000:])  # not -7 (SIGBUS; 135 in a shell)
     assert re.search(r"ShardError: \S+/shard-0000\d\.arrow: is 0 bytes, the manifest says \d+: truncated",
                      run.stderr.strip().splitlines()[-1]), run.stderr[-2000:]
+
+
+def rewrite_first_token(path) -> int:
+    """Add 1 to the first token of ``path`` in place (same size, same inode, a valid shard still); the old token."""
+    mapped = pa.memory_map(str(path)).read_buffer()
+    tokens = pa.ipc.open_file(mapped).read_all().column("input_ids").chunk(0).values
+    offset = tokens.buffers()[1].address - mapped.address + tokens.offset * 4
+    token = tokens[0].as_py()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.int32(token + 1).tobytes())
+    return token
+
+
+def test_evaluation_refuses_a_shard_edited_in_place_as_training_does(build, tmp_path, monkeypatch):
+    from loaders.train.evaluate import packed_batches
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    rewrite_first_token(shard_file(build))
+    for read in (lambda: PackedIterableDataset(build.path), lambda: next(packed_batches(build.path, batch_rows=1))):
+        with pytest.raises(ShardError, match="shard-00000.arrow: checksum mismatch"):
+            read()
+
+
+def test_a_shard_rewritten_just_after_the_record_vouched_for_it_is_refused(build, tmp_path, monkeypatch):
+    """The identity the host's record is compared with is the one the reader checks the file against: a rewrite
+    landing between the record's check and the reader's open is hashed, not served."""
+    from schemas.verified import VerifiedShards
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    PackedIterableDataset(build.path)  # hashed whole, and recorded on this host
+    real_unchanged = VerifiedShards.unchanged
+
+    def unchanged_then_rewritten(record, path, *identity):
+        vouched = real_unchanged(record, path, *identity)
+        if vouched and path == shard_file(build):
+            rewrite_first_token(path)  # another process, just now
+        return vouched
+
+    monkeypatch.setattr(VerifiedShards, "unchanged", unchanged_then_rewritten)
+    with pytest.raises(ShardError, match=r"shard-00000.arrow: checksum mismatch \(it was changed on disk since it was verified\)"):
+        PackedIterableDataset(build.path)
+
+
+def test_a_fifo_at_a_shards_name_is_refused_not_waited_on(build, tmp_path, monkeypatch, capsys):
+    """Opening a FIFO waits for a writer for ever; every reader refuses one in one line naming it instead."""
+    import threading
+
+    from loaders.train.evaluate import packed_batches
+    from pipeline import inspect
+
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    path = shard_file(build, 1)
+    path.unlink()
+    os.mkfifo(path)
+
+    @contextlib.contextmanager
+    def not_waited_on() -> Iterator[None]:
+        waited = threading.Event()
+
+        def unblock() -> None:  # a reader waiting on the FIFO goes on, and the test fails instead of hanging
+            waited.set()
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+        timer = threading.Timer(20, unblock)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+        assert not waited.is_set(), "the reader waited on the FIFO"
+
+    refused = r"shard-00001.arrow: .*\(.*it is a FIFO, not a regular file"
+    for read in (lambda: PackedIterableDataset(build.path), lambda: PackedIterableDataset(build.path, verify_checksum=False),
+                 lambda: list(packed_batches(build.path, batch_rows=1))):
+        with not_waited_on(), pytest.raises(ShardError, match=refused):
+            read()
+    with not_waited_on():
+        assert inspect.main([str(build.path), "--rows", "20", "--ids"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.search(refused, line), line
+
+
+def test_a_forged_rows_per_shard_is_one_line_naming_the_manifest(build):
+    """A manifest re-laid-out with its digests recomputed (so only its bounds stop it) is refused naming the field,
+    not deep in the shuffle with numpy's error."""
+    from schemas.manifest import manifest_digest, shards_digest
+
+    path = build.path / "manifest.json"
+    data = json.loads(path.read_text())
+    data["rows_per_shard"] = 2**62
+    data["shards_digest"] = shards_digest(data["shards"])
+    data["manifest_digest"] = manifest_digest(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"manifest.json: field rows_per_shard must be at most 2147483647, got 4611"):
+        next(iter(PackedIterableDataset(build.path, batch_rows=1)))

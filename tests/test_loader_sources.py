@@ -43,11 +43,12 @@ def upload(directory):
 
 @pytest.fixture
 def fetches(monkeypatch):
-    """The remote paths copied from memory://, in order."""
+    """The remote shard paths copied from memory://, in order."""
     calls = []
-    original = MemoryFileSystem.get_file
+    original = MemoryFileSystem.open
     monkeypatch.setattr(
-        MemoryFileSystem, "get_file", lambda self, rpath, lpath, **kw: calls.append(rpath) or original(self, rpath, lpath, **kw)
+        MemoryFileSystem, "open",
+        lambda self, path, *args, **kw: (path.endswith(".arrow") and calls.append(path)) or original(self, path, *args, **kw),
     )
     return calls
 

@@ -151,3 +151,121 @@ def test_links_planted_in_the_cache_of_remote_builds_are_neither_served_nor_writ
     with pytest.raises(LinkError, match=f"{linked / cache_name(build.manifest)}: is a symbolic link"):
         PackedIterableDataset(url, cache_dir=linked)
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+@pytest.mark.parametrize("planted_by", ["another user", "the user, open to all"])
+def test_a_build_directory_another_user_made_or_others_can_write_is_refused(data, tmp_path, capsys, planted_by):
+    """Its name is predictable: whoever made it first may replace any file in it, the temporary file between its
+    creation and its write included, sticky ``--out`` or not. So pack writes only into a directory of its user's
+    that nobody else can write into."""
+    if planted_by == "another user" and os.getuid() != 0:
+        pytest.skip("making a directory of another user's needs root")
+    out = tmp_path / "shared-out"
+    out.mkdir()
+    out.chmod(0o1777)
+    planted = build_dir(data, out)
+    planted.mkdir()
+    planted.chmod(0o777)
+    if planted_by == "another user":
+        os.chown(planted, 65534, 65534)
+    line = pack_error(data, out, capsys)
+    whose = "another user's" if planted_by == "another user" else "one others can write into"
+    assert line.startswith(f"varpack: error: {planted}: is not a directory of this user's alone ({whose})"), line
+    assert list(planted.iterdir()) == []
+
+
+def test_a_temporary_file_swapped_for_a_link_is_not_written_through(tmp_path, victim, monkeypatch):
+    """A shard is written and hashed through the descriptor that made its temporary file new, never reopened by
+    name; one swapped for a link meanwhile (by whoever may replace files in the directory) is refused."""
+    import contextlib
+
+    import pyarrow as pa
+
+    from pipeline.write import shard_writer
+    from schemas import ROW_SCHEMA
+    from schemas.shard_identity import ShardIdentity
+
+    real_atomic_file = shard_writer.atomic_file
+
+    @contextlib.contextmanager
+    def swapped(path):
+        with real_atomic_file(path) as file:
+            (tmp,) = [p for p in tmp_path.iterdir() if p.name.startswith(".shard-00000.arrow.tmp-")]
+            tmp.unlink()
+            os.symlink(victim, tmp)  # just after its creation, before anything is written
+            yield file
+
+    monkeypatch.setattr(shard_writer, "atomic_file", swapped)
+    row = {"input_ids": [[5, 6, 7]], "loss_mask": [[0, 1, 1]], "cu_seqlens": [[0, 3]], "max_seqlen": [3],
+           "num_tokens": [3], "example_ids": [[0]], "example_offsets": [[0]]}
+    table = pa.Table.from_pydict(row, ROW_SCHEMA)
+    with pytest.raises(LinkError, match=r"\.shard-00000\.arrow\.tmp-\S+: is no longer the temporary file varpack made"):
+        shard_writer.write_shard(table, tmp_path, "shard-00000.arrow", 8, ShardIdentity("0" * 16, 0, True))
+    assert victim.read_text() == VICTIM_TEXT
+    assert not (tmp_path / "shard-00000.arrow").exists()
+
+
+def test_a_link_planted_at_the_build_directory_after_the_lock_is_taken_is_refused(data, tmp_path, capsys, monkeypatch):
+    """Nothing is deleted or written through a link planted at the build directory once the lock is held: the
+    directory is checked (made, if missing) just before the first file in it is removed or written."""
+    import pipeline.build
+
+    out = tmp_path / "shared-out"
+    out.mkdir()
+    out.chmod(0o1777)
+    elsewhere = tmp_path / "victims-directory"
+    elsewhere.mkdir()
+    (elsewhere / "manifest.json").write_text("the manifest of another project\n")
+    (elsewhere / "shard-00000.arrow").write_text("a shard of another project\n")
+    real_check_output = pipeline.build.check_output
+
+    def planted_then_checked(plan, log):
+        if not os.path.lexists(plan.out_dir):
+            os.symlink(elsewhere, plan.out_dir)  # another user, right after the lock was taken
+        return real_check_output(plan, log)
+
+    monkeypatch.setattr(pipeline.build, "check_output", planted_then_checked)
+    line = pack_error(data, out, capsys)
+    assert line.startswith(f"varpack: error: {build_dir(data, out)}: is a symbolic link, which varpack did not make")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["manifest.json", "shard-00000.arrow"]
+    assert (elsewhere / "manifest.json").read_text() == "the manifest of another project\n"
+    assert (elsewhere / "shard-00000.arrow").read_text() == "a shard of another project\n"
+
+
+def test_a_link_planted_on_a_shards_subdirectory_in_the_cache_of_remote_builds_is_not_written_through(tmp_path, victim):
+    import fsspec
+    from shard_factory import build_shard_dir
+
+    from loaders.remote import cache_name
+    from schemas.manifest import manifest_digest, shards_digest
+
+    build = build_shard_dir(tmp_path / "build", [10, 20, 30, 40], capacity=64)
+    manifest = json.loads((build.path / "manifest.json").read_text())
+    manifest["shards"][0]["path"] = f"sub/{victim.name}"  # the schema allows a directory part
+    manifest["shards_digest"] = shards_digest(manifest["shards"])
+    manifest["manifest_digest"] = manifest_digest(manifest)
+    url = f"memory://build-{tmp_path.name}"
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file(f"{url.removeprefix('memory://')}/manifest.json", json.dumps(manifest).encode())
+    memory.pipe_file(f"{url.removeprefix('memory://')}/sub/{victim.name}", (build.path / build.manifest.shards[0].path).read_bytes())
+    from loaders.remote import locate
+
+    cache = tmp_path / "shared-cache" / cache_name(locate(url).read_manifest())
+    cache.mkdir(parents=True)
+    os.symlink(victim.parent, cache / "sub")
+    with pytest.raises(LinkError, match=f"{cache / 'sub'}: is a symbolic link, which varpack did not make"):
+        PackedIterableDataset(url, cache_dir=tmp_path / "shared-cache")
+    assert victim.read_text() == VICTIM_TEXT
+    memory.rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_a_write_stopped_by_a_planted_link_names_the_link(tmp_path):
+    from schemas.io import fsync_path, write_error
+
+    planted = tmp_path / "build"
+    os.symlink(tmp_path, planted)
+    with pytest.raises(OSError) as stopped:
+        fsync_path(planted)  # as the atomic write does to the directory it wrote into
+    error = write_error(planted / "shard-00000.arrow", stopped.value)
+    assert isinstance(error, LinkError)
+    assert str(error).startswith(f"{planted}: is a symbolic link, which varpack did not make"), error

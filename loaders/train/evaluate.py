@@ -3,6 +3,8 @@
 Evaluation data packs like training data, so it runs as fast: every row of every shard is read
 once, in order (no shuffle, nothing dropped), ``batch_rows`` rows per forward; with
 ``distributed=True`` the ranks share the batches and every rank gets the whole result.
+Its shards are checked as training's are (``loaders/verify.py``): size, sha256 (once per host),
+place in the build and every row invariant.
 Each target token's cross-entropy (fp32) is summed per packed sequence, and the sequences are
 summed per source example (``example_ids``), so the result is reported by example id (the
 source row number, rows the build left out included), in source order. An example's loss is
@@ -37,6 +39,7 @@ from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS, coll
 from loaders.remote import locate
 from loaders.shard_reader import Shard, open_build_shard
 from loaders.train import loss_head
+from loaders.verify import checked_shards
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,10 @@ def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 
     """
     location = locate(source)
     manifest = location.read_manifest()
+    paths, identities = checked_shards(location, manifest, None, verify_checksum=True)
     index = 0
-    for shard_index, path in enumerate(location.local_shards(manifest, None, verify_checksum=True)):
-        shard: Shard = open_build_shard(path, manifest, shard_index)
+    for shard_index, path in enumerate(paths):
+        shard: Shard = open_build_shard(path, manifest, shard_index, verified=identities[shard_index])
         for first in range(0, shard.num_rows, batch_rows):
             index += 1
             if (index - 1) % world_size != rank:

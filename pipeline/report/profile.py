@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +21,9 @@ def read_shard_table(build_dir: str, info: ShardInfo, capacity: int) -> pa.Table
             with storage.open_read(path) as f:
                 table = pa.ipc.open_file(pa.py_buffer(f.read())).read_all()
         else:
-            table = pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-    except (pa.ArrowException, OSError) as err:
+            with storage.open_read(path) as f:  # mapped through the file opened, a regular one
+                table = pa.ipc.open_file(pa.py_buffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))).read_all()
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(path, f"is missing or not a readable Arrow IPC file ({err}); rebuild the build") from err
     validate_table(table, capacity, path)
     return table

@@ -20,7 +20,7 @@ from pipeline.packing import spill
 from schemas import MANIFEST_NAME, Manifest, ManifestError, read_manifest, stream_sha256
 from schemas.io import temporary_target
 from schemas.shard_identity import file_identity_problem
-from schemas.verified import VerifiedShards
+from schemas.verified import VerifiedShards, disk_identity
 
 # The files a build writes: shards, the rejected rows, the manifest and the report figure.
 BUILD_FILE = re.compile(r"^(shard-\d+\.arrow|manifest\.json|rejected\.jsonl|report\.png)$")
@@ -55,15 +55,32 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
                 return f"{shard.path} is missing"
             if (size := storage.size(path)) != shard.bytes:
                 return f"{shard.path} is {size} bytes, the manifest says {shard.bytes}"
-            if record is None or not record.unchanged(Path(path)):
+            if record is None:
                 with storage.open_read(path) as f:
                     if stream_sha256(f) != shard.sha256:
                         return f"{shard.path} fails its checksum (the file is corrupt)"
-                if record is not None:
-                    record.add(Path(path))
+            elif (problem := _hash_unless_recorded(Path(path), shard.sha256, record)) is not None:
+                return f"{shard.path} {problem}"
             with storage.open_read(path) as f:
                 if (problem := file_identity_problem(f, manifest, index)) is not None:
                     return f"{shard.path} {problem}"
+    return None
+
+
+def _hash_unless_recorded(path: Path, sha256: str, record: VerifiedShards) -> str | None:
+    """Why the local shard at ``path`` fails its checksum, or None; hashed unless ``record`` holds it unchanged.
+
+    Its identity on disk is taken once, on the open file, before it is hashed: a shard rewritten while it is
+    hashed is not recorded as verified (with the identity of the rewrite), it fails."""
+    with storage.open_read(str(path)) as f:
+        before = disk_identity(os.fstat(f.fileno()))
+        if record.unchanged(path, before):
+            return None
+        if stream_sha256(f) != sha256:
+            return "fails its checksum (the file is corrupt)"
+        if disk_identity(os.fstat(f.fileno())) != before:
+            return "was changed on disk while it was hashed"
+    record.add(path, before)
     return None
 
 
@@ -111,6 +128,8 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     out_dir, force = plan.out_dir, plan.config.force
     local = not storage.is_url(out_dir)
     names = build_files(plan)
+    # Before anything is deleted or written in it: a link planted there, or another user's directory, is refused.
+    storage.make_own_dir(out_dir)
     problem = None
     if MANIFEST_NAME in names:
         try:
@@ -175,6 +194,7 @@ def remove_leftovers(out_dir: str, log: Callable[[str], None] | None = None) -> 
 
 def discard(out_dir: str, shard_dir: str) -> None:
     """Remove what a failed run wrote, never a finished build: with a manifest present, only temporaries."""
+    storage.check_own_dir(out_dir)
     if shard_dir != out_dir:
         storage.remove([storage.join(shard_dir, n) for n in storage.list_files(shard_dir)])
     elif storage.exists(storage.join(out_dir, MANIFEST_NAME)):

@@ -39,14 +39,14 @@ from schemas import (
     RejectedRows,
     ShardError,
     ShardInfo,
-    atomic_output,
     compute_fingerprint,
-    file_sha256,
     one_of,
     positive_int,
+    stream_sha256,
     validate_table,
     write_manifest,
 )
+from schemas.io import atomic_file
 from schemas.shard_identity import ShardIdentity, with_identity
 
 
@@ -66,17 +66,19 @@ def write_shard(
     """
     validate_table(table, capacity, name)
     schema = with_identity(ROW_SCHEMA, identity)
-    with atomic_output(Path(directory) / name) as tmp:
-        with pa.OSFile(str(tmp), "wb") as sink:
-            # One record batch per shard: the reader maps it as contiguous buffers.
-            with pa.ipc.new_file(sink, schema) as writer:
-                writer.write_table(table.combine_chunks().replace_schema_metadata(schema.metadata), max_chunksize=table.num_rows)
+    # Written, then hashed, through the descriptor that made the temporary file: never reopened by its name.
+    with atomic_file(Path(directory) / name) as file:
+        # One record batch per shard: the reader maps it as contiguous buffers.
+        with pa.ipc.new_file(file, schema) as writer:
+            writer.write_table(table.combine_chunks().replace_schema_metadata(schema.metadata), max_chunksize=table.num_rows)
+        file.flush()
+        file.seek(0)
         return ShardInfo(
             path=name,
             rows=table.num_rows,
             tokens=int(table.column("num_tokens").to_numpy().sum()),
-            sha256=file_sha256(tmp),
-            bytes=tmp.stat().st_size,
+            sha256=stream_sha256(file),
+            bytes=os.fstat(file.fileno()).st_size,
         )
 
 
@@ -116,7 +118,8 @@ def finish_build(
     )
     if storage.is_url(out_dir) and storage.exists(storage.join(out_dir, MANIFEST_NAME)):
         return manifest  # another attempt at this URL published the build first, and the first manifest wins
-    write_manifest(manifest, out_dir, storage.output)
+    # Locally written through the descriptor of its temporary file (schemas.io.atomic_file); at a URL uploaded.
+    write_manifest(manifest, out_dir, storage.output if storage.is_url(out_dir) else None)
     return manifest
 
 
