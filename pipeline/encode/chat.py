@@ -223,7 +223,14 @@ def _check_alternation(roles: list[str], first: int) -> None:
                 f"turn {first + k + 1} is a {role} turn after tool turn {first + k}; the assistant must answer a tool turn",
             )
     # The assistant turn that answers tool turns continues the assistant's turn before them.
-    speakers = [(k, role) for k, role in enumerate(roles) if role != "tool" and not (k and roles[k - 1] == "tool")]
+    speakers: list[tuple[int, str]] = []
+    for k, role in enumerate(roles):
+        if role == "tool":
+            continue
+        if k and roles[k - 1] == "tool":
+            speakers[-1] = (k, role)  # the assistant answering tool turns goes on with its turn
+        else:
+            speakers.append((k, role))
     repeated = next((j for j in range(1, len(speakers)) if speakers[j][1] == speakers[j - 1][1]), None)
     if repeated is not None:
         (a, role), (b, _) = speakers[repeated - 1], speakers[repeated]
