@@ -528,7 +528,11 @@ def test_a_long_conversation_costs_renders_of_its_kept_part_under_truncation(mon
     encoder = Encoder(load_tokenizer(), ExampleFormat(ExampleKind.CHAT, ("messages",), False, TEMPLATE), 64, "truncate")
     renders = []
     apply_template = encoder._apply_template
-    monkeypatch.setattr(encoder, "_apply_template", lambda messages, *a, **k: renders.append(len(messages)) or apply_template(messages, *a, **k))
+    def counted(messages, *args, **kwargs):
+        renders.append(len(messages))
+        return apply_template(messages, *args, **kwargs)
+
+    monkeypatch.setattr(encoder, "_apply_template", counted)
     for pairs in (50, 800):
         renders.clear()
         chat = [m for i in range(pairs) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})]

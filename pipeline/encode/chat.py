@@ -280,7 +280,7 @@ def _probe(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _pattern(messages: list[dict[str, Any]]) -> tuple:
     """What decides which parts of ``messages`` a chat template writes: roles, fields and tool calls."""
     return tuple(
-        (m["role"], bool(m["content"].strip()), tuple(sorted(k for k, v in m.items() if v not in ("", None))), len(m.get("tool_calls", ())))
+        (m["role"], tuple(sorted(k for k, v in m.items() if v not in ("", None))), len(m.get("tool_calls", ())))
         for m in messages
     )
 
@@ -363,8 +363,9 @@ def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[st
     for role in ROLE_ORDER:
         if counts[f"{role}.read"]:
             roles[role] = {"read": counts[f"{role}.read"], "used": counts[f"{role}.used"]}
-            extra = sorted(k.removeprefix(f"{role}.") for k in counts if k.startswith((f"{role}.merged", f"{role}.left_out", f"{role}.unwritten.")))
-            roles[role].update({name: counts[f"{role}.{name}"] for name in extra if counts[f"{role}.{name}"]})
+            kinds = tuple(f"{role}.{kind}" for kind in ("merged", "left_out", "unwritten."))
+            extra = sorted(k.removeprefix(f"{role}.") for k in counts if k.startswith(kinds) and counts[k])
+            roles[role].update({name: counts[f"{role}.{name}"] for name in extra})
     dropped = {kind: counts[f"dropped.{kind}"] for kind in DANGLING if counts[f"dropped.{kind}"]}
     return roles, dropped, counts["dropped.conversations"]
 

@@ -476,7 +476,8 @@ class Encoder:
             in_tokens.append(wrote and start < kept)
         merged = self.merges_system and chat.messages[0]["role"] == "system"
         if merged:  # the system turn is written, and kept, with the first user turn
-            turns_written, unwritten, in_tokens = ([x[0], *x] for x in (turns_written, unwritten, in_tokens))
+            turns_written, in_tokens = [turns_written[0], *turns_written], [in_tokens[0], *in_tokens]
+            unwritten = [[], *unwritten]
         if self.strict and not all(turns_written):
             k = turns_written.index(False)
             raise InputError(
