@@ -9,10 +9,12 @@ no assistant turn. A ``tool`` turn (a tool's output) follows an assistant turn o
 turn, and the assistant speaks again after it. ShareGPT's function calling turns (glaive,
 LLaMA-Factory) become tool calls: a ``function_call`` turn, whose value is a JSON object with
 ``name`` and ``arguments``, is an assistant turn with ``tool_calls``, as chat templates take
-them, and an ``observation`` turn is a ``tool`` turn.
+them, and an ``observation`` turn is a ``tool`` turn. A ``{role, content}`` message keeps its
+other fields (``tool_calls``, whose ``content`` may be null, ``tool_call_id``, ``name``,
+``reasoning_content``) for the chat template; ``written`` finds which of them a template writes.
 
 ShareGPT dumps hold conversations split from longer ones, which often start with an assistant
-turn or end with a user turn. In ShareGPT data those dangling turns are dropped, as FastChat's
+(or tool) turn or end with a user turn. In ShareGPT data those dangling turns are dropped, as FastChat's
 preprocessing and axolotl's ShareGPT strategies do, and counted (``Conversation.dropped_leading``,
 ``dropped_trailing``); ``--keep-dangling-turns`` refuses such rows instead, and
 ``--drop-dangling-turns`` drops them in ``{role, content}`` data too:
@@ -79,15 +81,13 @@ def _turn(message: Any, number: int) -> dict[str, Any]:
             f"turn {number} has role {speaker!r}; roles are user, assistant, system and tool (ShareGPT: human, gpt or "
             "chatgpt, system; model means assistant)",
         )
-    extra = {k: v for k, v in message.items() if k not in SPEAKER_KEYS + TEXT_KEYS and v is not None}
+    # Null fields are fields the row does not have (reading gives every message all of them); so is an empty call list.
+    extra = {k: v for k, v in message.items() if k not in SPEAKER_KEYS + TEXT_KEYS and v is not None and v != []}
     if "tool_calls" in extra:
         _check_tool_calls(extra["tool_calls"], number, role)
         extra["tool_calls"] = [_with_arguments_object(call) for call in extra["tool_calls"]]
-        if content is None:
-            content = ""  # an OpenAI call without text: content null
-    elif not isinstance(content, str) or not content.strip():
-        raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
-    if not isinstance(content, str):
+        content = "" if content is None else content  # OpenAI writes a call without text as content null
+    if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra):
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
     if speaker.strip().lower() == "function_call":
         return {"role": role, "content": "", "tool_calls": [{"type": "function", "function": _function(content, number)}]}

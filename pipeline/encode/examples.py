@@ -12,8 +12,8 @@
   The example ends with the last turn's end-of-turn token, which must be a special token.
   A template that writes no system turn (it drops it, or refuses it) gets the system content
   merged into the first user turn, ``system\n\nuser``, as Gemma's own template does. Each turn
-  whose content is not in the rendered text is counted as unused (``EncodedBatch.turns``), and
-  under ``--strict`` stops the build.
+  the template leaves out (``chat.written``) is counted as left out (``EncodedBatch.turns``), and
+  under ``--strict`` stops the build; a turn is used when it is in the tokens kept.
 
 Rows that cannot make an example (null or empty text, broken conversations, no tokens) stop the
 batch with an error naming the first one, or under ``--on-bad-row skip`` are left out and
