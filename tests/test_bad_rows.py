@@ -323,8 +323,8 @@ def test_turn_counts_are_those_in_the_tokens_after_truncation(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--keep-dangling-turns"], "--keep-dangling-turns refuses dangling turns of chat data; {path} is prompt_response data"),
-    (["--drop-dangling-turns"], "--drop-dangling-turns drops dangling turns of chat data; {path} is prompt_response data"),
+    (["--keep-dangling-turns"], "--keep-dangling-turns refuses turns of chat data; {path} is prompt_response data"),
+    (["--drop-dangling-turns"], "--drop-dangling-turns drops turns of chat data; {path} is prompt_response data"),
     (["--drop-dangling-turns", "--keep-dangling-turns"],
      "--drop-dangling-turns and --keep-dangling-turns contradict each other; pass one of them"),
 ])
