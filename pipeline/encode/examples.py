@@ -426,6 +426,7 @@ class Encoder:
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
         tokens, lengths = token_ids(encodings, self.dtype)
         masks, turns = [], Counter()
+        generation_tags = _GENERATION_TAG.search(self.format.chat_template) is not None
         for (chat, messages, row), text, encoding, assistant in zip(chats, rendered, encodings, spans):
             offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
             # The characters that reach the rows: all of them, those before the first token truncation
@@ -433,8 +434,8 @@ class Encoder:
             kept = len(text)
             if len(offsets) > self.max_len and self.overflow != Overflow.SPLIT:
                 kept = int(offsets[self.max_len, 0]) if self.overflow == Overflow.TRUNCATE else 0
-            if assistant is None:  # located turn by turn, as far as the kept characters reach
-                assistant = self._assistant_spans(messages, text, rows, row, kept)
+            if not generation_tags:  # located turn by turn, as far as the kept characters reach
+                assistant = self._assistant_spans(messages, text, rows, row, kept, assistant[-1])
             if self.format.train_on_prompt:
                 mask = np.ones(len(encoding), dtype=np.uint8)
                 if self.prefix and encoding.ids[: len(self.prefix)] == self.prefix:
@@ -533,7 +534,8 @@ class Encoder:
         where = f"--chat-template with tokenizer {self.tokenizer.name}"
         try:
             text, spans = self._render(list(PROBE_CHAT), BatchRows(where), 0)
-            spans = spans if spans is not None else self._assistant_spans(list(PROBE_CHAT), text, BatchRows(where), 0, len(text))
+            if not _GENERATION_TAG.search(self.format.chat_template):
+                spans = self._assistant_spans(list(PROBE_CHAT), text, BatchRows(where), 0, len(text), spans[-1])
         except RowProblem as problem:
             raise ConfigError(f"{where}: a plain user/assistant conversation is refused ({problem.message})") from problem
         added = self.backend.get_added_tokens_decoder()
@@ -561,48 +563,49 @@ class Encoder:
                 )
         return int(inside[-1])
 
-    def _render(self, messages: list[dict[str, Any]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]] | None]:
+    def _render(self, messages: list[dict[str, Any]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add, each up to its
         end-of-turn token: whitespace the template writes after it is not trained on, and after the
         last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``).
-        Without ``{% generation %}`` only the last span is found here (None: ``_assistant_spans``
-        finds them all, once the tokens say how much of the text is kept)."""
+        Without ``{% generation %}`` only the last span is found here; ``_assistant_spans`` finds
+        the others once the tokens say how much of the text is kept."""
         if _GENERATION_TAG.search(self.format.chat_template):
             text, indices = self._apply_template(messages, with_generation_spans=True)
             spans = [(int(a), int(b)) for a, b in indices]
         else:
             text, _ = self._apply_template(messages)
             last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
-            spans = self._assistant_spans(messages, text, rows, row, 0, [last])
+            spans = [self._span(messages, last, text, rows, row)]
         spans = [(start, start + len(text[start:end].rstrip())) for start, end in spans]
         if spans and not text[spans[-1][1] :].strip():
             text = text[: spans[-1][1]]
-        return (text, spans) if _GENERATION_TAG.search(self.format.chat_template) else (text, None)
+        return text, spans
 
     def _assistant_spans(
-        self, messages: list[dict[str, Any]], text: str, rows: BatchRows, row: int, kept: int, turns: list[int] | None = None
+        self, messages: list[dict[str, Any]], text: str, rows: BatchRows, row: int, kept: int, last: tuple[int, int]
     ) -> list[tuple[int, int]]:
         """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it
-        turn by turn: those that start before character ``kept``, and the last (or those of ``turns``).
-        Rendering stops at ``kept``, so a long conversation truncated to ``--max-len`` costs the
-        renders of its kept part, not its turn count squared."""
-        assistant = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        turn by turn: those that start before character ``kept``, then ``last``, the last turn's. Rendering
+        stops at ``kept``, so a long conversation truncated to ``--max-len`` costs the renders of its
+        kept part, not its turn count squared."""
         spans = []
-        for i in turns if turns is not None else assistant:
-            before, _ = self._apply_template(messages[:i], add_generation_prompt=True)
-            if turns is None and len(before) >= kept and i != assistant[-1]:
-                i = assistant[-1]  # past the kept characters: only the last turn is still needed, to end the text
-                before, _ = self._apply_template(messages[:i], add_generation_prompt=True)
-            through, _ = self._apply_template(messages[: i + 1])
-            if not (through.startswith(before) and (text.startswith(through) or through.startswith(text))):
-                raise InputError(
-                    f"{rows.name(row)}: the chat template renders earlier turns differently once later turns are added, "
-                    "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
-                )
-            spans.append((len(before), len(through)))
-            if i == assistant[-1]:
+        for i in [i for i, message in enumerate(messages) if message["role"] == "assistant"][:-1]:
+            span = self._span(messages, i, text, rows, row)
+            if span[0] >= kept:
                 break
-        return [(start, start + len(text[start:end].rstrip())) for start, end in spans]
+            spans.append(span)
+        return [*spans, last]
+
+    def _span(self, messages: list[dict[str, Any]], i: int, text: str, rows: BatchRows, row: int) -> tuple[int, int]:
+        """The characters of ``text`` that assistant turn ``messages[i]`` adds, without the whitespace after them."""
+        before, _ = self._apply_template(messages[:i], add_generation_prompt=True)
+        through, _ = self._apply_template(messages[: i + 1])
+        if not (through.startswith(before) and (text.startswith(through) or through.startswith(text))):
+            raise InputError(
+                f"{rows.name(row)}: the chat template renders earlier turns differently once later turns are added, "
+                "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
+            )
+        return len(before), len(before) + len(text[len(before) : len(through)].rstrip())
 
     def _apply_template(
         self, messages: list, add_generation_prompt: bool = False, with_generation_spans: bool = False
