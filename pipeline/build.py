@@ -131,6 +131,7 @@ def build(
         with build_lock(plan.out_dir, config.lock_timeout, log, shared=True):
             existing = reusable(plan)
             if existing is not None and not needs_lock_alone(plan, write_figure is not None):
+                _check_reused(existing, config.strict, log)
                 elapsed_s = time.perf_counter() - started
                 figure = _missing_figure(plan, existing, write_figure)  # in a read-only place: says it cannot
                 return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
@@ -138,6 +139,7 @@ def build(
     with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
         existing = check_output(plan, log)
         if existing is not None:
+            _check_reused(existing, config.strict, log)
             elapsed_s = time.perf_counter() - started
             figure = _missing_figure(plan, existing, write_figure)
             return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
@@ -154,6 +156,16 @@ def build(
         log(f"another run published {plan.out_dir} first; using its build")
         discard(plan.out_dir, shard_dir)
     return BuildResult(manifest, plan.out_dir, False, elapsed_s, _layout(plan), figure)
+
+
+def _check_reused(manifest: Manifest, strict: bool, log: Callable[[str], None]) -> None:
+    """The warnings of a reused build, from the figures its manifest records; under ``--strict`` the first
+    is an error, as it is in a fresh run (``--strict`` does not change the build, so it is not fingerprinted)."""
+    lines = unused_input_warnings(manifest.stats)
+    if strict and lines:
+        raise InputError(f"{lines[0].removeprefix('warning: ')} (--strict; the build was reused)")
+    for line in lines:
+        log(line)
 
 
 def _missing_figure(plan: BuildPlan, manifest: Manifest, write_figure: FigureWriter | None) -> str | None:

@@ -50,6 +50,17 @@ def bad_row_bound(text: str) -> int | float:
 PROG = "python -m pipeline.pack"
 
 
+class _DanglingTurns(argparse.Action):
+    """``--drop-dangling-turns`` or ``--keep-dangling-turns``; both is a ConfigError (one line), not a usage text."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from pipeline.errors import ConfigError
+
+        if getattr(namespace, self.dest) not in (None, self.const):
+            raise ConfigError("--drop-dangling-turns and --keep-dangling-turns contradict each other; pass one of them")
+        setattr(namespace, self.dest, self.const)
+
+
 def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     from pipeline.config import OnTokenMismatch, PackConfig, TruncateSide, VerifyTokens
     from schemas import BadRowPolicy, Overflow, PackingAlgorithm
@@ -114,15 +125,14 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="special tokens to add to the tokenizer, each then one token, e.g. '<|endoftext|>,<|im_start|>,<|im_end|>' "
              "for a tiktoken ranks file, which holds none (ids follow the vocabulary; for a model's own ids put them "
              "in NAME.tiktoken.json beside the file)")
-    dangling = parser.add_mutually_exclusive_group()
-    dangling.add_argument(
-        "--drop-dangling-turns", dest="drop_dangling_turns", action="store_const", const=True,
+    add(
+        "--drop-dangling-turns", dest="drop_dangling_turns", action=_DanglingTurns, const=True, nargs=0,
         default=default.drop_dangling_turns,
         help="chat data: drop assistant turns before the first user turn and user turns after the last assistant turn "
              "(conversations split from longer ones), as FastChat does, in {role, content} data too (ShareGPT data: the "
              "default); counted in the report and the manifest")
-    dangling.add_argument(
-        "--keep-dangling-turns", dest="drop_dangling_turns", action="store_const", const=False,
+    add(
+        "--keep-dangling-turns", dest="drop_dangling_turns", action=_DanglingTurns, const=False, nargs=0,
         help="chat data: refuse conversations that start with an assistant turn or end with a user turn, ShareGPT "
              "ones too, as bad rows")
     add("--strict", action="store_true",

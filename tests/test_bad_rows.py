@@ -276,4 +276,60 @@ def test_conversation_returns_a_well_ordered_chat_or_raises_the_bad_row_error(tu
     speakers = [r for k, r in enumerate(body) if r != "tool" and (k == 0 or body[k - 1] != "tool")]
     assert all(a != b for a, b in zip(speakers, speakers[1:]))
     assert all(body[k - 1] in ("assistant", "tool") for k, r in enumerate(body) if r == "tool")
-    assert len(chat.read) == len(value) == len(chat.messages) + chat.dropped_leading + chat.dropped_trailing
+    assert all(r in ("assistant", "tool") for k, r in enumerate(body) if k and body[k - 1] == "tool")
+    assert len(chat.read) == len(value) == len(chat.messages) + len(chat.dropped_leading) + chat.dropped_trailing
+
+
+def test_the_assistant_speaks_after_a_tool_turn_and_the_turns_that_break_it_are_named():
+    """A tool turn is answered by the assistant: a user turn after it is refused naming both turns, and
+    [user, assistant, tool, user, user, assistant] is not let through."""
+    u, a, t = ({"role": role, "content": role[0]} for role in ("user", "assistant", "tool"))
+    for value in ([u, a, t, u, a], [u, a, t, u, u, a]):
+        with pytest.raises(RowProblem, match="^turn 4 is a user turn after tool turn 3; the assistant must answer a tool turn$"):
+            conversation(value)
+    assert [m["role"] for m in conversation([u, a, t, t, a, u, a]).messages] == ["user", "assistant", "tool", "tool",
+                                                                                "assistant", "user", "assistant"]
+    with pytest.raises(RowProblem, match="^turns 4 and 5 are both assistant turns"):
+        conversation([u, a, t, a, a])
+
+
+def test_a_dangling_leading_tool_turn_is_counted_as_a_tool_turn_without_a_warning(tmp_path, capsys):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"conversations": sharegpt(("observation", '{"temp": 21}'), ("human", "Hi"), ("gpt", "Hello!"))}) + "\n")
+    assert main(["--dataset", str(path), "--out", str(tmp_path / "out"), "--max-len", "64", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.err
+    assert re.search(r"trimmed +dropped 1 leading tool turn in 1 conversation", captured.out)
+    (out_dir,) = (tmp_path / "out").iterdir()
+    stats = read_manifest(out_dir).stats
+    assert stats.dangling_turns_dropped == {"leading_tool": 1}
+    assert stats.chat_turns["tool"] == {"read": 1, "used": 0}
+
+
+def test_turn_counts_are_those_in_the_tokens_after_truncation(tmp_path, capsys):
+    """Under --overflow truncate a turn cut off, or in an example dropped with nothing left to train on, is read but
+    not used: the manifest's assistant turns used are the assistant runs of the packed loss masks."""
+    long = " ".join(["word"] * 120)
+    rows = [sharegpt(("human", "Hi"), ("gpt", "Hello!"), ("human", long), ("gpt", "Second answer")),
+            sharegpt(("human", long), ("gpt", "Only answer"))]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"conversations": row}) + "\n" for row in rows))
+    assert main(["--dataset", str(path), "--out", str(tmp_path / "out"), "--max-len", "48", "--no-progress"]) == 0
+    assert re.search(r"turns +2 of 3 user, 1 of 3 assistant\n", capsys.readouterr().out)
+    (out_dir,) = (tmp_path / "out").iterdir()
+    masks = [[0, *mask.tolist()] for _, mask in read_examples(out_dir).values()]
+    runs = sum(b > a for mask in masks for a, b in zip(mask, mask[1:]))
+    assert read_manifest(out_dir).stats.chat_turns["assistant"] == {"read": 3, "used": runs} and runs == 1
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--keep-dangling-turns"], "--keep-dangling-turns refuses turns of chat data; {path} is prompt_response data"),
+    (["--drop-dangling-turns"], "--drop-dangling-turns drops turns of chat data; {path} is prompt_response data"),
+    (["--drop-dangling-turns", "--keep-dangling-turns"],
+     "--drop-dangling-turns and --keep-dangling-turns contradict each other; pass one of them"),
+])
+def test_dangling_turn_flags_that_do_not_fit_are_one_line(tmp_path, capsys, flags, error):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi", "response": "Hello"}) + "\n")
+    assert main(["--dataset", str(path), "--out", str(tmp_path / "out"), "--no-progress", *flags]) == 1
+    assert capsys.readouterr().err.strip() == f"varpack: error: {error.format(path=path)}"

@@ -9,6 +9,7 @@ import base64
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -286,8 +287,8 @@ def test_a_role_the_template_leaves_out_is_a_warning_line_and_under_strict_an_er
     assert main([*args, "--out", str(tmp_path / "out")]) == 0
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if "warning" in line]
-    assert warnings == ["varpack: warning: 1 tool turn read, none in the tokens: the chat template leaves tool turns out; "
-                        "use a template that writes them (--chat-template), or pass --strict to stop on this"]
+    assert warnings == ["varpack: warning: 1 tool turn of 1 read left out of the tokens: the chat template leaves tool "
+                        "turns out; use a template that writes them (--chat-template), or pass --strict to stop on this"]
     assert "turns         2 user, 3 assistant, 0 of 1 tool\n" in captured.out
     (out_dir,) = (tmp_path / "out").iterdir()
     for i, chat in enumerate(tool_chats):
@@ -297,6 +298,142 @@ def test_a_role_the_template_leaves_out_is_a_warning_line_and_under_strict_an_er
     assert error == (f"varpack: error: {path} line 1: the chat template left out a tool turn (its content is not in the "
                      "rendered text); use a template that writes such turns, or leave out --strict to count them")
     assert not list((tmp_path / "strict").rglob("*.*"))
+    # --strict is no fingerprint setting: the build made without it is reused, and its recorded turns stop the run.
+    assert main([*args, "--out", str(tmp_path / "out"), "--strict"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == ("varpack: error: 1 tool turn of 1 read left out of the tokens: the chat template leaves tool turns "
+                     "out; use a template that writes them (--chat-template), or pass --strict to stop on this (--strict; "
+                     "the build was reused)")
+
+
+def test_a_left_out_turn_whose_text_occurs_elsewhere_is_still_left_out(tmp_path, capsys):
+    """Phi-3 drops the tool turn "4"; that "4" also occurs in "It is 4." does not make it count as written."""
+    directory = byte_level_directory(tmp_path / "phi3", PHI3_SPECIALS, {"bos_token": "<s>", "eos_token": "<|endoftext|>"})
+    chat = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "Let me add."},
+            {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}]
+    path = write_chats(tmp_path / "tools.jsonl", [chat])
+    args = ["--dataset", str(path), "--tokenizer", str(directory), "--chat-template", PHI3_TEMPLATE, "--max-len", "256",
+            "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert "turns         1 user, 2 assistant, 0 of 1 tool\n" in capsys.readouterr().out
+    assert main([*args, "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert "the chat template left out a tool turn" in capsys.readouterr().err
+
+
+# Llama 3.1's own template, its tool parts: tool output through `| tojson`, one tool call as JSON.
+LLAMA31_TOOLS_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", "parameters": ' + tool_call.arguments | tojson + '}<|eot_id|>' }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}
+        {%- else %}{{- message.content }}{%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"""
+
+
+def test_a_tool_turn_the_template_writes_through_a_filter_counts_as_used(tmp_path, capsys):
+    """Llama 3.1 writes a tool's output with `| tojson` ({"sum": 4} as "{\\"sum\\": 4}"): in the tokens, so used,
+    no warning, and --strict builds."""
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    directory = byte_level_directory(tmp_path / "llama31", LLAMA3_SPECIALS, config)
+    turns = [("human", "What is 2 plus 2?"), ("function_call", json.dumps({"name": "add", "arguments": {"a": 2, "b": 2}})),
+             ("observation", '{"sum": 4}'), ("gpt", "It is 4.")]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n")
+    args = ["--dataset", str(path), "--tokenizer", str(directory), "--chat-template", LLAMA31_TOOLS_TEMPLATE,
+            "--max-len", "256", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "turns         1 user, 2 assistant, 1 tool\n" in captured.out and "warning" not in captured.err
+    assert main([*args, "--out", str(tmp_path / "strict"), "--strict"]) == 0
+
+
+def reference_with_mask(directory: Path, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+    """transformers' tokens and ``return_assistant_tokens_mask`` of ``messages`` (``template`` has generation tags)."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **config)
+    out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+TOOLS_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+
+@pytest.mark.parametrize("arguments", ["object", "openai"])
+def test_openai_tool_calls_reach_the_template_and_are_trained_as_transformers_marks_them(tmp_path, capsys, arguments):
+    """{role, content} messages with tool_calls (arguments an object, or JSON text with content null as OpenAI
+    writes them): the tokens are apply_chat_template's, and the loss mask is its assistant mask (the template
+    with {% generation %} tags); the report counts every turn."""
+    directory = byte_level_directory(tmp_path / "qwen", TOOLS_SPECIALS, {"eos_token": "<|im_end|>"})
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    messages = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "Let me add.", "tool_calls": [call]},
+                {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}]
+    data = json.loads(json.dumps(messages))
+    if arguments == "openai":
+        data[1] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]}
+        messages[1] = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", **call}]}
+    path = write_chats(tmp_path / "tools.jsonl", [data])
+    assert main(["--dataset", str(path), "--tokenizer", str(directory), "--chat-template", TOOLS_TEMPLATE, "--max-len",
+                 "256", "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    assert "turns         1 user, 2 assistant, 1 tool\n" in capsys.readouterr().out
+    (out_dir,) = (tmp_path / "out").iterdir()
+    tokens, mask = read_examples(out_dir)[0]
+    marked = TOOLS_TEMPLATE.replace("{{- '<|im_start|>assistant\n' + (message.content or '') }}",
+                                    "{{- '<|im_start|>assistant\n' }}{% generation %}{{- message.content or '' }}")
+    marked = marked.replace("{{- '<|im_end|>\n' }}\n    {%- elif", "{{- '<|im_end|>' }}{% endgeneration %}{{- '\n' }}\n    {%- elif")
+    marked = marked.replace("{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}",
+                            "{{- '<|im_start|>' + message.role + '\n' }}{% if message.role == 'assistant' %}{% generation %}"
+                            "{{- message.content + '<|im_end|>' }}{% endgeneration %}{% else %}{{- message.content + "
+                            "'<|im_end|>' }}{% endif %}{{- '\n' }}")
+    ids, reference_mask = reference_with_mask(directory, messages, marked)
+    assert ids == reference_tokens(directory, messages, TOOLS_TEMPLATE)
+    assert list(tokens) == ids[: len(tokens)] and list(mask) == reference_mask[: len(tokens)]
+    assert "<tool_call>" in load_tokenizer(str(directory)).backend().decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' }}{% if m.reasoning_content %}"
+    "{{ '<think>\n' + m.reasoning_content + '\n</think>\n\n' }}{% endif %}{{ m.content + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_reasoning_content_reaches_the_template_and_a_template_without_it_is_a_warning(tmp_path, capsys):
+    """reasoning_content (Qwen3's and DeepSeek-R1's traces) is written where the template writes it; a template that
+    does not write it is a warning line naming the field, and under --strict an error naming the row."""
+    directory = byte_level_directory(tmp_path / "think", TOOLS_SPECIALS, {"eos_token": "<|im_end|>"})
+    messages = [{"role": "user", "content": "What is 2 plus 2?"},
+                {"role": "assistant", "reasoning_content": "2 plus 2 is 4", "content": "It is 4."}]
+    path = write_chats(tmp_path / "think.jsonl", [messages])
+    args = ["--dataset", str(path), "--tokenizer", str(directory), "--max-len", "256", "--no-progress"]
+    assert main([*args, "--chat-template", THINK_TEMPLATE, "--out", str(tmp_path / "out"), "--strict"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    (out_dir,) = (tmp_path / "out").iterdir()
+    tokens, mask = read_examples(out_dir)[0]
+    assert_tokens_as_transformers(directory, tokens, messages, THINK_TEMPLATE)
+    trained = load_tokenizer(str(directory)).backend().decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+    assert trained == "<think>\n2 plus 2 is 4\n</think>\n\nIt is 4.<|im_end|>"
+    assert main([*args, "--chat-template", "chatml", "--out", str(tmp_path / "chatml")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["varpack: warning: the chat template does not write the 'reasoning_content' of 1 assistant turn; "
+                        "use a template that writes it (--chat-template), or pass --strict to stop on this"]
+    assert main([*args, "--chat-template", "chatml", "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"varpack: error: {path} line 1: the chat template does not write the 'reasoning_content' of turn 2 (assistant); "
+        "use a template that writes it, or leave out --strict to count it"
+    )
 
 
 # Qwen2.5's way of writing tool calls and tool outputs (its chat template, without the tool definitions part).
@@ -351,3 +488,55 @@ def test_tool_calls_and_tool_turns_pass_through_a_template_that_writes_them_and_
     assert error == (f"varpack: error: {path} line 1: the chat template writes no tool calls, so the call to 'add' would "
                      "vanish; use a template that writes tool calls (the model's own, e.g. Qwen2.5's or Llama 3.1's)")
     assert not list((tmp_path / "chatml").rglob("*.*"))
+
+
+@pytest.mark.parametrize("answer", ['{"answer": 4}', "**Four.**", "$2+2=4$", "(four)", "[4]", "\\frac{8}{2}", "Four."])
+def test_an_answer_whose_first_token_holds_the_templates_last_character_is_trained_as_transformers_marks_it(answer):
+    """The default Mistral tokenizer merges "]" of "[/INST]" with an answer's first character ("]{"): that token
+    holds the answer's first character, so it is trained, as apply_chat_template's assistant mask marks it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE as TEMPLATE
+    from pipeline.encode.examples import Encoder
+    from pipeline.read.formats import ExampleFormat
+    from pipeline.read.readers import MESSAGES_TYPE, BatchRows
+    from schemas import ExampleKind
+
+    tokenizer = load_tokenizer()
+    messages = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": answer}]
+    encoder = Encoder(tokenizer, ExampleFormat(ExampleKind.CHAT, ("messages",), False, TEMPLATE), 256, "split")
+    batch = encoder.encode(pa.table({"messages": pa.array([messages], type=MESSAGES_TYPE)}), BatchRows("t"))
+    reference = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend(), bos_token="<s>", eos_token="</s>")
+    marked = TEMPLATE.replace("{{ message['content'] + eos_token }}",
+                              "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}")
+    out = reference.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    assert batch.tokens.tolist() == list(out["input_ids"])
+    assert batch.loss_mask.tolist() == list(out["assistant_masks"])
+
+
+def test_a_long_conversation_costs_renders_of_its_kept_part_under_truncation(monkeypatch):
+    """Without {% generation %} assistant turns are found by rendering prefixes; under --overflow truncate only those
+    within --max-len are, so the renders per conversation do not grow with its turns (a 3,200-turn-pair row took
+    two minutes when every prefix was rendered)."""
+    from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE as TEMPLATE
+    from pipeline.encode.examples import Encoder
+    from pipeline.read.formats import ExampleFormat
+    from pipeline.read.readers import MESSAGES_TYPE, BatchRows
+    from schemas import ExampleKind
+
+    encoder = Encoder(load_tokenizer(), ExampleFormat(ExampleKind.CHAT, ("messages",), False, TEMPLATE), 64, "truncate")
+    renders = []
+    apply_template = encoder._apply_template
+    def counted(messages, *args, **kwargs):
+        renders.append(len(messages))
+        return apply_template(messages, *args, **kwargs)
+
+    monkeypatch.setattr(encoder, "_apply_template", counted)
+    for pairs in (50, 800):
+        renders.clear()
+        chat = [m for i in range(pairs) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})]
+        batch = encoder.encode(pa.table({"messages": pa.array([chat], type=MESSAGES_TYPE)}), BatchRows("t"))
+        kept = [0, *batch.loss_mask[:64].tolist()]
+        assert batch.turns["assistant.used"] == sum(b > a for a, b in zip(kept, kept[1:])) > 0  # the turns in the tokens
+        assert len(renders) <= 32 and sum(renders) <= 12 * 2 * pairs

@@ -173,3 +173,33 @@ def test_long_conversations_are_truncated_by_default_never_split_into_chunks_tha
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "words " * 100}) + "\n")
     assert build(config(text, tmp_path)).manifest.inputs.overflow == "split"  # text data splits, as before
+
+
+def test_tool_calls_and_reasoning_are_read_alike_from_json_lines_json_and_parquet(tmp_path):
+    """A message's tool_calls (arguments an object, or OpenAI's JSON text), tool_call_id and reasoning_content are
+    read from every format and reach the chat template the same way: the same tokens from each file."""
+    from tests.test_chat_templates import TOOLS_SPECIALS, TOOLS_TEMPLATE, byte_level_directory
+
+    directory = byte_level_directory(tmp_path / "tok", TOOLS_SPECIALS, {"eos_token": "<|im_end|>"})
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    chats = [
+        [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+         {"role": "assistant", "content": "It is 4.", "reasoning_content": "The tool said 4."}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+    ]
+    as_text = json.loads(json.dumps(chats))
+    as_text[0][1]["tool_calls"][0]["function"]["arguments"] = '{"a": 2, "b": 2}'
+    files = {"object.jsonl": chats, "text.jsonl": as_text}
+    for name, rows in files.items():
+        (tmp_path / name).write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in rows))
+    (tmp_path / "array.json").write_text(json.dumps([{"messages": chat} for chat in chats]))
+    pq.write_table(pa.Table.from_pylist([{"messages": chat} for chat in as_text]), tmp_path / "table.parquet")
+    tokens = []
+    for name in ("object.jsonl", "text.jsonl", "array.json", "table.parquet"):
+        result = build(PackConfig(dataset=str(tmp_path / name), out=str(tmp_path / name.replace(".", "-")), max_len=256,
+                                  progress=False, tokenizer=str(directory), chat_template=TOOLS_TEMPLATE))
+        tokens.append(packed_tokens(result))
+        assert result.manifest.stats.chat_turns["tool"] == {"read": 1, "used": 1, "unwritten.tool_call_id": 1}
+        assert result.manifest.stats.chat_turns["assistant"] == {"read": 3, "used": 3, "unwritten.reasoning_content": 1}
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]

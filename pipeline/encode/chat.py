@@ -9,10 +9,12 @@ no assistant turn. A ``tool`` turn (a tool's output) follows an assistant turn o
 turn, and the assistant speaks again after it. ShareGPT's function calling turns (glaive,
 LLaMA-Factory) become tool calls: a ``function_call`` turn, whose value is a JSON object with
 ``name`` and ``arguments``, is an assistant turn with ``tool_calls``, as chat templates take
-them, and an ``observation`` turn is a ``tool`` turn.
+them, and an ``observation`` turn is a ``tool`` turn. A ``{role, content}`` message keeps its
+other fields (``tool_calls``, whose ``content`` may be null, ``tool_call_id``, ``name``,
+``reasoning_content``) for the chat template; ``written`` finds which of them a template writes.
 
 ShareGPT dumps hold conversations split from longer ones, which often start with an assistant
-turn or end with a user turn. In ShareGPT data those dangling turns are dropped, as FastChat's
+(or tool) turn or end with a user turn. In ShareGPT data those dangling turns are dropped, as FastChat's
 preprocessing and axolotl's ShareGPT strategies do, and counted (``Conversation.dropped_leading``,
 ``dropped_trailing``); ``--keep-dangling-turns`` refuses such rows instead, and
 ``--drop-dangling-turns`` drops them in ``{role, content}`` data too:
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.encode.bad_rows import Reason, RowProblem
@@ -54,12 +57,19 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     read: list[dict[str, Any]]  # every turn of the row, dangling ones included
-    dropped_leading: int = 0
+    dropped_leading: tuple[str, ...] = ()  # the roles of the leading assistant and tool turns dropped
     dropped_trailing: int = 0
 
 
+# The keys that hold a turn's speaker and text; every other non-null key of a message (``tool_calls``,
+# ``reasoning_content``, ``tool_call_id``, ``name``) is passed to the chat template as it is.
+SPEAKER_KEYS = ("role", "from")
+TEXT_KEYS = ("content", "value")
+
+
 def _turn(message: Any, number: int) -> dict[str, Any]:
-    """One message as ``{role, content}``, from ``role``/``content`` or ShareGPT's ``from``/``value``."""
+    """One message as ``{role, content, ...}``, from ``role``/``content`` or ShareGPT's ``from``/``value``,
+    with its other fields (``tool_calls``, ``reasoning_content``) kept for the chat template."""
     if not isinstance(message, dict):
         raise RowProblem(Reason.NOT_A_CONVERSATION, f"turn {number} is not an object, got {message!r:.60}")
     speaker = message.get("role") if message.get("role") is not None else message.get("from")
@@ -71,11 +81,44 @@ def _turn(message: Any, number: int) -> dict[str, Any]:
             f"turn {number} has role {speaker!r}; roles are user, assistant, system and tool (ShareGPT: human, gpt or "
             "chatgpt, system; model means assistant)",
         )
-    if not isinstance(content, str) or not content.strip():
+    # Null fields are fields the row does not have (reading gives every message all of them); so is an empty call list.
+    extra = {k: v for k, v in message.items() if k not in SPEAKER_KEYS + TEXT_KEYS and v is not None and v != []}
+    if "tool_calls" in extra:
+        _check_tool_calls(extra["tool_calls"], number, role)
+        extra["tool_calls"] = [_with_arguments_object(call) for call in extra["tool_calls"]]
+        content = "" if content is None else content  # OpenAI writes a call without text as content null
+    if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra):
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
     if speaker.strip().lower() == "function_call":
         return {"role": role, "content": "", "tool_calls": [{"type": "function", "function": _function(content, number)}]}
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
+
+
+def _check_tool_calls(calls: Any, number: int, role: str) -> None:
+    """``tool_calls`` as chat templates take them: a list of ``{"function": {"name", "arguments"}}``."""
+    good = role == "assistant" and isinstance(calls, list) and bool(calls) and all(
+        isinstance(call, dict) and isinstance(call.get("function"), dict) and isinstance(call["function"].get("name"), str)
+        for call in calls
+    )
+    if not good:
+        raise RowProblem(
+            Reason.BAD_TOOL_CALL,
+            f"turn {number} ({role}) has tool_calls {calls!r:.60}; only an assistant turn calls tools, with a list of "
+            '{"type": "function", "function": {"name", "arguments"}}',
+        )
+
+
+def _with_arguments_object(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call without its null fields, its ``arguments`` an object, as chat templates take them
+    (OpenAI writes them as JSON text; text that is not JSON stays text)."""
+    call = {k: v for k, v in call.items() if v is not None}
+    function = {k: v for k, v in call["function"].items() if v is not None}
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass  # arguments a model wrote as text stay text
+    return {**call, "function": function}
 
 
 def _function(value: str, number: int) -> dict[str, Any]:
@@ -108,9 +151,9 @@ def _is_sharegpt(value: list) -> bool:
     return any(isinstance(m, dict) and m.get("role") is None and m.get("from") is not None for m in value)
 
 
-def _without_dangling_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
-    """``messages`` without the assistant turns before the first user turn and the user turns after the
-    last assistant turn, and how many of each were dropped."""
+def _without_dangling_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], int]:
+    """``messages`` without the assistant and tool turns before the first user turn and the user turns
+    after the last assistant turn, the roles of the leading ones dropped, and how many trailing ones were."""
     first = 1 if messages and messages[0]["role"] == "system" else 0
     start = first
     while start < len(messages) and messages[start]["role"] in ("assistant", "tool"):
@@ -118,7 +161,8 @@ def _without_dangling_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[s
     end = len(messages)
     while end > start and messages[end - 1]["role"] == "user":
         end -= 1
-    return messages[:first] + messages[start:end], start - first, len(messages) - end
+    leading = [m["role"] for m in messages[first:start]]
+    return messages[:first] + messages[start:end], leading, len(messages) - end
 
 
 def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
@@ -162,12 +206,31 @@ def _check_ends(roles: list[str], dropped: int) -> None:
 
 
 def _check_alternation(roles: list[str], first: int) -> None:
-    """User and assistant turns alternate; tool turns, and the assistant turn after them, continue the assistant's."""
-    after_tool = [k > 0 and roles[k - 1] == "tool" for k in range(len(roles))]
-    stray = next((k for k, role in enumerate(roles) if role == "tool" and roles[k - 1] not in ("assistant", "tool")), None)
-    if stray is not None:
-        raise RowProblem(Reason.ROLES_NOT_ALTERNATING, f"turn {first + stray + 1} is a tool turn that follows no assistant turn")
-    speakers = [(k, role) for k, role in enumerate(roles) if role != "tool" and not after_tool[k]]
+    """User and assistant turns alternate; tool turns follow an assistant (or tool) turn, and the
+    assistant speaks again after them, continuing its turn.
+
+    >>> _check_alternation(["user", "assistant", "tool", "user", "assistant"], 0)
+    Traceback (most recent call last):
+    ...
+    pipeline.encode.bad_rows.RowProblem: turn 4 is a user turn after tool turn 3; the assistant must answer a tool turn
+    """
+    for k, role in enumerate(roles):
+        if role == "tool" and roles[k - 1] not in ("assistant", "tool"):
+            raise RowProblem(Reason.ROLES_NOT_ALTERNATING, f"turn {first + k + 1} is a tool turn that follows no assistant turn")
+        if k and roles[k - 1] == "tool" and role not in ("assistant", "tool"):
+            raise RowProblem(
+                Reason.ROLES_NOT_ALTERNATING,
+                f"turn {first + k + 1} is a {role} turn after tool turn {first + k}; the assistant must answer a tool turn",
+            )
+    # The assistant turn that answers tool turns continues the assistant's turn before them.
+    speakers: list[tuple[int, str]] = []
+    for k, role in enumerate(roles):
+        if role == "tool":
+            continue
+        if k and roles[k - 1] == "tool":
+            speakers[-1] = (k, role)  # the assistant answering tool turns goes on with its turn
+        else:
+            speakers.append((k, role))
     repeated = next((j for j in range(1, len(speakers)) if speakers[j][1] == speakers[j - 1][1]), None)
     if repeated is not None:
         (a, role), (b, _) = speakers[repeated - 1], speakers[repeated]
@@ -190,41 +253,120 @@ def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Convers
     read = [_turn(message, number) for number, message in enumerate(value, start=1)]
     if all(message["role"] != "assistant" for message in read):
         raise RowProblem(Reason.NO_ASSISTANT_TURN, "no assistant turn, so nothing to train on")
-    messages, leading, trailing = read, 0, 0
+    messages, leading, trailing = read, [], 0
     if drop_dangling_turns or (drop_dangling_turns is None and _is_sharegpt(value)):
         messages, leading, trailing = _without_dangling_turns(read)
-    _check_order(messages, leading + trailing)
-    return Conversation(messages, read, leading, trailing)
+    _check_order(messages, len(leading) + trailing)
+    return Conversation(messages, read, tuple(leading), trailing)
 
 
-def count_turns(chat: Conversation, used: list[bool], system_merged: bool) -> Counter[str]:
-    """The counts one conversation adds to a build's: its turns by role as ``ROLE.read`` and ``ROLE.used``
-    (``used`` says, for each of ``chat.messages``, whether its content reached the tokens),
-    ``system.merged``, and its dropped dangling turns."""
+def _probe(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each non-empty text field, and each tool call's name, replaced by a marker naming
+    the message and the field (``zq2zcontent``): letters and digits, which ``| trim`` and ``| tojson`` keep."""
+    probe = []
+    for k, message in enumerate(messages):
+        turn = dict(message)
+        for name, value in message.items():
+            if name == "tool_calls":
+                turn[name] = [
+                    {**call, "function": {**call["function"], "name": f"zq{k}ztoolcalls{j}"}} for j, call in enumerate(value)
+                ]
+            elif name != "role" and isinstance(value, str) and value.strip():
+                turn[name] = f"zq{k}z{name.replace('_', '')}"
+        probe.append(turn)
+    return probe
+
+
+def _pattern(messages: list[dict[str, Any]]) -> tuple:
+    """What decides which parts of ``messages`` a chat template writes: roles, fields and tool calls."""
+    return tuple(
+        (m["role"], tuple(sorted(k for k, v in m.items() if v not in ("", None))), len(m.get("tool_calls", ())))
+        for m in messages
+    )
+
+
+_WRITTEN: dict[tuple, tuple[list[bool], list[list[str]]]] = {}
+
+
+def written(messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]) -> tuple[list[bool], list[list[str]]]:
+    """Whether ``render`` (a chat template) writes each of ``messages``, and the fields of each it leaves out.
+
+    The template renders the conversation once with markers for its texts (``_probe``), and each
+    marker is looked for in the output: a turn whose content is not there is left out, whatever text
+    happens to match elsewhere, and a turn written through a filter (``| tojson``) is found. The
+    answer depends only on the roles and fields, so it is worked out once per such pattern.
+    """
+    key = (render, _pattern(messages))
+    if key not in _WRITTEN:
+        if len(_WRITTEN) > 4096:
+            _WRITTEN.clear()
+        probe = _probe(messages)
+        text = render(probe)
+        turns, fields = [], []
+        for k, (message, marked) in enumerate(zip(messages, probe)):
+            missing = [
+                name
+                for name, value in marked.items()
+                if (name == "tool_calls" or (name != "role" and value != message[name]))
+                and not all(f"zq{k}z{part}" in text for part in _markers(name, value))
+            ]
+            if marked["content"] != message["content"]:
+                turns.append("content" not in missing)
+            else:  # no text: a tool call's turn is written when its calls are
+                turns.append("tool_calls" not in missing)
+            fields.append([name for name in missing if name != "content"])
+        _WRITTEN[key] = (turns, fields)
+    turns, fields = _WRITTEN[key]
+    return list(turns), [list(names) for names in fields]
+
+
+def _markers(name: str, value: Any) -> list[str]:
+    """The markers ``_probe`` put into field ``name``."""
+    if name == "tool_calls":
+        return [f"toolcalls{j}" for j in range(len(value))]
+    return [name.replace("_", "")]
+
+
+def count_turns(
+    chat: Conversation, turns_written: list[bool], in_tokens: list[bool], fields_unwritten: list[list[str]], system_merged: bool
+) -> Counter[str]:
+    """The counts one conversation adds to a build's, for each of ``chat.messages``: its turns by role as
+    ``ROLE.read``, ``ROLE.used`` (its text is in the example's tokens, ``in_tokens``), ``ROLE.left_out``
+    (the chat template does not write it) and ``ROLE.unwritten.FIELD`` (a field such as
+    ``reasoning_content`` the template does not write), ``system.merged``, and its dropped dangling turns."""
     counts = Counter(f"{m['role']}.read" for m in chat.read)
-    counts.update(f"{m['role']}.used" for m, reached in zip(chat.messages, used) if reached)
+    counts.update(f"{m['role']}.used" for m, reached in zip(chat.messages, in_tokens) if reached)
+    counts.update(f"{m['role']}.left_out" for m, wrote in zip(chat.messages, turns_written) if not wrote)
+    counts.update(f"{m['role']}.unwritten.{name}" for m, names in zip(chat.messages, fields_unwritten) for name in names)
     counts["system.merged"] += system_merged
-    counts["dropped.leading_assistant"] += chat.dropped_leading
+    counts.update(f"dropped.leading_{role}" for role in chat.dropped_leading)
     counts["dropped.trailing_user"] += chat.dropped_trailing
     counts["dropped.conversations"] += bool(chat.dropped_leading or chat.dropped_trailing)
     return +counts
 
 
+# The dangling turns dropped, as the manifest names them.
+DANGLING = ("leading_assistant", "leading_tool", "trailing_user")
+
+
 def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[str, int], int]:
-    """A build's turn counts as the manifest records them: ``{role: {"read", "used"[, "merged"]}}`` in
-    ROLE_ORDER, the dangling turns dropped (``leading_assistant``, ``trailing_user``), and the
-    conversations they were dropped from.
+    """A build's turn counts as the manifest records them: ``{role: {"read", "used"[, "merged", "left_out",
+    "unwritten.FIELD"]}}`` in ROLE_ORDER, the dangling turns dropped (``leading_assistant``,
+    ``leading_tool``, ``trailing_user``), and the conversations they were dropped from.
 
     >>> turn_stats(Counter({"user.read": 2, "user.used": 1, "dropped.trailing_user": 1, "dropped.conversations": 1}))
     ({'user': {'read': 2, 'used': 1}}, {'trailing_user': 1}, 1)
+    >>> turn_stats(Counter({"assistant.read": 2, "assistant.used": 2, "assistant.unwritten.reasoning_content": 1}))[0]
+    {'assistant': {'read': 2, 'used': 2, 'unwritten.reasoning_content': 1}}
     """
     roles = {}
     for role in ROLE_ORDER:
         if counts[f"{role}.read"]:
             roles[role] = {"read": counts[f"{role}.read"], "used": counts[f"{role}.used"]}
-            if counts[f"{role}.merged"]:
-                roles[role]["merged"] = counts[f"{role}.merged"]
-    dropped = {kind: counts[f"dropped.{kind}"] for kind in ("leading_assistant", "trailing_user") if counts[f"dropped.{kind}"]}
+            kinds = tuple(f"{role}.{kind}" for kind in ("merged", "left_out", "unwritten."))
+            extra = sorted(k.removeprefix(f"{role}.") for k in counts if k.startswith(kinds) and counts[k])
+            roles[role].update({name: counts[f"{role}.{name}"] for name in extra})
+    dropped = {kind: counts[f"dropped.{kind}"] for kind in DANGLING if counts[f"dropped.{kind}"]}
     return roles, dropped, counts["dropped.conversations"]
 
 

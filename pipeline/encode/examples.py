@@ -12,8 +12,8 @@
   The example ends with the last turn's end-of-turn token, which must be a special token.
   A template that writes no system turn (it drops it, or refuses it) gets the system content
   merged into the first user turn, ``system\n\nuser``, as Gemma's own template does. Each turn
-  whose content is not in the rendered text is counted as unused (``EncodedBatch.turns``), and
-  under ``--strict`` stops the build.
+  the template leaves out (``chat.written``) is counted as left out (``EncodedBatch.turns``), and
+  under ``--strict`` stops the build; a turn is used when it is in the tokens kept.
 
 Rows that cannot make an example (null or empty text, broken conversations, no tokens) stop the
 batch with an error naming the first one, or under ``--on-bad-row skip`` are left out and
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow, Reason, RowProblem
-from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, tool_call_names
+from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, tool_call_names, written
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
@@ -409,47 +409,94 @@ class Encoder:
         """The conversations (``source_rows`` of the batch ``rows`` names) rendered with the chat template and
         tokenized, loss on the assistant turns; and those that could not be, by index, with the reason."""
         label = "/".join(self.format.columns)
-        rendered, spans, problems, turns = [], [], {}, Counter()
+        chats, rendered, spans, problems = [], [], [], {}
         for i, value in enumerate(conversations):
+            row = int(source_rows[i])
             try:
                 chat = conversation(value, self.format.drop_dangling_turns)
-                self._check_tool_calls(chat, rows, int(source_rows[i]))
-                text, assistant = self._render(self._with_system_merged(chat.messages), rows, int(source_rows[i]))
+                self._check_tool_calls(chat, rows, row)
+                messages = self._with_system_merged(chat.messages)
+                text, assistant = self._render(messages, rows, row)
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
                 continue
-            turns += self._count_turns(chat, text, rows, int(source_rows[i]))
+            chats.append((chat, messages, row))
             rendered.append(text)
             spans.append(assistant)
         encodings = self.backend.encode_batch(rendered, add_special_tokens=False)
         tokens, lengths = token_ids(encodings, self.dtype)
-        masks = []
-        for encoding, assistant in zip(encodings, spans):
+        masks, turns = [], Counter()
+        generation_tags = _GENERATION_TAG.search(self.format.chat_template) is not None
+        for (chat, messages, row), text, encoding, assistant in zip(chats, rendered, encodings, spans):
+            offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            # The characters that reach the rows: all of them, those before the first token truncation
+            # cuts, or none for an example too long for --overflow drop (or error).
+            kept = len(text)
+            if len(offsets) > self.max_len and self.overflow != Overflow.SPLIT:
+                kept = int(offsets[self.max_len, 0]) if self.overflow == Overflow.TRUNCATE else 0
+            if not generation_tags:  # located turn by turn, as far as the kept characters reach
+                assistant = self._assistant_spans(messages, text, rows, row, kept, assistant[-1])
             if self.format.train_on_prompt:
                 mask = np.ones(len(encoding), dtype=np.uint8)
                 if self.prefix and encoding.ids[: len(self.prefix)] == self.prefix:
                     mask[: len(self.prefix)] = 0
             else:
-                starts = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-                bounds = np.array(assistant, dtype=np.int64).ravel()
-                # A token is trained on when its first character lies inside an assistant span.
-                mask = (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
+                # A token is trained on when any of its characters lies inside an assistant span (a
+                # token can hold the template's last character and the answer's first: Mistral's "]{").
+                bounds = np.array([span for span in assistant if span[1] > span[0]], dtype=np.int64).ravel()
+                first = np.searchsorted(bounds, offsets[:, 0], side="right")
+                mask = ((first % 2 == 1) | (np.searchsorted(bounds, offsets[:, 1], side="left") > first)).astype(np.uint8)
+            if self.overflow == Overflow.TRUNCATE and not mask[: self.max_len].any():
+                kept = 0  # dropped with nothing to train on (_drop_untrained)
+            turns += self._count_turns(chat, messages, assistant, kept, rows, row)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
         return EncodedBatch(lengths, tokens, loss_mask, turns=turns), problems
 
-    def _count_turns(self, chat: Conversation, text: str, rows: BatchRows, row: int) -> Counter[str]:
-        """``chat``'s turns counted by role as read, used (their content is in ``text``) and merged, and its
-        dropped dangling turns; under ``--strict`` a turn the template left out is an error naming the row."""
-        used = [all(part in text for part in [message["content"].strip(), *tool_call_names(message)]) for message in chat.messages]
-        if self.strict and not all(used):
-            k = used.index(False)
+    def _count_turns(
+        self, chat: Conversation, messages: list[dict[str, Any]], spans: list[tuple[int, int]], kept: int, rows: BatchRows,
+        row: int,
+    ) -> Counter[str]:
+        """``chat``'s turns counted by role as read, used (in the tokens kept: written by the template and
+        starting before character ``kept``), left out by the template, and merged, the fields the template
+        does not write, and its dropped dangling turns; under ``--strict`` a turn or a field the template
+        leaves out is an error naming the row."""
+        try:
+            turns_written, unwritten = written(messages, self._text)
+        except RowProblem:  # the template refuses the marked conversation: look for the texts themselves
+            text = self._text(messages)
+            turns_written = [all(p in text for p in [m["content"].strip(), *tool_call_names(m)]) for m in messages]
+            unwritten = [[] for _ in messages]
+        # Where each turn starts: an assistant turn at its span, the others where the assistant turn before them ends.
+        starts, ends = iter(spans), 0
+        in_tokens = []
+        for message, wrote in zip(messages, turns_written):
+            start = ends
+            if message["role"] == "assistant":
+                start, ends = next(starts, (kept, kept))
+            in_tokens.append(wrote and start < kept)
+        merged = self.merges_system and chat.messages[0]["role"] == "system"
+        if merged:  # the system turn is written, and kept, with the first user turn
+            turns_written, in_tokens = [turns_written[0], *turns_written], [in_tokens[0], *in_tokens]
+            unwritten = [[], *unwritten]
+        if self.strict and not all(turns_written):
+            k = turns_written.index(False)
             raise InputError(
                 f"{rows.name(row)}: the chat template left out a {chat.messages[k]['role']} turn (its content is not in "
                 "the rendered text); use a template that writes such turns, or leave out --strict to count them"
             )
-        merged = self.merges_system and chat.messages[0]["role"] == "system"
-        return count_turns(chat, used, merged)
+        missing = next(((k, names[0]) for k, names in enumerate(unwritten) if names), None)
+        if self.strict and missing is not None:
+            k, name = missing
+            raise InputError(
+                f"{rows.name(row)}: the chat template does not write the {name!r} of turn {k + 1} "
+                f"({chat.messages[k]['role']}); use a template that writes it, or leave out --strict to count it"
+            )
+        return count_turns(chat, turns_written, in_tokens, unwritten, merged)
+
+    def _text(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template's text for ``messages``."""
+        return self._apply_template(messages)[0]
 
     def _check_tool_calls(self, chat: Conversation, rows: BatchRows, row: int) -> None:
         """Raise InputError, naming the row, for tool calls a template that writes none would lose."""
@@ -487,6 +534,8 @@ class Encoder:
         where = f"--chat-template with tokenizer {self.tokenizer.name}"
         try:
             text, spans = self._render(list(PROBE_CHAT), BatchRows(where), 0)
+            if not _GENERATION_TAG.search(self.format.chat_template):
+                spans = self._assistant_spans(list(PROBE_CHAT), text, BatchRows(where), 0, len(text), spans[-1])
         except RowProblem as problem:
             raise ConfigError(f"{where}: a plain user/assistant conversation is refused ({problem.message})") from problem
         added = self.backend.get_added_tokens_decoder()
@@ -517,33 +566,46 @@ class Encoder:
     def _render(self, messages: list[dict[str, Any]], rows: BatchRows, row: int) -> tuple[str, list[tuple[int, int]]]:
         """The chat rendered as text, and the character spans the assistant turns add, each up to its
         end-of-turn token: whitespace the template writes after it is not trained on, and after the
-        last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``)."""
+        last turn it is left out, so the example ends with that token (ChatML's ``<|im_end|>\n``).
+        Without ``{% generation %}`` only the last span is found here; ``_assistant_spans`` finds
+        the others once the tokens say how much of the text is kept."""
         if _GENERATION_TAG.search(self.format.chat_template):
             text, indices = self._apply_template(messages, with_generation_spans=True)
             spans = [(int(a), int(b)) for a, b in indices]
         else:
             text, _ = self._apply_template(messages)
-            spans = self._assistant_spans(messages, text, rows, row)
+            last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
+            spans = [self._span(messages, last, text, rows, row)]
         spans = [(start, start + len(text[start:end].rstrip())) for start, end in spans]
         if spans and not text[spans[-1][1] :].strip():
             text = text[: spans[-1][1]]
         return text, spans
 
-    def _assistant_spans(self, messages: list[dict[str, Any]], text: str, rows: BatchRows, row: int) -> list[tuple[int, int]]:
-        """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it turn by turn."""
+    def _assistant_spans(
+        self, messages: list[dict[str, Any]], text: str, rows: BatchRows, row: int, kept: int, last: tuple[int, int]
+    ) -> list[tuple[int, int]]:
+        """The character spans of ``text`` (the whole chat) the assistant turns add, found by rendering it
+        turn by turn: those that start before character ``kept``, then ``last``, the last turn's. Rendering
+        stops at ``kept``, so a long conversation truncated to ``--max-len`` costs the renders of its
+        kept part, not its turn count squared."""
         spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before, _ = self._apply_template(messages[:i], add_generation_prompt=True)
-            through, _ = self._apply_template(messages[: i + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise InputError(
-                    f"{rows.name(row)}: the chat template renders earlier turns differently once later turns are added, "
-                    "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
-                )
-            spans.append((len(before), len(through)))
-        return spans
+        for i in [i for i, message in enumerate(messages) if message["role"] == "assistant"][:-1]:
+            span = self._span(messages, i, text, rows, row)
+            if span[0] >= kept:
+                break
+            spans.append(span)
+        return [*spans, last]
+
+    def _span(self, messages: list[dict[str, Any]], i: int, text: str, rows: BatchRows, row: int) -> tuple[int, int]:
+        """The characters of ``text`` that assistant turn ``messages[i]`` adds, without the whitespace after them."""
+        before, _ = self._apply_template(messages[:i], add_generation_prompt=True)
+        through, _ = self._apply_template(messages[: i + 1])
+        if not (through.startswith(before) and (text.startswith(through) or through.startswith(text))):
+            raise InputError(
+                f"{rows.name(row)}: the chat template renders earlier turns differently once later turns are added, "
+                "so assistant turns cannot be located; mark them with {% generation %} in --chat-template"
+            )
+        return len(before), len(before) + len(text[len(before) : len(through)].rstrip())
 
     def _apply_template(
         self, messages: list, add_generation_prompt: bool = False, with_generation_spans: bool = False

@@ -110,6 +110,7 @@ class ExampleFormat:
 _KIND_OPTIONS = (
     ("--as-chat", "renders prompt/response data as a chat", lambda config: config.as_chat),
     ("--drop-dangling-turns", "drops turns of chat data", lambda config: bool(config.drop_dangling_turns)),
+    ("--keep-dangling-turns", "refuses turns of chat data", lambda config: config.drop_dangling_turns is False),
     ("--system-prompt", "applies to prompt/response data", lambda config: config.system_prompt is not None),
     ("--truncate-side left", "applies to prompt/response data", lambda config: config.truncate_side == TruncateSide.LEFT),
 )
@@ -332,7 +333,7 @@ class ChatMessages(_ChatKind):
 
     kind = ExampleKind.CHAT
     column_type = MESSAGES_TYPE
-    options = frozenset({"--drop-dangling-turns"})
+    options = frozenset({"--drop-dangling-turns", "--keep-dangling-turns"})
     turns_from = "messages"
 
     @property

@@ -39,8 +39,18 @@ ARROW_TASK_ROWS = 1 << 18
 _READ_BYTES = 8 << 20
 # The Arrow type each kind of column is read as: messages as {role, content} or ShareGPT's {from, value}.
 TEXT_TYPE = pa.string()
+# Besides them, the fields chat templates read: OpenAI's tool calls (arguments as a JSON string, as the
+# API writes them), the tool call a tool turn answers, and reasoning traces (Qwen3's, DeepSeek-R1's).
 MESSAGE_FIELDS = ("role", "content", "from", "value")
-MESSAGES_TYPE = pa.list_(pa.struct([(name, pa.string()) for name in MESSAGE_FIELDS]))
+TOOL_CALL_TYPE = pa.struct([
+    ("id", pa.string()), ("type", pa.string()),
+    ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+])
+MESSAGES_TYPE = pa.list_(pa.struct([
+    *((name, pa.string()) for name in MESSAGE_FIELDS),
+    ("reasoning_content", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string()),
+    ("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+]))
 _BLANK = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
 _LEADING_BLANKS = re.compile(rb"[ \t\n\r\x0b\x0c]*")
 
@@ -246,7 +256,10 @@ class FileTask:
                 return table.slice(self.first_row, self.rows)
             if self.format == "jsonl":
                 return _read_json_lines(self._bytes(), columns, self)
-            return _json_array_table(json.loads(self._bytes().decode("utf-8")), columns, self)
+            records = json.loads(self._bytes().decode("utf-8"))
+            if isinstance(records, list):
+                _arguments_as_text(records, columns)
+            return _json_array_table(records, columns, self)
         except (OSError, pa.ArrowException) as err:
             raise InputError(f"{self.path}: cannot be read ({err})") from err
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -305,8 +318,41 @@ def _read_json_lines(data: bytes, columns: dict[str, pa.DataType], task: FileTas
             table = read(_as_empty_objects(data, not_object_records(data)))
         table.validate(full=True)  # Arrow's JSON reader lets bytes that are not UTF-8 into strings
     except pa.ArrowInvalid as err:
-        raise _first_bad_json_line(data, columns, task) or InputError(f"{task.path}: {err}") from err
+        records = _with_text_arguments(data, columns)
+        if records is None:
+            raise _first_bad_json_line(data, columns, task) or InputError(f"{task.path}: {err}") from err
+        return _json_array_table(records, columns, task)
     return table
+
+
+def _with_text_arguments(data: bytes, columns: dict[str, pa.DataType]) -> list | None:
+    """The records of JSON-lines ``data`` with each tool call's ``arguments`` object (the form chat templates
+    take) as JSON text, which Arrow can type (``chat.py`` reads it back as the object), or None when no
+    record holds one (or a line is not JSON: the caller names it)."""
+    if not any(kind == MESSAGES_TYPE for kind in columns.values()):
+        return None
+    try:
+        records = [json.loads(line) for line in data.split(b"\n") if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return records if _arguments_as_text(records, columns) else None
+
+
+def _arguments_as_text(records: list, columns: dict[str, pa.DataType]) -> bool:
+    """Turn each tool call's ``arguments`` object in the messages columns of ``records`` into JSON text; whether any was."""
+    changed = False
+    names = [name for name, kind in columns.items() if kind == MESSAGES_TYPE]
+    for record in records:
+        for name in names:
+            value = record.get(name) if isinstance(record, dict) else None
+            for message in value if isinstance(value, list) else ():
+                calls = message.get("tool_calls") if isinstance(message, dict) else None
+                for call in calls if isinstance(calls, list) else ():
+                    function = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(function, dict) and isinstance(function.get("arguments"), dict | list):
+                        function["arguments"] = json.dumps(function["arguments"], ensure_ascii=False)
+                        changed = True
+    return changed
 
 
 def _first_byte(data: bytes) -> bytes:
@@ -378,6 +424,10 @@ def _value_problem(value: object, kind: pa.DataType) -> str | None:
     for message in value:
         if not isinstance(message, dict) or not all(isinstance(message.get(k), (str, type(None))) for k in MESSAGE_FIELDS):
             return f"must hold messages with string 'role' and 'content' (or 'from' and 'value'), got {message!r:.80}"
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(function, dict) and isinstance(function.get("arguments"), (str, type(None)))):
+                return f"must hold tool calls whose function 'arguments' is a JSON string (as OpenAI writes them), got {call!r:.80}"
         if _has_lone_surrogate(message):
             return "holds a lone surrogate, which is not Unicode text"
     return None

@@ -8,7 +8,7 @@ from pipeline.encode.chat import ROLE_ORDER
 from schemas import PackingStats, RejectedRows
 
 # The dangling chat turns a build drops, as the manifest and the report name them.
-DANGLING_TURNS = {"leading_assistant": "leading assistant", "trailing_user": "trailing user"}
+DANGLING_TURNS = {"leading_assistant": "leading assistant", "leading_tool": "leading tool", "trailing_user": "trailing user"}
 
 
 def examples_per_row(stats: PackingStats) -> tuple[float, int, int]:
@@ -160,13 +160,24 @@ def describe_turns(stats: PackingStats) -> str:
 
 
 def unused_input_warnings(stats: PackingStats) -> list[str]:
-    """One line for each chat role present in the input of which no turn reached the tokens."""
-    return [
-        f"warning: {plural(counts['read'], f'{role} turn')} read, none in the tokens: the chat template leaves "
-        f"{role} turns out; use a template that writes them (--chat-template), or pass --strict to stop on this"
-        for role, counts in stats.chat_turns.items()
-        if counts.get("read") and not counts.get("used")
-    ]
+    """One line for each chat role of which the chat template left turns out, and for each message field
+    (``reasoning_content``) it does not write; ``--strict`` stops on the same."""
+    lines = []
+    for role, counts in stats.chat_turns.items():
+        if counts.get("left_out"):
+            lines.append(
+                f"warning: {plural(counts['left_out'], f'{role} turn')} of {counts['read']:,} read left out of the tokens: "
+                f"the chat template leaves {role} turns out; use a template that writes them (--chat-template), or pass "
+                "--strict to stop on this"
+            )
+        for key, count in counts.items():
+            if key.startswith("unwritten."):
+                lines.append(
+                    f"warning: the chat template does not write the {key.removeprefix('unwritten.')!r} of "
+                    f"{plural(count, f'{role} turn')}; use a template that writes it (--chat-template), or pass --strict "
+                    "to stop on this"
+                )
+    return lines
 
 
 def describe_rejected(rejected: RejectedRows) -> str:
