@@ -56,6 +56,7 @@ from loaders.train.checkpoint import (  # noqa: E402
     latest_checkpoint,
     load_loader_state,
     load_training_state,
+    loader_state_name,
     partial_checkpoint,
     publish_checkpoint,
     remove_partial_checkpoints,
@@ -213,6 +214,9 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     return PackedIterableDataset(config.shards, **options)
 
 
+LOG = "log.jsonl"
+
+
 class Logger:
     """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl.
 
@@ -223,7 +227,7 @@ class Logger:
 
     def __init__(self, out: Path, sources: list[str] | None = None, device: torch.device | str = "cpu",
                  writes: bool = True) -> None:
-        self.path = out / "log.jsonl"
+        self.path = out / LOG
         self.writes = writes  # under torchrun, rank 0 writes; every rank counts and starts again at each line
         self.tokens = 0
         self.sources = sources or []
@@ -339,6 +343,8 @@ def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dat
 def check_out(config: TrainConfig, out: Path) -> None:
     """Refuse a new run (no --resume) into an --out that holds another run's checkpoints: a later --resume would
     continue from whichever is newest, of either run."""
+    if (out / LOG).is_symlink():
+        raise OSError(f"{out / LOG}: is a link, and the log is never written through one; remove it")
     found = checkpoints(out) if out.is_dir() else []
     if found and not config.resume:
         names = found[0].name if len(found) == 1 else f"{found[0].name} ... {found[-1].name}"
@@ -426,7 +432,10 @@ def train_plain(config: TrainConfig) -> None:
             raise CheckpointError(f"{checkpoint / TRAINING_STATE}: not a training state of this model and optimizer "
                                   f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); resume from "
                                   "another checkpoint, or start a new --out") from None
-        dataset.load_state_dict(loader_state)
+        try:
+            dataset.load_state_dict(loader_state)
+        except ValueError as err:
+            raise CheckpointError(f"{checkpoint / loader_state_name(rank)}: {err}") from None
         if rank == 0:
             print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 

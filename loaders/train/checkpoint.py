@@ -132,9 +132,7 @@ def latest_checkpoint(out: str | os.PathLike[str], world_size: int = 1) -> Path 
     Raises CheckpointError when it was saved by another number of processes than ``world_size``: each rank's
     loader position belongs to one world size, and resuming on another is not supported.
     """
-    if not Path(out).is_dir():
-        return None
-    complete = [path for path in checkpoints(out) if is_complete(path, world_size)]
+    complete = _complete_checkpoints(out, world_size)
     if not complete:
         return None
     saved = saved_world_size(complete[-1], world_size)
@@ -145,11 +143,15 @@ def latest_checkpoint(out: str | os.PathLike[str], world_size: int = 1) -> Path 
     return complete[-1]
 
 
+def _complete_checkpoints(out: str | os.PathLike[str], world_size: int) -> list[Path]:
+    return [path for path in checkpoints(out) if is_complete(path, world_size)] if Path(out).is_dir() else []
+
+
 def incomplete_checkpoints(out: str | os.PathLike[str], world_size: int = 1) -> list[Path]:
     """Checkpoints newer than the latest complete one that lack a rank's loader state: left by a killed save."""
     if not Path(out).is_dir():
         return []
-    latest = latest_checkpoint(out, world_size)
+    latest = (_complete_checkpoints(out, world_size) or [None])[-1]
     return [path for path in checkpoints(out) if not is_complete(path, world_size)
             and (latest is None or int(path.name.removeprefix(CHECKPOINT_PREFIX)) > int(latest.name.removeprefix(CHECKPOINT_PREFIX)))]
 

@@ -241,7 +241,13 @@ class PackedTrainerMixin(_TrainerBase):
             resume_from_checkpoint = str(latest) if latest is not None else True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_trainer_state(Path(resume_from_checkpoint))
-            self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, self.packed_dataset.rank))
+            rank = self.packed_dataset.rank
+            try:
+                self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, rank))
+            except CheckpointError:
+                raise
+            except ValueError as err:
+                raise CheckpointError(f"{Path(resume_from_checkpoint) / loader_state_name(rank)}: {err}") from None
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
         self._run_tokens, self._run_sequences = 0, 0
         try:
