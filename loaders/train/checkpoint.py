@@ -151,7 +151,8 @@ def incomplete_checkpoints(out: str | os.PathLike[str], world_size: int = 1) -> 
     """Checkpoints newer than the latest complete one that lack a rank's loader state: left by a killed save."""
     if not Path(out).is_dir():
         return []
-    latest = (_complete_checkpoints(out, world_size) or [None])[-1]
+    complete = _complete_checkpoints(out, world_size)
+    latest = complete[-1] if complete else None
     return [path for path in checkpoints(out) if not is_complete(path, world_size)
             and (latest is None or int(path.name.removeprefix(CHECKPOINT_PREFIX)) > int(latest.name.removeprefix(CHECKPOINT_PREFIX)))]
 
