@@ -250,7 +250,7 @@ def test_a_checkpoint_never_unpickles(shards, tmp_path):
     assert "loader_state.pt: a loader state in the old pickle format, which is not read because unpickling can run " \
         "code" in message
     message = forged("weights", "model.safetensors", "pytorch_model.bin", {"model.embed_tokens.weight": payload})
-    assert message.endswith("checkpoint-2: its weights are refused: the file holds objects other than tensors, and "
+    assert message.endswith("checkpoint-2/pytorch_model.bin: its weights are refused: the file holds objects other than tensors, and "
                             "loading them would run their code; use weights saved as safetensors")
 
 
