@@ -134,13 +134,16 @@ def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
 def check_config_overrides(spec: str, defaults: Any, overrides: dict[str, Any]) -> None:
     """Refuse an override the config does not know (``num_hiden_layers``), whose value is not of the kind of the
     config's default (``hidden_size=abc``), or a size or count below 1 (``hidden_size=-16``)."""
+    from transformers import PretrainedConfig
+
     known = sorted(defaults.to_dict())
+    own = [key for key in known if key not in PretrainedConfig().to_dict()] or known  # listed without the generic ones
     for key in overrides:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(f"--random-init {spec}: {key} is not a setting of the {defaults.model_type} "
-                             f"config{hint}; its settings: {', '.join(known)}")
+                             f"config{hint}; its settings: {', '.join(own)}")
     kinds = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"))
     for key, value in overrides.items():
         default = getattr(defaults, key, None)

@@ -465,7 +465,7 @@ def test_the_log_is_never_written_through_a_link(tmp_path):
 
 @pytest.mark.parametrize(("spec", "error"), [
     ("num_hiden_layers=1", "num_hiden_layers is not a setting of the llama config (did you mean num_hidden_layers?); "
-                           "its settings: "),
+                           "its settings: attention_bias, attention_dropout, bos_token_id, eos_token_id, head_dim, "),
     ("num_attention_heads=3", "no model can be built from it (ValueError: The hidden size (32) is not a multiple of "
                               "the number of attention heads (3).)"),
     ("hidden_size=-16", "hidden_size=-16 must be a positive integer"),
