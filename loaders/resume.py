@@ -106,6 +106,10 @@ def check_position(position: Position, num_batches: int) -> None:
         "next_batch", position.next_batch,
         f"in [{first}, {last}]{steps} (epoch {position.epoch} has {num_batches} batches on this rank)",
     )
+    # A reader is finished once it has yielded its last batch, so its next one lies past the end.
+    _refuse_unless(not position.finished or position.next_batch >= num_batches, "finished", position.finished,
+                   f"false at next_batch {position.next_batch} (epoch {position.epoch} has {num_batches} batches on "
+                   "this rank)")
 
 
 def _position_field(state: dict[str, Any], name: str) -> Any:

@@ -14,6 +14,7 @@ each record names its ``source``, and the summary holds each source's under ``so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -65,15 +66,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def write_records(path: str, lines: Iterable[str]) -> None:
-    """Write ``lines`` to ``path`` through a temporary file renamed when complete: never half a file."""
+    """Write ``lines`` to ``path`` through a temporary file renamed when complete: never half a file, and the
+    temporary one removed whatever stops the write (a full disk fails at the last flush)."""
     target = Path(path)
-    with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", delete=False) as f:
-        try:
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
             f.writelines(lines)
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, target)
+        os.replace(partial, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,8 +99,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"evaluate.py: error: {str(err).splitlines()[0]}") from None
     if args.out:
         named = {name: {"source": name} if args.mixture else {} for name in results}
-        write_records(args.out, (json.dumps({**named[name], **record}) + "\n"
-                                 for name, result in results.items() for record in result.records()))
+        try:
+            write_records(args.out, (json.dumps({**named[name], **record}) + "\n"
+                                     for name, result in results.items() for record in result.records()))
+        except OSError as err:
+            raise SystemExit(f"evaluate.py: error: --out {args.out}: cannot be written ({err.strerror or err}); "
+                             "nothing was written") from None
     if args.mixture:
         summary = {"model": args.model, "mixture": args.mixture, **pooled_summary(results),
                    "sources": {name: result.summary for name, result in results.items()}}

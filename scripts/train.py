@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import itertools
 import json
 import os
-import pickle
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -49,10 +51,12 @@ from loaders.train.distributed import finish_distributed_run, global_loss_tokens
 from loaders.train.checkpoint import (  # noqa: E402
     TRAINING_STATE,
     CheckpointError,
+    checkpoints,
     incomplete_checkpoints,
     latest_checkpoint,
     load_loader_state,
     load_training_state,
+    loader_state_name,
     partial_checkpoint,
     publish_checkpoint,
     remove_partial_checkpoints,
@@ -128,9 +132,24 @@ def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def check_config_overrides(spec: str, defaults: Any, overrides: dict[str, Any]) -> None:
-    """Refuse an override whose value is not of the kind of the config's default (``hidden_size=abc``)."""
+    """Refuse an override the config does not know (``num_hiden_layers``), whose value is not of the kind of the
+    config's default (``hidden_size=abc``), or a size or count below 1 (``hidden_size=-16``)."""
+    from transformers import PretrainedConfig
+
+    known = sorted(defaults.to_dict())
+    own = [key for key in known if key not in PretrainedConfig().to_dict()] or known  # listed without the generic ones
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"--random-init {spec}: {key} is not a setting of the {defaults.model_type} "
+                             f"config{hint}; its settings: {', '.join(own)}")
     kinds = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"))
     for key, value in overrides.items():
+        default = getattr(defaults, key, None)
+        sized = key.startswith("num_") or key.endswith("_size")
+        if sized and isinstance(default, int) and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"--random-init {spec}: {key}={value} must be a positive integer")
         default = getattr(defaults, key, None)
         for kind, described in kinds:
             if isinstance(default, kind):
@@ -143,26 +162,28 @@ def check_config_overrides(spec: str, defaults: Any, overrides: dict[str, Any]) 
 
 def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, checkpoint: Path | None = None):
     """The model to train: a checkpoint's weights, a Hub id / directory's weights, or a random init."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if checkpoint is not None or config.model:
         gguf_file = None if checkpoint is not None else config.gguf_file or None
         source = str(checkpoint or config.model)
-        try:
-            model = load_causal_lm(source, attn_implementation, torch.float32, gguf_file)
-        except pickle.UnpicklingError:  # transformers reads a pytorch_model.bin with weights_only=True
-            raise CheckpointError(f"{source}: its weights are refused: the file holds objects other than tensors, "
-                                  "and loading them would run their code; use weights saved as safetensors") from None
+        model = load_causal_lm(source, attn_implementation, torch.float32, gguf_file)
     elif config.random_init:
         name, overrides = parse_random_init(config.random_init)
         defaults = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name)
         check_config_overrides(config.random_init, defaults, overrides)
-        if name in CONFIG_MAPPING:
-            model_config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
-        else:
-            model_config = AutoConfig.from_pretrained(name, **overrides)
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation, dtype=torch.float32)
+        try:
+            if name in CONFIG_MAPPING:
+                model_config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
+            else:
+                model_config = AutoConfig.from_pretrained(name, **overrides)
+            model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation,
+                                                     dtype=torch.float32)
+        except (StrictDataclassError, RuntimeError) as err:  # the config's own checks, or a size torch refuses
+            reason = [line.strip() for line in str(err).splitlines() if line.strip()][-1:] or [type(err).__name__]
+            raise ValueError(f"--random-init {config.random_init}: no model can be built from it ({reason[0]})") from None
     else:
         raise ValueError("give --model (Hub id or directory) or --random-init (config spec)")
     if model.config.vocab_size < vocab_size:
@@ -196,6 +217,9 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     return PackedIterableDataset(config.shards, **options)
 
 
+LOG = "log.jsonl"
+
+
 class Logger:
     """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl.
 
@@ -206,7 +230,7 @@ class Logger:
 
     def __init__(self, out: Path, sources: list[str] | None = None, device: torch.device | str = "cpu",
                  writes: bool = True) -> None:
-        self.path = out / "log.jsonl"
+        self.path = out / LOG
         self.writes = writes  # under torchrun, rank 0 writes; every rank counts and starts again at each line
         self.tokens = 0
         self.sources = sources or []
@@ -236,8 +260,19 @@ class Logger:
 
     def write(self, record: dict) -> None:
         print(json.dumps(record), flush=True)
-        with open(self.path, "a") as f:
+        with open_log(self.path) as f:
             f.write(json.dumps(record) + "\n")
+
+
+def open_log(path: Path):
+    """``path`` opened to append, never through a link planted there (O_NOFOLLOW): an OSError naming it instead."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if not path.is_symlink():
+            raise
+        raise OSError(f"{path}: is a link, and the log is never written through one; remove it") from err
+    return os.fdopen(fd, "a")
 
 
 # ---- the plain PyTorch loop -----------------------------------------------------------------
@@ -289,17 +324,56 @@ def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dat
     if distributed:
         torch.distributed.barrier()  # the temporary directory exists
     partial = partial_checkpoint(out, step)
-    if dataset.rank == 0:
-        model.save_pretrained(partial)
-        save_training_state(partial, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                      "step": step, "rng": rng_state()})
-    save_loader_state(partial, dataset.rank, dataset.state_dict())
+    try:
+        if dataset.rank == 0:
+            model.save_pretrained(partial)
+            save_training_state(partial, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                          "step": step, "rng": rng_state()})
+        save_loader_state(partial, dataset.rank, dataset.state_dict())
+    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk: safetensors and torch.save raise their own
+        if dataset.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise OSError(f"{out / f'checkpoint-{step}'}: cannot be written ({str(err).splitlines()[0]}); nothing of it "
+                      "is kept: free space (or fix --out) and --resume from the previous checkpoint") from None
     if distributed:
         torch.distributed.barrier()  # every rank has written its part
     path = publish_checkpoint(out, step) if dataset.rank == 0 else out / f"checkpoint-{step}"
     if distributed:
         torch.distributed.barrier()  # published before any rank goes on
     return path
+
+
+def check_out(config: TrainConfig, out: Path) -> None:
+    """Refuse a new run (no --resume) into an --out that holds another run's checkpoints: a later --resume would
+    continue from whichever is newest, of either run."""
+    if (out / LOG).is_symlink():
+        raise OSError(f"{out / LOG}: is a link, and the log is never written through one; remove it")
+    found = checkpoints(out) if out.is_dir() else []
+    if found and not config.resume:
+        names = found[0].name if len(found) == 1 else f"{found[0].name} ... {found[-1].name}"
+        raise CheckpointError(f"--out {out} holds the checkpoints of an earlier run ({names}); pass --resume to "
+                              "continue it, give another --out, or remove them")
+
+
+def resumable_checkpoint(out: Path, ranks: int) -> Path | None:
+    """The newest complete checkpoint in ``out``, or None when it holds none at all; a CheckpointError when it holds
+    checkpoints but none complete, so that --resume never trains from step 0 over them."""
+    latest = latest_checkpoint(out, ranks)
+    found = checkpoints(out) if out.is_dir() else []
+    if latest is None and found:
+        raise CheckpointError(f"--out {out}: --resume found no complete checkpoint among {len(found)} "
+                              f"({', '.join(path.name for path in found)}): each lacks a rank's loader state; remove "
+                              "them to start again, or give another --out")
+    return latest
+
+
+def check_optimizer_shapes(optimizer: torch.optim.Optimizer) -> None:
+    """ValueError unless each parameter's optimizer state tensors (AdamW's moments) have the parameter's shape."""
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(f"the optimizer's {key} of parameter {index} has shape {tuple(value.shape)}, the "
+                                 f"parameter {tuple(param.shape)}")
 
 
 def find_checkpoint(out: Path, rank: int) -> Path | None:
@@ -313,7 +387,7 @@ def find_checkpoint(out: Path, rank: int) -> Path | None:
             print(json.dumps({"skipped_incomplete_checkpoint": str(path)}), flush=True)
     if ranks > 1:
         torch.distributed.barrier()  # nothing is removed while another rank looks
-    return latest_checkpoint(out, ranks)
+    return resumable_checkpoint(out, ranks)
 
 
 def train_plain(config: TrainConfig) -> None:
@@ -324,6 +398,7 @@ def train_plain(config: TrainConfig) -> None:
     """
     rank, device = init_distributed()
     out = Path(config.out)
+    check_out(config, out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
@@ -349,14 +424,21 @@ def train_plain(config: TrainConfig) -> None:
         state = load_training_state(checkpoint)
         try:
             optimizer.load_state_dict(state["optimizer"])
+            check_optimizer_shapes(optimizer)
             scheduler.load_state_dict(state["scheduler"])
-            step = int(state["step"])
+            step = state["step"]
+            saved_step = int(checkpoint.name.removeprefix("checkpoint-"))
+            if type(step) is not int or step != saved_step:
+                raise ValueError(f"its step {step!r} is not the checkpoint's, {saved_step}")
             set_rng_state(state["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise CheckpointError(f"{checkpoint / TRAINING_STATE}: not a training state of this model and optimizer "
                                   f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); resume from "
                                   "another checkpoint, or start a new --out") from None
-        dataset.load_state_dict(loader_state)
+        try:
+            dataset.load_state_dict(loader_state)
+        except ValueError as err:
+            raise CheckpointError(f"{checkpoint / loader_state_name(rank)}: {err}") from None
         if rank == 0:
             print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 
@@ -460,6 +542,7 @@ def train_hf(config: TrainConfig) -> None:
     from loaders.train.hf_trainer import PackedTrainer
 
     out = Path(config.out)
+    check_out(config, out)
     out.mkdir(parents=True, exist_ok=True)
     args = TrainingArguments(
         output_dir=str(out),
@@ -500,7 +583,7 @@ def train_hf(config: TrainConfig) -> None:
                 logger.write(record)
 
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
-    trainer.train(resume_from_checkpoint=True if config.resume and latest_checkpoint(out, world_size()) else None)
+    trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
 
 
 # What each option of TrainConfig does, for --help.
@@ -596,6 +679,10 @@ def main(argv: list[str] | None = None) -> None:
         (train_hf if config.trainer == "hf" else train_plain)(config)
     except (VarpackError, OSError, ValueError) as err:
         raise SystemExit(f"train.py: error: {str(err).splitlines()[0]}") from None
+    except KeyboardInterrupt:
+        print(f"train.py: interrupted; --resume continues from the newest checkpoint in {config.out}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -263,3 +263,55 @@ def test_logged_epochs_and_speeds_are_the_true_counts(shards, tmp_path):
     assert final["train_samples_per_second"] == pytest.approx(sequences / final["train_runtime"], rel=1e-3)
     assert final["train_tokens_per_second"] == pytest.approx(tokens / final["train_runtime"], rel=1e-3)
     assert final["epoch"] == pytest.approx(2.4)
+
+
+class KilledMidSave(Exception):
+    """Stands for a kill -9 at this point of a save: what is on disk then is what a kill leaves."""
+
+
+def test_a_save_killed_under_save_total_limit_keeps_the_previous_checkpoint(shards, tmp_path, monkeypatch):
+    """With save_total_limit=1 the trainer removed checkpoint-2 before checkpoint-4 held its loader state, so a kill
+    there left no complete checkpoint and a resume started from step 0: the rotation now waits for the state."""
+    from loaders.train import hf_trainer
+    from loaders.train.checkpoint import latest_checkpoint
+
+    write = hf_trainer.save_loader_state
+
+    def killed_at_step_4(path, rank, state):
+        if str(path).endswith("checkpoint-4"):
+            raise KilledMidSave
+        write(path, rank, state)
+
+    monkeypatch.setattr(hf_trainer, "save_loader_state", killed_at_step_4)
+    with pytest.raises(KilledMidSave):
+        make_trainer("hf", shards, tmp_path, save_total_limit=1).train()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    monkeypatch.setattr(hf_trainer, "save_loader_state", write)
+    resumed = make_trainer("hf", shards, tmp_path, save_total_limit=1, max_steps=6)
+    resumed.train(resume_from_checkpoint=True)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-6"]  # rotated once complete
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng_state.pth", "pytorch_model.bin", "trainer_state.json"])
+def test_a_forged_trainer_file_is_refused_in_one_line(shards, tmp_path, name):
+    """A checkpoint whose optimizer, RNG state or weights carry a pickle payload, or whose step is forged, is refused
+    with a line naming the file (an UnpicklingError traceback before), and the payload never runs."""
+    from loaders.train.checkpoint import CheckpointError
+
+    make_trainer("hf", shards, tmp_path, max_steps=2).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    marker = tmp_path / "ran"
+    if name == "trainer_state.json":
+        state = json.loads((checkpoint / name).read_text())
+        (checkpoint / name).write_text(json.dumps({**state, "global_step": -5}))
+        expected = f"{checkpoint / name}: global_step -5 is not the checkpoint's step (2); the file is corrupt or was edited"
+    else:
+        if name == "pytorch_model.bin":
+            (checkpoint / "model.safetensors").unlink()
+        torch.save({"state": MarkerPayload(marker)}, checkpoint / name)
+        expected = (f"{checkpoint / name}: refused: it holds objects other than tensors and plain values, and loading "
+                    "it would run their code")
+    with pytest.raises(CheckpointError) as refused:
+        make_trainer("hf", shards, tmp_path).train(resume_from_checkpoint=True)
+    assert str(refused.value).endswith(expected) and "\n" not in str(refused.value)
+    assert not marker.exists()

@@ -26,6 +26,28 @@ def test_a_corrupt_cached_tokenizer_is_named_and_converted_again(tmp_path, monke
     assert again.content_hash == first.content_hash
 
 
+def test_an_altered_cached_tokenizer_is_named_and_converted_again(tmp_path, monkeypatch, capsys):
+    """A cached tokenizer.json that is still JSON but altered (two vocabulary ids swapped) was used as is, giving
+    other token ids for the same text: its sha256, recorded beside it when written, no longer matches."""
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_tokenizer()
+    (cached,) = (tmp_path / "cache" / "tokenizers").glob("*/tokenizer.json")
+    whole = cached.read_bytes()
+    altered = json.loads(whole)
+    vocab = altered["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    cached.write_text(json.dumps(altered))
+    capsys.readouterr()
+    again = load_tokenizer()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"varpack: {cached}: the cached tokenizer is not the one converted there (sha256 ")
+    assert line.endswith("); converting it again")
+    assert cached.read_bytes() == whole
+    assert again.content_hash == first.content_hash
+    load_tokenizer()
+    assert capsys.readouterr().err == ""  # the reconverted entry is used as it is
+
+
 def test_a_cache_that_cannot_be_written_still_reuses_a_build(tmp_path, monkeypatch, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}"}) + "\n"

@@ -118,11 +118,21 @@ def test_torchrun_two_ranks_train_like_one_process_and_resume(shards, tmp_path, 
     main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one"), "--max-steps", "4"])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[1])}
 
-    def torchrun(*args: str) -> None:
+    def torchrun(*args: str, refused: bool = False) -> str:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    str(script), *common, *args]
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-4000:]
+        assert (result.returncode != 0) == refused, result.stderr[-4000:]
+        return result.stderr
+
+    # The one-process run's checkpoint resumed on 2 processes: refused (it trained from step 0 over it, exit 0).
+    saved = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "one" / "checkpoint-4").iterdir())
+    stderr = torchrun("--out", str(tmp_path / "one"), "--max-steps", "6", "--resume", refused=True)
+    assert (f"train.py: error: {tmp_path / 'one' / 'checkpoint-4'}: saved by 1 process, and this run has 2; resume it "
+            "with 1 (resuming on another number of processes is not supported), or start a new --out") in stderr
+    assert f'File "{script}"' not in stderr  # no traceback of train.py's (torchrun reports the ranks' exits)
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["checkpoint-4", "log.jsonl"]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "one" / "checkpoint-4").iterdir()) == saved
 
     torchrun("--out", str(tmp_path / "two"), "--max-steps", "2", "--save-every", "2")
     checkpoint = tmp_path / "two" / "checkpoint-2"
@@ -240,7 +250,7 @@ def test_a_checkpoint_never_unpickles(shards, tmp_path):
     assert "loader_state.pt: a loader state in the old pickle format, which is not read because unpickling can run " \
         "code" in message
     message = forged("weights", "model.safetensors", "pytorch_model.bin", {"model.embed_tokens.weight": payload})
-    assert message.endswith("checkpoint-2: its weights are refused: the file holds objects other than tensors, and "
+    assert message.endswith("checkpoint-2/pytorch_model.bin: its weights are refused: the file holds objects other than tensors, and "
                             "loading them would run their code; use weights saved as safetensors")
 
 
@@ -376,3 +386,185 @@ def test_a_save_killed_mid_way_leaves_the_earlier_checkpoints_to_resume_from(sha
     straight, resumed = losses(tmp_path / "straight"), losses(out)
     for step in (3, 4, 5, 6):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+
+
+def train_args(shards, out, *args: str) -> list[str]:
+    return ["--shards", str(shards), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32",
+            "--batch-rows", "2", "--out", str(out), *args]
+
+
+def refused(main, args: list[str]) -> str:
+    """The one line ``main(args)`` exits with."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    message = str(exited.value)
+    assert message.startswith("train.py: error: ") and "\n" not in message, message
+    return message.removeprefix("train.py: error: ")
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_resume_on_another_number_of_processes_is_refused(shards, tmp_path, trainer):
+    """A checkpoint saved by 2 processes resumed by 1 is refused, naming both; --resume over checkpoints none of
+    which is complete is refused too, never a fresh run from step 0 over them (it overwrote them, exit 0).
+    The case of more processes, under torchrun, is in test_torchrun_two_ranks_train_like_one_process_and_resume."""
+    main = load_script().main
+    out = tmp_path / "run"
+    main(train_args(shards, out, "--trainer", trainer, "--max-steps", "2"))
+    checkpoint = out / "checkpoint-2"
+    listed = sorted(p.name for p in out.iterdir())
+    state = json.loads((checkpoint / "loader_state.json").read_text())
+    (checkpoint / "loader_state.json").write_text(json.dumps({**state, "world_size": 2}))
+    (checkpoint / "loader_state-rank1.json").write_text(json.dumps({**state, "world_size": 2, "rank": 1}))
+    saved = sorted((p.name, p.stat().st_mtime_ns) for p in checkpoint.iterdir())
+    resume = train_args(shards, out, "--trainer", trainer, "--max-steps", "4", "--resume")
+    assert refused(main, resume) == (f"{checkpoint}: saved by 2 processes, and this run has 1; resume it with 2 "
+                                     "(resuming on another number of processes is not supported), or start a new --out")
+    (checkpoint / "loader_state.json").unlink()
+    assert refused(main, resume) == (f"--out {out}: --resume found no complete checkpoint among 1 (checkpoint-2): "
+                                     "each lacks a rank's loader state; remove them to start again, or give another "
+                                     "--out")
+    assert sorted(p.name for p in out.iterdir()) == listed
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in checkpoint.iterdir()) == [
+        entry for entry in saved if entry[0] != "loader_state.json"]
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_a_new_run_into_an_out_holding_checkpoints_is_refused(shards, tmp_path, trainer):
+    """A run without --resume into an --out of another run's checkpoints (a later --resume continued from whichever
+    was newer, mixing the runs), or with a link planted at OUT/log.jsonl (written through), is refused in one line."""
+    main = load_script().main
+    out = tmp_path / "run"
+    main(train_args(shards, out, "--trainer", trainer, "--max-steps", "2", "--log-every", "1"))
+    log = (out / "log.jsonl").read_bytes()
+    assert refused(main, train_args(shards, out, "--trainer", trainer, "--max-steps", "1")) == (
+        f"--out {out} holds the checkpoints of an earlier run (checkpoint-2); pass --resume to continue it, give "
+        "another --out, or remove them")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "log.jsonl"]
+    assert (out / "log.jsonl").read_bytes() == log
+
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not a log\n")
+    (linked / "log.jsonl").symlink_to(elsewhere)
+    assert refused(main, train_args(shards, linked, "--trainer", trainer, "--max-steps", "1")) == (
+        f"{linked / 'log.jsonl'}: is a link, and the log is never written through one; remove it")
+    assert elsewhere.read_text() == "not a log\n"
+
+
+def test_the_log_is_never_written_through_a_link(tmp_path):
+    """A link planted at OUT/log.jsonl while a run trains: the log refuses it (O_NOFOLLOW), and the target is kept."""
+    script = load_script()
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("kept\n")
+    (tmp_path / "log.jsonl").symlink_to(elsewhere)
+    with pytest.raises(OSError, match="log.jsonl: is a link, and the log is never written through one; remove it"):
+        script.Logger(tmp_path).write({"step": 1})
+    assert elsewhere.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize(("spec", "error"), [
+    ("num_hiden_layers=1", "num_hiden_layers is not a setting of the llama config (did you mean num_hidden_layers?); "
+                           "its settings: attention_bias, attention_dropout, bos_token_id, eos_token_id, head_dim, "),
+    ("num_attention_heads=3", "no model can be built from it (ValueError: The hidden size (32) is not a multiple of "
+                              "the number of attention heads (3).)"),
+    ("hidden_size=-16", "hidden_size=-16 must be a positive integer"),
+])
+def test_random_init_settings_that_cannot_work_are_refused(shards, tmp_path, spec, error):
+    """An unknown --random-init key was silently ignored; a value of the right kind that cannot build a model
+    ended in a traceback."""
+    main = load_script().main
+    message = refused(main, ["--shards", str(shards), "--random-init", f"{MODEL},{spec}", "--attn", "sdpa",
+                             "--out", str(tmp_path / "run")])
+    assert message.startswith(f"--random-init {MODEL},{spec}: {error}"), message
+    assert not list((tmp_path / "run").glob("*checkpoint-*"))
+
+
+def test_a_forged_training_or_loader_state_is_refused(shards, tmp_path):
+    """A training state whose step is not the checkpoint's (-3, far beyond, True, 2.9) or whose optimizer moments
+    have another shape than the parameters (a traceback at the first step), and a loader state that says it finished
+    at batch 0 (it skipped the rest of the epoch) or is another rank's: each refused in one line, nothing trained."""
+    import shutil
+
+    main = load_script().main
+    saved = tmp_path / "saved"
+    main(train_args(shards, saved, "--max-steps", "2"))
+    whole = torch.load(saved / "checkpoint-2" / "training_state.pt", weights_only=True)
+    loader_state = json.loads((saved / "checkpoint-2" / "loader_state.json").read_text())
+
+    def resume_forged(name: str, training: dict | None = None, loader: dict | None = None) -> str:
+        out = tmp_path / name
+        shutil.copytree(saved, out)
+        if training is not None:
+            torch.save(training, out / "checkpoint-2" / "training_state.pt")
+        if loader is not None:
+            (out / "checkpoint-2" / "loader_state.json").write_text(json.dumps(loader))
+        message = refused(main, train_args(shards, out, "--max-steps", "3", "--resume"))
+        assert not (out / "checkpoint-3").exists()
+        return message
+
+    not_its_state = f"{tmp_path}/%s/checkpoint-2/training_state.pt: not a training state of this model and optimizer"
+    for step in (-3, 10**6, True, 2.9):
+        assert resume_forged(f"step-{step}", {**whole, "step": step}) == (
+            not_its_state % f"step-{step}" + f" (ValueError: its step {step!r} is not the checkpoint's, 2); resume "
+            "from another checkpoint, or start a new --out")
+    optimizer = whole["optimizer"]
+    moments = {**optimizer["state"][0], "exp_avg": torch.zeros(3, 5)}
+    wrong_shape = {**whole, "optimizer": {**optimizer, "state": {**optimizer["state"], 0: moments}}}
+    assert resume_forged("shape", wrong_shape) == (
+        not_its_state % "shape" + " (ValueError: the optimizer's exp_avg of parameter 0 has shape (3, 5), the parameter "
+        "(128, 32)); resume from another checkpoint, or start a new --out")
+    assert resume_forged("finished", loader={**loader_state, "finished": True, "next_batch": 0}) == (
+        f"{tmp_path}/finished/checkpoint-2/loader_state.json: loader state: finished True must be false at next_batch "
+        "0 (epoch 0 has 26 batches on this rank); the state is corrupt or was edited")
+    assert resume_forged("rank", loader={**loader_state, "rank": 1}) == (
+        f"{tmp_path}/rank/checkpoint-2/loader_state.json: holds rank 1's loader position, not rank 0's; the file was "
+        "moved or edited")
+
+
+INTERRUPTED = """
+import importlib.util, os, resource, signal, sys
+spec = importlib.util.spec_from_file_location("varpack_train_script", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = script
+spec.loader.exec_module(script)
+write_training_state = script.save_training_state
+
+def interrupted(directory, state):
+    if state["step"] == 4:
+        if sys.argv[2] == "full":  # the disk fills up at checkpoint-4
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
+    write_training_state(directory, state)
+
+script.save_training_state = interrupted
+script.main(sys.argv[3:])
+"""
+
+
+@pytest.mark.parametrize("how", ["full", "sigint"])
+def test_a_full_disk_or_ctrl_c_mid_save_ends_in_one_line(shards, tmp_path, how):
+    """A disk that fills during a save (a traceback from torch.save or safetensors before) or Ctrl-C (a
+    KeyboardInterrupt traceback): one line, exit 1 or 130, the earlier checkpoint intact and nothing half-written
+    kept under a checkpoint's name."""
+    import os
+    import subprocess
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED, str(SCRIPT), how,
+                          *train_args(shards, out, "--max-steps", "6", "--save-every", "2")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    if how == "full":
+        assert run.returncode == 1
+        assert last.startswith(f"train.py: error: {out / 'checkpoint-4'}: cannot be written (")
+        assert last.endswith("); nothing of it is kept: free space (or fix --out) and --resume from the previous "
+                             "checkpoint")
+        assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+    else:
+        assert run.returncode == 130
+        assert last == f"train.py: interrupted; --resume continues from the newest checkpoint in {out}"
+        assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]

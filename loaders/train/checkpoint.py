@@ -72,6 +72,9 @@ def load_loader_state(directory: str | os.PathLike[str], rank: int) -> dict[str,
                               "earlier checkpoint, or delete this one") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a JSON {type(state).__name__}, not a loader state; the file is corrupt")
+    if state.get("rank", rank) != rank:
+        raise CheckpointError(f"{path}: holds rank {state['rank']!r}'s loader position, not rank {rank}'s; the file "
+                              "was moved or edited")
     return state
 
 
@@ -96,11 +99,24 @@ def load_training_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
+def saved_world_size(checkpoint: Path, default: int) -> int:
+    """The number of processes that saved ``checkpoint``, as rank 0's loader state records it (``default`` when that
+    state is missing or unreadable: resuming from it then fails with a line that names it)."""
+    try:
+        state = json.loads((checkpoint / LOADER_STATE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return default
+    size = state.get("world_size") if isinstance(state, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else default
+
+
 def is_complete(checkpoint: Path, world_size: int) -> bool:
-    """Whether every rank's loader state (written last) is in ``checkpoint``; an older version's pickled one counts,
-    so that resuming from it is refused with a line that says what to do, not passed over."""
+    """Whether every rank's loader state (written last) is in ``checkpoint``, for the number of processes that saved
+    it (``world_size`` when rank 0's does not say); an older version's pickled one counts, so that resuming from it
+    is refused with a line that says what to do, not passed over."""
+    ranks = saved_world_size(checkpoint, world_size)
     return all((checkpoint / name).is_file() or (checkpoint / name).with_suffix(".pt").is_file()
-               for name in map(loader_state_name, range(world_size)))
+               for name in map(loader_state_name, range(ranks)))
 
 
 def checkpoints(out: str | os.PathLike[str]) -> list[Path]:
@@ -111,18 +127,32 @@ def checkpoints(out: str | os.PathLike[str]) -> list[Path]:
 
 
 def latest_checkpoint(out: str | os.PathLike[str], world_size: int = 1) -> Path | None:
-    """The newest complete checkpoint in ``out`` (see the module docstring), or None."""
-    if not Path(out).is_dir():
+    """The newest complete checkpoint in ``out`` (see the module docstring), or None.
+
+    Raises CheckpointError when it was saved by another number of processes than ``world_size``: each rank's
+    loader position belongs to one world size, and resuming on another is not supported.
+    """
+    complete = _complete_checkpoints(out, world_size)
+    if not complete:
         return None
-    complete = [path for path in checkpoints(out) if is_complete(path, world_size)]
-    return complete[-1] if complete else None
+    saved = saved_world_size(complete[-1], world_size)
+    if saved != world_size:
+        raise CheckpointError(f"{complete[-1]}: saved by {saved} process{'es' if saved > 1 else ''}, and this run has "
+                              f"{world_size}; resume it with {saved} (resuming on another number of processes is not "
+                              "supported), or start a new --out")
+    return complete[-1]
+
+
+def _complete_checkpoints(out: str | os.PathLike[str], world_size: int) -> list[Path]:
+    return [path for path in checkpoints(out) if is_complete(path, world_size)] if Path(out).is_dir() else []
 
 
 def incomplete_checkpoints(out: str | os.PathLike[str], world_size: int = 1) -> list[Path]:
     """Checkpoints newer than the latest complete one that lack a rank's loader state: left by a killed save."""
     if not Path(out).is_dir():
         return []
-    latest = latest_checkpoint(out, world_size)
+    complete = _complete_checkpoints(out, world_size)
+    latest = complete[-1] if complete else None
     return [path for path in checkpoints(out) if not is_complete(path, world_size)
             and (latest is None or int(path.name.removeprefix(CHECKPOINT_PREFIX)) > int(latest.name.removeprefix(CHECKPOINT_PREFIX)))]
 

@@ -48,10 +48,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 import os
+import pickle
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -62,7 +65,15 @@ from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
 from loaders.mixture import PackedMixture
 from loaders.train import models as training
-from loaders.train.checkpoint import LOADER_STATE, latest_checkpoint, load_loader_state, loader_state_name, save_loader_state
+from loaders.train.checkpoint import (
+    CHECKPOINT_PREFIX,
+    LOADER_STATE,
+    CheckpointError,
+    latest_checkpoint,
+    load_loader_state,
+    loader_state_name,
+    save_loader_state,
+)
 from loaders.train.distributed import global_loss_tokens, world_size
 from loaders.train.evaluate import evaluate_sources, pooled_summary
 from loaders.train.loss import weighted_causal_lm_loss
@@ -229,23 +240,48 @@ class PackedTrainerMixin(_TrainerBase):
             latest = latest_checkpoint(self.args.output_dir or ".", world_size())
             resume_from_checkpoint = str(latest) if latest is not None else True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, self.packed_dataset.rank))
+            check_trainer_state(Path(resume_from_checkpoint))
+            rank = self.packed_dataset.rank
+            try:
+                self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, rank))
+            except CheckpointError:
+                raise
+            except ValueError as err:
+                raise CheckpointError(f"{Path(resume_from_checkpoint) / loader_state_name(rank)}: {err}") from None
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
         self._run_tokens, self._run_sequences = 0, 0
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        except pickle.UnpicklingError:  # transformers reads a checkpoint's pickled files with weights_only=True
+            if not isinstance(resume_from_checkpoint, (str, os.PathLike)):
+                raise
+            raise CheckpointError(f"{refused_pickle(resume_from_checkpoint)}: refused: it holds objects other than "
+                                  "tensors and plain values, and loading it would run their code") from None
 
     def _save_checkpoint(self, model, trial) -> None:
-        self.state.epoch = self._epochs_read()  # as trainer_state.json records it
-        super()._save_checkpoint(model, trial)
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.state.epoch = self._epochs_read()  # as trainer_state.json records it
+        # The trainer removes checkpoints beyond save_total_limit at the end of its save; here that waits until
+        # this one is complete, so that a kill mid-save never leaves no complete checkpoint.
+        run_dir = self._get_output_dir(trial=trial)
+        path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.islink(path):  # the trainer writes in place: never through a link
+            os.unlink(path)
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         os.makedirs(path, exist_ok=True)
         # Written last: a checkpoint that holds every rank's loader state is complete (loaders.train.checkpoint).
         save_loader_state(path, self.packed_dataset.rank, self.packed_dataset.state_dict())
         if world_size() > 1:
             torch.distributed.barrier()  # a checkpoint is complete once every rank has written its part
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
 
 @functools.cache
@@ -334,6 +370,34 @@ def _packed_sft_trainer() -> type:
             return (loss, outputs) if return_outputs else loss
 
     return PackedSFTTrainer
+
+
+def check_trainer_state(checkpoint: Path) -> None:
+    """CheckpointError unless ``trainer_state.json`` holds the checkpoint's step (a non-negative integer, its
+    ``checkpoint-STEP`` name's); a file missing or unreadable is left for the trainer to report."""
+    path = checkpoint / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return
+    step = state.get("global_step") if isinstance(state, dict) else None
+    named = checkpoint.name.removeprefix(f"{CHECKPOINT_PREFIX}")
+    if type(step) is not int or step < 0 or (named.isdigit() and step != int(named)):
+        raise CheckpointError(f"{path}: global_step {step!r} is not the checkpoint's step"
+                              f"{f' ({named})' if named.isdigit() else ''}; the file is corrupt or was edited")
+
+
+def refused_pickle(checkpoint: str | os.PathLike[str]) -> Path:
+    """The file of ``checkpoint`` that ``torch.load(weights_only=True)`` refuses (the checkpoint itself if none)."""
+    for path in sorted(Path(checkpoint).iterdir()):
+        if path.suffix in (".pt", ".pth", ".bin") and path.is_file():
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError:
+                return path
+            except (RuntimeError, EOFError, OSError):
+                continue
+    return Path(checkpoint)
 
 
 def num_sequences(batch: dict) -> int:

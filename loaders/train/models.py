@@ -8,9 +8,13 @@ Imports only torch at module import; transformers is imported to load a model.
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import torch
 
 from loaders.collate import COUNT_KEYS, SOURCE_IDS
+from loaders.train.checkpoint import CheckpointError
 
 
 def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf_file: str | None = None) -> torch.nn.Module:
@@ -24,6 +28,11 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
     options = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype, **options)
+    except pickle.UnpicklingError:  # transformers reads a pytorch_model.bin with weights_only=True
+        weights = sorted(Path(name).glob("pytorch_model*.bin")) if Path(name).is_dir() else []
+        raise CheckpointError(f"{weights[0] if len(weights) == 1 else name}: its weights are refused: the file holds "
+                              "objects other than tensors, and loading them would run their code; use weights saved "
+                              "as safetensors") from None
     except (OSError, ValueError) as err:
         raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
                          "with save_pretrained (or holding the --gguf-file), or a Hub id reachable from here") from None

@@ -287,18 +287,28 @@ def _save_converted(tokenizer: Any, target: Path) -> None:
             raise
 
 
+CACHED_SHA256 = "tokenizer.json.sha256"  # beside a cached tokenizer.json: the sha256 of what was written there
+
+
 def _cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
     """The directory of a converted tokenizer: ``target`` in the cache, converted there first when it is missing.
 
-    A cached ``tokenizer.json`` that is not JSON (cut short, or edited) is converted again, with a line
-    that names it. A cache that cannot be written (read-only) gets a conversion in a temporary directory
-    for this process, with a line that says so, so a build is still packed or reused.
+    A cached ``tokenizer.json`` that is not JSON (cut short, or edited), or whose sha256 is not the one recorded
+    beside it when it was written (altered, or cached by an older version), is converted again, with a line that
+    names it. A cache that cannot be written (read-only) gets a conversion in a temporary directory for this
+    process, with a line that says so, so a build is still packed or reused.
     """
     cached = target / "tokenizer.json"
     if cached.is_file():
         try:
-            json.loads(cached.read_bytes())
-            return target
+            content = cached.read_bytes()
+            json.loads(content)
+            recorded = (target / CACHED_SHA256).read_text().strip() if (target / CACHED_SHA256).is_file() else "none"
+            digest = hashlib.sha256(content).hexdigest()
+            if digest == recorded:
+                return target
+            print(f"varpack: {cached}: the cached tokenizer is not the one converted there (sha256 {digest[:16]}, "
+                  f"recorded {recorded[:16]}); converting it again", file=sys.stderr)
         except (OSError, ValueError) as err:
             print(f"varpack: {cached}: the cached tokenizer cannot be read ({_first_line(err)}); converting it again",
                   file=sys.stderr)
@@ -306,6 +316,7 @@ def _cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
         if target.exists():
             shutil.rmtree(target)
         convert(target)
+        _record_sha256(target)
         return target
     except (OSError, WriteError) as err:
         fallback = Path(tempfile.mkdtemp(prefix="varpack-tokenizer-")) / target.name
@@ -313,6 +324,14 @@ def _cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
               f"{fallback} for this run; point $VARPACK_CACHE_DIR at a writable directory to keep it", file=sys.stderr)
         convert(fallback)
         return fallback
+
+
+def _record_sha256(target: Path) -> None:
+    """Write the sha256 of ``target/tokenizer.json`` beside it (a new file renamed into place)."""
+    digest = file_sha256(target / "tokenizer.json")
+    with tempfile.NamedTemporaryFile("w", dir=target, prefix=f".{CACHED_SHA256}.", delete=False) as f:
+        f.write(digest + "\n")
+    Path(f.name).replace(target / CACHED_SHA256)
 
 
 def _convert_sentencepiece(model_file: Path, target: Path, config: dict[str, Any] | None = None) -> None:
