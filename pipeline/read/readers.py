@@ -421,15 +421,20 @@ def _value_problem(value: object, kind: pa.DataType) -> str | None:
         return "holds a lone surrogate, which is not Unicode text" if _has_lone_surrogate(value) else None
     if not isinstance(value, list):
         return f"must be a list of messages, got a value of type {type(value).__name__}"
-    for message in value:
-        if not isinstance(message, dict) or not all(isinstance(message.get(k), (str, type(None))) for k in MESSAGE_FIELDS):
-            return f"must hold messages with string 'role' and 'content' (or 'from' and 'value'), got {message!r:.80}"
-        for call in message.get("tool_calls") or ():
-            function = call.get("function") if isinstance(call, dict) else None
-            if not (isinstance(function, dict) and isinstance(function.get("arguments"), (str, type(None)))):
-                return f"must hold tool calls whose function 'arguments' is a JSON string (as OpenAI writes them), got {call!r:.80}"
-        if _has_lone_surrogate(message):
-            return "holds a lone surrogate, which is not Unicode text"
+    return next(filter(None, map(_message_problem, value)), None)
+
+
+def _message_problem(message: object) -> str | None:
+    """What makes one chat message unfit for the messages column: fields that are not strings, tool calls
+    whose arguments are not JSON text, a lone surrogate."""
+    if not isinstance(message, dict) or not all(isinstance(message.get(k), (str, type(None))) for k in MESSAGE_FIELDS):
+        return f"must hold messages with string 'role' and 'content' (or 'from' and 'value'), got {message!r:.80}"
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("arguments"), (str, type(None)))):
+            return f"must hold tool calls whose function 'arguments' is a JSON string (as OpenAI writes them), got {call!r:.80}"
+    if _has_lone_surrogate(message):
+        return "holds a lone surrogate, which is not Unicode text"
     return None
 
 
