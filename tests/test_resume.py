@@ -179,7 +179,8 @@ def test_train_py_resume_from_a_malformed_loader_state_is_one_line(tmp_path):
     (tmp_path / "run" / "checkpoint-2" / "loader_state.json").write_text(json.dumps({"_snapshot": {}}))
     with pytest.raises(SystemExit) as refused:
         main([*common, "--max-steps", "3", "--resume"])
-    assert str(refused.value).startswith("train.py: error: loader state: _snapshot._worker_snapshots None must be")
+    state_file = tmp_path / "run" / "checkpoint-2" / "loader_state.json"
+    assert str(refused.value).startswith(f"train.py: error: {state_file}: loader state: _snapshot._worker_snapshots None must be")
     assert "\n" not in str(refused.value) and not (tmp_path / "run" / "checkpoint-3").exists()
 
 
