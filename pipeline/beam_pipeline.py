@@ -259,7 +259,13 @@ class WriteShard(beam.DoFn):
 
 
 def write_build_manifest(
-    joined: dict, out_dir: str, shard_prefix: str, inputs: BuildInputs, rows_per_shard: int, read: InputsRead = InputsRead()
+    joined: dict,
+    out_dir: str,
+    shard_prefix: str,
+    inputs: BuildInputs,
+    rows_per_shard: int,
+    read: InputsRead = InputsRead(),
+    token_check: str = VerifyTokens.SAMPLE,
 ) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path.
 
@@ -274,6 +280,7 @@ def write_build_manifest(
     stats.examples_truncated += filtered.prompt_cut_examples
     stats.tokens_truncated += filtered.prompt_cut_tokens
     stats.examples_checked, stats.examples_equal = filtered.examples_checked, filtered.examples_equal
+    stats.token_check = token_check
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
     read.record(stats)
     if stats.rows == 0:
@@ -363,7 +370,9 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         }
         | "JoinForManifest" >> beam.CoGroupByKey()
         | "WriteManifest"
-        >> beam.MapTuple(lambda _, joined: write_build_manifest(joined, out_dir, shard_prefix, inputs, rows_per_shard, read))
+        >> beam.MapTuple(lambda _, joined: write_build_manifest(
+            joined, out_dir, shard_prefix, inputs, rows_per_shard, read, str(config.verify_tokens)
+        ))
     )
 
 
