@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipeline.config import VerifyTokens
 from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.encode.chat import ROLE_ORDER
+from pipeline.encode.examples import special_text_line
 from schemas import PackingStats, RejectedRows
 
 # The dangling chat turns a build drops, as the manifest and the report name them.
@@ -55,6 +56,9 @@ def format_report(
     if stats.chat_turns:
         lines.append(("turns", describe_turns(stats)))
     lines += inputs_section(stats)
+    for token, found in stats.special_token_text.items():
+        lines.append(("special text", f"warning: {token!r} in the data text of {plural(found['examples'], 'example')}, "
+                                      f"tokenized as that special token (the first: {found['first_row']})"))
     lines.append(("token check", describe_token_check(stats, verify_tokens, reused)))
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
@@ -197,7 +201,11 @@ def describe_turns(stats: PackingStats) -> str:
 def unused_input_warnings(stats: PackingStats) -> list[str]:
     """One line for each chat role of which the chat template left turns out, and for each message field
     (``reasoning_content``) it does not write; ``--strict`` stops on the same."""
-    lines = []
+    lines = [
+        f"warning: {plural(found['examples'], 'example')} (the first: {found['first_row']}): {special_text_line(token)}; "
+        "remove it from the data, or pass --strict to stop on this"
+        for token, found in stats.special_token_text.items()
+    ]
     for role, counts in stats.chat_turns.items():
         if counts.get("left_out"):
             lines.append(
