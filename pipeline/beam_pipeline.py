@@ -181,8 +181,8 @@ def finish_filtered(
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
     ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained and
-    prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts and what checking its
-    tokens found. The first example whose tokens differ from the reference (under
+    prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts, what checking its
+    tokens found and the special tokens whose text its data holds. The first example whose tokens differ from the reference (under
     ``--on-token-mismatch count``) is logged as a warning.
     """
     notes = sorted(notes, key=lambda note: note[0])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.config import VerifyTokens
+from pipeline.config import OnTokenMismatch, VerifyTokens
 from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.encode.chat import ROLE_ORDER
 from pipeline.encode.examples import special_text_line
@@ -138,7 +138,7 @@ def reuse_token_check_error(stats: PackingStats, verify_tokens: str, on_token_mi
             "pass --force to rebuild it with the check"
         )
     differ = stats.examples_checked - stats.examples_equal
-    if differ and on_token_mismatch == "error" and verify_tokens != VerifyTokens.OFF:
+    if differ and on_token_mismatch == OnTokenMismatch.ERROR and verify_tokens != VerifyTokens.OFF:
         return (
             f"{plural(differ, 'example')} of this build differ from the tokenizer's own tokenization "
             "(found when it was built); --on-token-mismatch error refuses it: pass --force to rebuild and see the first"
