@@ -169,18 +169,20 @@ class Filtered:
     prompt_cut_tokens: int = 0
     examples_checked: int = 0
     examples_equal: int = 0
+    # Special tokens whose text the data holds: {token: (examples, the first one's row)}.
+    special_text: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str], CheckCounts]],
+    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str], CheckCounts, dict]],
     out_dir: str,
     max_bad_rows: int | float,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
     ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained and
-    prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts and what checking its
-    tokens found. The first example whose tokens differ from the reference (under
+    prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts, what checking its
+    tokens found and the special tokens whose text its data holds. The first example whose tokens differ from the reference (under
     ``--on-token-mismatch count``) is logged as a warning.
     """
     notes = sorted(notes, key=lambda note: note[0])
@@ -190,15 +192,20 @@ def finish_filtered(
     if bad and bound_exceeded(len(bad), rows_read, max_bad_rows):
         raise bound_error(len(bad), rows_read, max_bad_rows, bad[0])
     write_rejected(bad_rows, out_dir)
-    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _, _ in notes))] or [0, 0, 0, 0]
-    turns = sum((turns for *_, turns, _ in notes), Counter())
-    checks = [check for *_, check in notes]
+    untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _, _, _ in notes))] or [0, 0, 0, 0]
+    turns = sum((turns for *_, turns, _, _ in notes), Counter())
+    checks = [check for *_, check, _ in notes]
+    special_text: dict[str, tuple[int, str]] = {}
+    for *_, found in notes:  # in source order: the first row of each token is the first of the build
+        for token, (count, first) in found.items():
+            total, earliest = special_text.get(token, (0, first))
+            special_text[token] = (total + count, earliest)
     mismatch = next((check.first_mismatch for check in checks if check.first_mismatch), None)
     if mismatch is not None:
         logging.getLogger("varpack").warning("%s", mismatch)
     return Filtered(
         summarize(bad_rows), untrained[0], untrained[1], turns, untrained[2], untrained[3],
-        sum(check.checked for check in checks), sum(check.equal for check in checks),
+        sum(check.checked for check in checks), sum(check.equal for check in checks), special_text,
     )
 
 
@@ -259,7 +266,13 @@ class WriteShard(beam.DoFn):
 
 
 def write_build_manifest(
-    joined: dict, out_dir: str, shard_prefix: str, inputs: BuildInputs, rows_per_shard: int, read: InputsRead = InputsRead()
+    joined: dict,
+    out_dir: str,
+    shard_prefix: str,
+    inputs: BuildInputs,
+    rows_per_shard: int,
+    read: InputsRead = InputsRead(),
+    token_check: str = VerifyTokens.SAMPLE,
 ) -> str:
     """Write the manifest of the finished build, last and atomically; returns its path.
 
@@ -274,6 +287,8 @@ def write_build_manifest(
     stats.examples_truncated += filtered.prompt_cut_examples
     stats.tokens_truncated += filtered.prompt_cut_tokens
     stats.examples_checked, stats.examples_equal = filtered.examples_checked, filtered.examples_equal
+    stats.token_check = token_check
+    stats.special_token_text = {token: {"examples": n, "first_row": first} for token, (n, first) in filtered.special_text.items()}
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
     read.record(stats)
     if stats.rows == 0:
@@ -316,7 +331,10 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     filtered = _gather(
         "Notes",
         encoded
-        | "Notes" >> beam.MapTuple(lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check)),
+        | "Notes"
+        >> beam.MapTuple(
+            lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check, b.special_text)
+        ),
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
@@ -363,7 +381,9 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         }
         | "JoinForManifest" >> beam.CoGroupByKey()
         | "WriteManifest"
-        >> beam.MapTuple(lambda _, joined: write_build_manifest(joined, out_dir, shard_prefix, inputs, rows_per_shard, read))
+        >> beam.MapTuple(lambda _, joined: write_build_manifest(
+            joined, out_dir, shard_prefix, inputs, rows_per_shard, read, str(config.verify_tokens)
+        ))
     )
 
 

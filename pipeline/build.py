@@ -31,7 +31,7 @@ from pipeline.packing import spill
 from pipeline.read.formats import resolve_format
 from pipeline.read.inputs import InputsRead
 from pipeline.read.sources import resolve_source
-from pipeline.report.summary import unused_input_warnings
+from pipeline.report.summary import reuse_token_check_error, unused_input_warnings
 from pipeline.write.build_dir import (
     ATTEMPT_PREFIX,
     check_output,
@@ -131,7 +131,7 @@ def build(
         with build_lock(plan.out_dir, config.lock_timeout, log, shared=True):
             existing = reusable(plan)
             if existing is not None and not needs_lock_alone(plan, write_figure is not None):
-                _check_reused(existing, config.strict, log)
+                _check_reused(existing, plan.out_dir, config, log)
                 elapsed_s = time.perf_counter() - started
                 figure = _missing_figure(plan, existing, write_figure)  # in a read-only place: says it cannot
                 return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
@@ -139,7 +139,7 @@ def build(
     with build_lock(plan.out_dir, config.lock_timeout, log) if local else contextlib.nullcontext():
         existing = check_output(plan, log)
         if existing is not None:
-            _check_reused(existing, config.strict, log)
+            _check_reused(existing, plan.out_dir, config, log)
             elapsed_s = time.perf_counter() - started
             figure = _missing_figure(plan, existing, write_figure)
             return BuildResult(existing, plan.out_dir, True, elapsed_s, _layout(plan), figure)
@@ -158,11 +158,16 @@ def build(
     return BuildResult(manifest, plan.out_dir, False, elapsed_s, _layout(plan), figure)
 
 
-def _check_reused(manifest: Manifest, strict: bool, log: Callable[[str], None]) -> None:
+def _check_reused(manifest: Manifest, out_dir: str, config: PackConfig, log: Callable[[str], None]) -> None:
     """The warnings of a reused build, from the figures its manifest records; under ``--strict`` the first
-    is an error, as it is in a fresh run (``--strict`` does not change the build, so it is not fingerprinted)."""
+    is an error, as it is in a fresh run (``--strict`` does not change the build, so it is not fingerprinted).
+    A build whose check of its tokens falls short of this run's ``--verify-tokens`` or ``--on-token-mismatch``
+    is refused, not reused as if checked."""
+    refusal = reuse_token_check_error(manifest.stats, config.verify_tokens, config.on_token_mismatch)
+    if refusal is not None:
+        raise InputError(f"{out_dir}: {refusal}")
     lines = unused_input_warnings(manifest.stats)
-    if strict and lines:
+    if config.strict and lines:
         raise InputError(f"{lines[0].removeprefix('warning: ')} (--strict; the build was reused)")
     for line in lines:
         log(line)

@@ -28,7 +28,9 @@ FORMAT_NAME = "varpack.shards"
 # 5: manifest_digest; every shard carries its identity in its Arrow schema metadata (shard_identity.py);
 #    example ids are source row numbers, below stats.num_example_ids; stats.conversations_trimmed.
 # 6: stats.examples_checked and stats.examples_equal (the build's check of its tokens); the optional
-#    stats.chat_turns, stats.dangling_turns_dropped and source lists (SOURCE_LISTS), written only when set.
+#    stats.chat_turns, stats.dangling_turns_dropped and source lists (SOURCE_LISTS), written only when set;
+#    the optional stats.token_check (the check's mode: "off", "sample" or "all") and stats.special_token_text
+#    (special tokens whose text the data holds), written only when set.
 FORMAT_VERSION = 6
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
@@ -215,6 +217,11 @@ class PackingStats:
     # Examples checked against the reference tokenization (a sample, or all), and those equal to it (format 6).
     examples_checked: int = 0
     examples_equal: int = 0
+    # Which examples the build checked (--verify-tokens: "off", "sample" or "all"); "" in older builds.
+    token_check: str = ""
+    # Special tokens whose text the data's own text holds, tokenized as those tokens:
+    # {"</s>": {"examples": 3, "first_row": "data.jsonl line 7"}}.
+    special_token_text: dict[str, dict[str, Any]] = field(default_factory=dict)
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
     # The source files read, and the source columns that reached the tokens and those that did not
@@ -241,7 +248,7 @@ class PackingStats:
     def to_dict(self) -> dict[str, Any]:
         data = {**dataclasses.asdict(self), "fill": self.fill}
         # Written only when set (chat builds, pipeline builds), so that other builds' manifests stay as they were.
-        written_when_set = ("chat_turns", "dangling_turns_dropped", *SOURCE_LISTS)
+        written_when_set = ("chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", *SOURCE_LISTS)
         return {key: value for key, value in data.items() if value or key not in written_when_set}
 
     @classmethod
@@ -257,7 +264,7 @@ class PackingStats:
                 if item.name == "segments_per_row":
                     for count, rows in part.segments_per_row.items():
                         total.segments_per_row[count] = total.segments_per_row.get(count, 0) + rows
-                elif item.name in ("chat_turns", "dangling_turns_dropped"):
+                elif item.name in ("chat_turns", "dangling_turns_dropped", "token_check", "special_token_text"):
                     continue  # counted while reading, not per packing group
                 else:
                     setattr(total, item.name, getattr(total, item.name) + getattr(part, item.name))

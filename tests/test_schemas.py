@@ -13,6 +13,7 @@ import jsonschema
 import pyarrow as pa
 import pytest
 
+from pipeline.config import VerifyTokens
 from schemas import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -222,6 +223,7 @@ def test_the_schema_enums_are_the_code_enums() -> None:
     then_inputs = SCHEMA["then"]["properties"]["inputs"]["properties"]
     assert then_inputs["loss_masking"]["enum"] == [masking.value for masking in LossMasking]
     assert SCHEMA["properties"]["format_version"]["minimum"] == 1
+    assert SCHEMA["properties"]["stats"]["properties"]["token_check"]["enum"] == [mode.value for mode in VerifyTokens]
 
 
 def test_the_schema_lists_every_field_the_code_writes() -> None:
@@ -230,7 +232,10 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     added = set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""]) | set(ADDED_IN_VERSION_5[""])
     assert set(data) == set(properties) == set(SCHEMA["required"]) | added
     # Written only when set: the shard and group sizes (absent, the defaults), chat turns, the source files and columns.
-    optional = {"inputs": {"rows_per_shard", "examples_per_group"}, "stats": {"chat_turns", "dangling_turns_dropped", *SOURCE_LISTS}}
+    optional = {
+        "inputs": {"rows_per_shard", "examples_per_group"},
+        "stats": {"chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", *SOURCE_LISTS},
+    }
     for key in ("inputs", "stats"):
         assert not optional[key] & set(data[key])
         assert set(data[key]) | optional[key] == set(properties[key]["properties"])

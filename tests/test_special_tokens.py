@@ -138,3 +138,43 @@ def test_as_chat_renders_a_user_and_an_assistant_turn(tmp_path, data):
         text.write_text(json.dumps({"text": "plain"}) + "\n")
         pack(tmp_path, dataset=str(text), as_chat=True)
     shutil.rmtree(tmp_path / "out")
+
+
+def test_special_token_text_in_the_data_is_counted_and_named_in_the_report_and_manifest(tmp_path, capsys):
+    """A response writing ``<s>old</s>`` (HTML strikethrough) is tokenized with Mistral's BOS and EOS inside it."""
+    rows = [*RECORDS[:3], {"prompt": "Strike it in HTML", "response": "Use <s>old</s> tags."}]
+    rows.append({"prompt": "And bold?", "response": "Use <b>, not </s>."})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--max-len", "64", "--no-progress", "--no-report"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "special text  warning: '</s>' in the data text of 2 examples, tokenized as that special token (the first: " in out
+    assert f"'<s>' in the data text of 1 example, tokenized as that special token (the first: {data} line 4)" in out
+    assert f"warning: 2 examples (the first: {data} line 4): the data text holds '</s>'" in err
+    stats = read_manifest(plan_out(tmp_path)).stats
+    assert stats.special_token_text == {
+        "</s>": {"examples": 2, "first_row": f"{data} line 4"}, "<s>": {"examples": 1, "first_row": f"{data} line 4"}
+    }
+    assert main([*args, "--strict"]) == 1  # reused: the recorded warning is an error under --strict
+    assert "the data text holds" in capsys.readouterr().err
+    assert main([*args, "--strict", "--out", str(tmp_path / "strict")]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (
+        f"varpack: error: {data} line 4: the data text holds '<s>', the text of a special token, and is tokenized "
+        "as that token, not as text; remove it from the data, or leave out --strict"
+    )
+    assert not list((tmp_path / "strict").glob("*/manifest.json"))
+
+
+def test_a_template_naming_special_tokens_is_not_counted_as_data_text(tmp_path, data, capsys):
+    template = "<s>[INST] {prompt} [/INST] {response}"
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--prompt-template", template, "--no-progress", "--no-report"]
+    assert main(args) == 0
+    assert "special text" not in capsys.readouterr().out
+    assert read_manifest(plan_out(tmp_path)).stats.special_token_text == {}
+
+
+def plan_out(tmp_path: Path) -> str:
+    (out_dir,) = (tmp_path / "out").iterdir()
+    return str(out_dir)

@@ -24,6 +24,7 @@ from pipeline.errors import TokenMismatchError
 from pipeline.pack import main
 from pipeline.read.formats import ExampleFormat, split_prompt_template
 from pipeline.read.readers import BatchRows
+from pipeline.report.summary import reuse_token_check_error
 from schemas import ExampleKind, read_manifest
 
 DOCS_TEMPLATE = "### Question: {prompt}\\n### Answer: {response}"
@@ -123,8 +124,42 @@ def test_verify_tokens_off_says_so_and_checks_nothing(tmp_path, capsys):
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": f"Line {i}"} for i in range(5)])
     assert main(["--dataset", data, "--out", str(tmp_path / "out"), "--verify-tokens", "off", "--no-progress", "--no-report"]) == 0
     assert re.search(r"token check +off \(--verify-tokens off\)", capsys.readouterr().out)
-    stats = build(PackConfig(dataset=data, out=str(tmp_path / "out"), progress=False)).manifest.stats
-    assert stats.examples_checked == 0  # reused: the check is a run setting, not part of the fingerprint
+    stats = build(PackConfig(dataset=data, out=str(tmp_path / "out"), progress=False, verify_tokens="off")).manifest.stats
+    assert stats.examples_checked == 0 and stats.token_check == "off"  # reused: a run setting, not fingerprinted
+
+
+def test_a_reused_build_reports_the_check_it_had_and_refuses_a_stronger_one(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(SAMPLE_SIZE + 100)])
+    args = ["--dataset", data, "--out", str(tmp_path / "out"), "--max-len", "64", "--no-progress", "--no-report"]
+    assert main([*args, "--verify-tokens", "sample"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--verify-tokens", "sample"]) == 0  # reused: says what was checked when it was built
+    assert f"{SAMPLE_SIZE:,} examples checked when built (a seeded sample)" in capsys.readouterr().out
+    assert main([*args, "--verify-tokens", "all"]) == 1  # not reused as if every example had been checked
+    out, err = capsys.readouterr()
+    assert "token check" not in out
+    assert err.count("\n") == 1 and "--verify-tokens all asks for more than this build checked" in err
+    assert f"--verify-tokens sample, {SAMPLE_SIZE:,} examples of {SAMPLE_SIZE + 100:,}" in err and "--force" in err
+    assert main([*args, "--verify-tokens", "all", "--force"]) == 0
+    assert f"{SAMPLE_SIZE + 100:,} examples checked (all examples)" in capsys.readouterr().out
+    assert main([*args, "--verify-tokens", "sample"]) == 0  # an all-checked build stands for a sample
+    assert f"{SAMPLE_SIZE + 100:,} examples checked when built (all examples)" in capsys.readouterr().out
+
+
+def test_a_check_over_an_unchecked_build_or_differences_under_error_refuse_reuse(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": f"Line {i}"} for i in range(5)])
+    args = ["--dataset", data, "--out", str(tmp_path / "out"), "--no-progress", "--no-report"]
+    assert main([*args, "--verify-tokens", "off"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--verify-tokens", "sample"]) == 1
+    assert "--verify-tokens sample asks for more than this build checked when it was built (--verify-tokens off" in (
+        capsys.readouterr().err
+    )
+    stats = read_manifest(plan_build(PackConfig(dataset=data, out=str(tmp_path / "out"))).out_dir).stats
+    stats.examples_checked, stats.examples_equal, stats.token_check = 5, 4, "all"
+    assert reuse_token_check_error(stats, "sample", "count") is None
+    assert "1 example of this build differ" in (reuse_token_check_error(stats, "sample", "error") or "")
+    assert reuse_token_check_error(stats, "off", "error") is None
 
 
 def test_the_quickstart_reports_its_check_whole_text(quickstart):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from pipeline.build import build
 from pipeline.config import PackConfig
-from pipeline.encode.tokenizer import gguf_reference, load_tokenizer
+from pipeline.encode.tokenizer import GGUF_CONTROL, GGUF_USER_DEFINED, GgufVocab, gguf_reference, load_tokenizer
 from pipeline.errors import InputError
 from pipeline.pack import main
 from tests.test_pipeline_e2e import read_examples
@@ -179,6 +180,33 @@ def test_gguf_tokenizers_reproduce_llama_cpps_reference_tokenizations(name, gguf
     backend = gguf_tokenizers[name].backend()
     wrong = [text for text, ids in reference if backend.encode(text, add_special_tokens=False).ids != ids]
     assert not wrong, f"{len(wrong)} of {len(reference)} differ: {wrong[:3]}"
+
+
+@pytest.mark.parametrize("name", GGUF_VOCABS)
+def test_gguf_tokenizers_keep_the_files_vocabulary_size_bos_eos_and_special_token_ids(name, gguf_tokenizers):
+    """DeepSeek-coder's BOS and EOS (32013, 32014 of 32,256 tokens) were added again past the vocabulary."""
+    path = LLAMA_CPP_VOCAB / f"ggml-vocab-{name}.gguf"
+    vocab, tokenizer = GgufVocab.read(path), gguf_tokenizers[name]
+    backend = tokenizer.backend()
+    assert backend.get_vocab_size(with_added_tokens=True) == len(vocab.tokens)
+    assert backend.token_to_id(tokenizer.bos_token) == vocab.bos_id and backend.token_to_id(tokenizer.eos_token) == vocab.eos_id
+    assert tokenizer.suffix_ids == (vocab.eos_id,) and tokenizer.prefix_ids in ((), (vocab.bos_id,))
+    whole = [i for i, kind in enumerate(vocab.token_types) if kind in (GGUF_CONTROL, GGUF_USER_DEFINED)]
+    assert [backend.token_to_id(vocab.tokens[i]) for i in whole] == whole
+    assert all(i < len(vocab.tokens) for i in backend.get_added_tokens_decoder())
+    ids = backend.encode(f"{vocab.tokens[whole[-1]]}x", add_special_tokens=False).ids if whole else [0]
+    assert not whole or ids[0] == whole[-1]
+
+
+def test_a_gguf_conversion_with_other_bos_eos_or_vocabulary_size_is_refused_naming_the_file(gguf_tokenizers):
+    path = LLAMA_CPP_VOCAB / "ggml-vocab-deepseek-coder.gguf"
+    vocab = GgufVocab.read(path)
+    vocab.check_ids(path, gguf_tokenizers["deepseek-coder"])
+    for changed, what in ((replace(vocab, bos_id=32257), "BOS id 32013, the GGUF file 32257"),
+                          (replace(vocab, eos_id=1), "EOS id 32014, the GGUF file 1"),
+                          (replace(vocab, tokens=vocab.tokens[:-1]), "vocabulary size 32256, the GGUF file 32255")):
+        with pytest.raises(InputError, match=rf"^tokenizer {path}: its conversion has {what}; "):
+            changed.check_ids(path, gguf_tokenizers["deepseek-coder"])
 
 
 def test_a_gguf_conversion_that_does_not_reproduce_its_reference_is_refused_naming_the_file(tmp_path, capsys):

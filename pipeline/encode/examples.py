@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow, Reason, RowProblem
 from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, tool_call_names, written
-from pipeline.encode.tokenizer import LoadedTokenizer
+from pipeline.encode.tokenizer import LoadedTokenizer, _special_tokens
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
 from pipeline.read.formats import ExampleFormat
@@ -67,6 +67,11 @@ PROBE_TOOL_CALL = (
 )
 
 
+def special_text_line(token: str) -> str:
+    """What holding a special token's text in the data means, for warnings and errors."""
+    return f"the data text holds {token!r}, the text of a special token, and is tokenized as that token, not as text"
+
+
 @dataclass
 class EncodedBatch:
     """Examples as one flat buffer: example ``i`` is ``tokens[starts[i]:starts[i] + lengths[i]]``.
@@ -85,6 +90,8 @@ class EncodedBatch:
     untrained: tuple[int, int] = (0, 0)
     turns: Counter[str] = field(default_factory=Counter)
     prompt_cut: tuple[int, int] = (0, 0)  # examples that fit once --truncate-side left cut their prompt, tokens cut
+    # Special tokens whose text the data holds: {token: (examples, the first one's row)} (see special_text).
+    special_text: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def starts(self) -> np.ndarray:
@@ -100,7 +107,7 @@ class EncodedBatch:
         index = gather_index(self.starts[keep], self.lengths[keep])
         return EncodedBatch(
             self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
-            self.untrained, self.turns, self.prompt_cut,
+            self.untrained, self.turns, self.prompt_cut, self.special_text,
         )
 
 
@@ -283,6 +290,8 @@ class Encoder:
         self.kind = example_format.example_kind
         self.merges_system = example_format.is_chat and not self._writes("system", PROBE_SYSTEM)
         self.writes_tool_calls = example_format.is_chat and self._writes("tool_calls", "probe_function_name")
+        specials = sorted(_special_tokens(self.backend), key=len, reverse=True)
+        self.specials_pattern = "|".join(re.escape(token) for token in specials)
 
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
         """Tokens and loss masks of the rows of ``table``, named in messages by ``rows``."""
@@ -292,6 +301,7 @@ class Encoder:
         batch, problems = self.kind.encode(self, table, rows, source_rows)
         more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
         rejected += more
+        batch.special_text = self._special_text(table, rows, source_rows)
         empty = np.flatnonzero(batch.lengths == 0)
         if empty.size:
             problems = {int(i): (Reason.NO_TOKENS, "encodes to no tokens") for i in empty}
@@ -360,6 +370,26 @@ class Encoder:
         if not candidates.size:
             return {}
         return {int(i): (Reason.NOT_AN_OBJECT, "not a JSON object") for i in candidates[rows.not_an_object(candidates)]}
+
+    def _special_text(self, table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> dict[str, tuple[int, str]]:
+        """The special tokens whose text the data's own text holds (not the template's), tokenized as those
+        tokens: for each, the examples holding it and the first one's row; under ``--strict`` an error."""
+        if self.format.is_chat or not self.specials_pattern:
+            return {}
+        found: dict[str, tuple[int, str]] = {}
+        for column in self.kind.text_columns:
+            values = table.column(column)
+            if pa.types.is_null(values.type):
+                continue
+            hits = pc.match_substring_regex(values, self.specials_pattern).fill_null(False).to_numpy(zero_copy_only=False)
+            for i in np.flatnonzero(hits).tolist():
+                for token in dict.fromkeys(re.findall(self.specials_pattern, values[i].as_py())):
+                    count, first = found.get(token, (0, rows.name(int(source_rows[i]))))
+                    found[token] = (count + 1, first)
+        if found and self.strict:
+            token, (_, first) = next(iter(found.items()))
+            raise InputError(f"{first}: {special_text_line(token)}; remove it from the data, or leave out --strict")
+        return found
 
     def _text_problems(self, table: pa.Table, origin: str) -> dict[int, tuple[Reason, str]]:
         """Rows with a null or empty value in a text column (the first problem of each row), by index."""

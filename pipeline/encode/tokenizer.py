@@ -584,7 +584,10 @@ GGUF_SPLITS: dict[str, tuple[str, ...]] = {
     ),
 }
 # The conversion's version, part of its cache key: a new one converts every GGUF file again.
-GGUF_CONVERSION = "gguf2"
+GGUF_CONVERSION = "gguf3"
+# llama.cpp's token types (tokenizer.ggml.token_type) of the tokens matched whole before splitting:
+# control tokens (BOS, EOS, ...), special, and user-defined ones.
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 # llama.cpp's reference tokenizations beside a vocabulary file: NAME.gguf.inp holds texts separated
 # by this line, NAME.gguf.out the ids of each, one line per text.
 GGUF_REFERENCE_SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -593,12 +596,17 @@ GGUF_REFERENCE_SEPARATOR = "\n__ggml_vocab_test__\n"
 @dataclass(frozen=True)
 class GgufVocab:
     """What a GGUF file says of its tokenizer beyond the vocabulary: ``tokenizer.ggml.model`` (``llama``
-    for SentencePiece, ``gpt2`` for byte-level BPE), ``tokenizer.ggml.pre``, and whether SentencePiece
-    text gets a space before it (``tokenizer.ggml.add_space_prefix``, true when absent)."""
+    for SentencePiece, ``gpt2`` for byte-level BPE), ``tokenizer.ggml.pre``, whether SentencePiece
+    text gets a space before it (``tokenizer.ggml.add_space_prefix``, true when absent), the tokens
+    with their types, and the ids of BOS and EOS."""
 
     model: str | None
     pre: str | None
     add_space_prefix: bool
+    tokens: tuple[str, ...] = ()
+    token_types: tuple[int, ...] = ()
+    bos_id: int | None = None
+    eos_id: int | None = None
 
     @classmethod
     def read(cls, path: Path) -> GgufVocab:
@@ -612,7 +620,65 @@ class GgufVocab:
         def value(key: str) -> Any:
             return fields[key].contents() if key in fields else None
 
-        return cls(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre"), value("tokenizer.ggml.add_space_prefix") is not False)
+        return cls(
+            value("tokenizer.ggml.model"),
+            value("tokenizer.ggml.pre"),
+            value("tokenizer.ggml.add_space_prefix") is not False,
+            tuple(value("tokenizer.ggml.tokens") or ()),
+            tuple(value("tokenizer.ggml.token_type") or ()),
+            value("tokenizer.ggml.bos_token_id"),
+            value("tokenizer.ggml.eos_token_id"),
+        )
+
+    def with_gguf_ids(self, backend: Any) -> Any:
+        """``backend`` with every control and user-defined token of the GGUF file an added token at its
+        GGUF id (control ones special), and added tokens the file lacks dropped: transformers' conversion
+        keeps control tokens in byte-level form and adds BOS and EOS again past the vocabulary."""
+        from tokenizers import Tokenizer
+
+        whole = {text: i for i, (text, kind) in enumerate(zip(self.tokens, self.token_types)) if kind in (GGUF_CONTROL, GGUF_USER_DEFINED)}
+        if not whole:
+            return backend
+        data = json.loads(backend.to_str())
+        moved: dict[int, int] = {}
+        added: dict[int, dict[str, Any]] = {}
+        for token in data["added_tokens"]:
+            if token["id"] < len(self.tokens) and self.tokens[token["id"]] == token["content"]:
+                added[token["id"]] = token
+            elif token["content"] in whole:  # re-added past the vocabulary: back to its GGUF id
+                moved[token["id"]] = whole[token["content"]]
+                added[whole[token["content"]]] = {**token, "id": whole[token["content"]]}
+        for text, i in whole.items():
+            special = self.token_types[i] == GGUF_CONTROL
+            added.setdefault(i, {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                                 "normalized": False, "special": special})
+        data["added_tokens"] = [added[i] for i in sorted(added)]
+        vocab = data["model"]["vocab"]
+        if isinstance(vocab, dict):  # BPE, WordPiece: the model's entry of each whole token holds its GGUF text
+            text_of = {i: text for text, i in vocab.items()}
+            for i, token in added.items():
+                if text_of.get(i, token["content"]) != token["content"] and token["content"] not in vocab:
+                    del vocab[text_of[i]]
+                    vocab[token["content"]] = i
+        for entry in ((data.get("post_processor") or {}).get("special_tokens") or {}).values():
+            entry["ids"] = [moved.get(i, i) for i in entry["ids"]]
+        return Tokenizer.from_str(json.dumps(data))
+
+    def check_ids(self, path: Path, loaded: LoadedTokenizer) -> None:
+        """Raise InputError, naming the file, when the converted tokenizer's vocabulary size, BOS or EOS id
+        differs from the GGUF file's own (``tokenizer.ggml.tokens``, ``bos_token_id``, ``eos_token_id``)."""
+        backend = loaded.backend()
+        found = {
+            "vocabulary size": (backend.get_vocab_size(with_added_tokens=True), len(self.tokens)),
+            "BOS id": (backend.token_to_id(loaded.bos_token) if loaded.bos_token else None, self.bos_id),
+            "EOS id": (backend.token_to_id(loaded.eos_token) if loaded.eos_token else None, self.eos_id),
+        }
+        for what, (got, expected) in found.items():
+            if expected is not None and got != expected:
+                raise InputError(
+                    f"tokenizer {path}: its conversion has {what} {got}, the GGUF file {expected}; "
+                    f"convert the model's own tokenizer instead ({CONVERT_HINT})"
+                )
 
     def fix(self, backend: Any) -> None:
         """Make ``backend`` (transformers' conversion) split text as llama.cpp does, in place: the
@@ -678,11 +744,14 @@ def _from_gguf(path: Path) -> LoadedTokenizer:
         except (OSError, ValueError, StrictDataclassError) as err:  # the last: a model config transformers cannot read
             raise InputError(f"tokenizer {path} could not be converted ({_first_line(err)}); {CONVERT_HINT}") from err
         vocab.fix(tokenizer.backend_tokenizer)
+        tokenizer._tokenizer = vocab.with_gguf_ids(tokenizer.backend_tokenizer)
         check_gguf_reference(path, tokenizer.backend_tokenizer)
         _save_converted(tokenizer, target)
     loaded = _from_files(str(path), target / "tokenizer.json", target / "tokenizer_config.json")
     if cached:  # the reference files may have appeared since
         check_gguf_reference(path, loaded.backend())
+    else:
+        vocab.check_ids(path, loaded)
     return loaded
 
 

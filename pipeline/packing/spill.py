@@ -50,6 +50,7 @@ class SpilledBatch:
     turns: Counter[str] = field(default_factory=Counter)
     prompt_cut: tuple[int, int] = (0, 0)
     token_check: CheckCounts = CheckCounts()
+    special_text: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -71,7 +72,7 @@ def spill(
     rows = batch.example_rows.astype(np.int32)
     return SpilledBatch(
         path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns,
-        batch.prompt_cut, token_check,
+        batch.prompt_cut, token_check, batch.special_text,
     )
 
 

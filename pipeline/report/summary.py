@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pipeline.config import VerifyTokens
+from pipeline.config import OnTokenMismatch, VerifyTokens
 from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.encode.chat import ROLE_ORDER
+from pipeline.encode.examples import special_text_line
 from schemas import PackingStats, RejectedRows
 
 # The dangling chat turns a build drops, as the manifest and the report name them.
@@ -55,7 +56,10 @@ def format_report(
     if stats.chat_turns:
         lines.append(("turns", describe_turns(stats)))
     lines += inputs_section(stats)
-    lines.append(("token check", describe_token_check(stats, verify_tokens)))
+    for token, found in stats.special_token_text.items():
+        lines.append(("special text", f"warning: {token!r} in the data text of {plural(found['examples'], 'example')}, "
+                                      f"tokenized as that special token (the first: {found['first_row']})"))
+    lines.append(("token check", describe_token_check(stats, verify_tokens, reused)))
     lines += [
         ("elapsed", f"{elapsed_s:.2f} s" + (" (reused)" if reused else "")),
         ("output", out_dir),
@@ -111,18 +115,53 @@ def describe_overflow(stats: PackingStats) -> str:
     return overflow
 
 
-def describe_token_check(stats: PackingStats, verify_tokens: str) -> str:
-    """The examples checked against the tokenizer's own tokenization of each whole example, and those equal."""
-    if verify_tokens == VerifyTokens.OFF:
-        return "off (--verify-tokens off): the tokens were not compared with the tokenizer's own"
-    which = "all examples" if verify_tokens == VerifyTokens.ALL else "a seeded sample"
+def built_token_check(stats: PackingStats) -> VerifyTokens:
+    """Which examples a build checked: its recorded mode, or, for a build that predates it, what its counts show."""
+    if stats.token_check:
+        return VerifyTokens(stats.token_check)
+    if not stats.examples_checked:
+        return VerifyTokens.OFF
+    return VerifyTokens.ALL if stats.examples_checked >= stats.examples_read else VerifyTokens.SAMPLE
+
+
+def reuse_token_check_error(stats: PackingStats, verify_tokens: str, on_token_mismatch: str) -> str | None:
+    """Why a finished build cannot stand for this run's check of the tokens, or None when it can: this run
+    asks for a stronger check than the build made (all over a sample, any over none), or the build's check
+    found differences that this run's ``--on-token-mismatch error`` does not accept."""
+    built = built_token_check(stats)
+    strength = {VerifyTokens.OFF: 0, VerifyTokens.SAMPLE: 1, VerifyTokens.ALL: 2}
+    covered = built == VerifyTokens.ALL or stats.examples_checked >= stats.examples_read
+    if strength[VerifyTokens(verify_tokens)] > strength[built] and not (verify_tokens == VerifyTokens.ALL and covered):
+        return (
+            f"--verify-tokens {verify_tokens} asks for more than this build checked when it was built "
+            f"(--verify-tokens {built}, {plural(stats.examples_checked, 'example')} of {stats.examples_read:,}); "
+            "pass --force to rebuild it with the check"
+        )
+    differ = stats.examples_checked - stats.examples_equal
+    if differ and on_token_mismatch == OnTokenMismatch.ERROR and verify_tokens != VerifyTokens.OFF:
+        return (
+            f"{plural(differ, 'example')} of this build differ from the tokenizer's own tokenization "
+            "(found when it was built); --on-token-mismatch error refuses it: pass --force to rebuild and see the first"
+        )
+    return None
+
+
+def describe_token_check(stats: PackingStats, verify_tokens: str, reused: bool = False) -> str:
+    """The examples checked against the tokenizer's own tokenization of each whole example, and those equal.
+    A reused build reports the check it had when it was built, whatever this run asked for."""
+    mode = built_token_check(stats) if reused else verify_tokens
+    when = " when built" if reused else ""
+    if mode == VerifyTokens.OFF:
+        return f"off (--verify-tokens off{when}): the tokens were not compared with the tokenizer's own"
+    which = "all examples" if mode == VerifyTokens.ALL else "a seeded sample"
     line = (
-        f"{plural(stats.examples_checked, 'example')} checked ({which}) against the tokenizer's own tokenization, "
-        f"{stats.examples_equal:,} equal"
+        f"{plural(stats.examples_checked, 'example')} checked{when} ({which}) against the tokenizer's own "
+        f"tokenization, {stats.examples_equal:,} equal"
     )
     differ = stats.examples_checked - stats.examples_equal
     if differ:
-        line += f", {differ:,} differ (--on-token-mismatch count; the first is logged above)"
+        first = "logged when it was built" if reused else "logged above"
+        line += f", {differ:,} differ (--on-token-mismatch count; the first is {first})"
     return line
 
 
@@ -162,7 +201,11 @@ def describe_turns(stats: PackingStats) -> str:
 def unused_input_warnings(stats: PackingStats) -> list[str]:
     """One line for each chat role of which the chat template left turns out, and for each message field
     (``reasoning_content``) it does not write; ``--strict`` stops on the same."""
-    lines = []
+    lines = [
+        f"warning: {plural(found['examples'], 'example')} (the first: {found['first_row']}): {special_text_line(token)}; "
+        "remove it from the data, or pass --strict to stop on this"
+        for token, found in stats.special_token_text.items()
+    ]
     for role, counts in stats.chat_turns.items():
         if counts.get("left_out"):
             lines.append(
