@@ -62,6 +62,20 @@ def test_alpaca_rows_keep_their_input(tmp_path, capsys):
     assert read_manifest(build_dir).inputs.template.count("alpaca") == 1
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_key_first_seen_in_a_later_row_is_a_column(tmp_path, capsys, suffix):
+    """Alpaca rows whose first row has no ``input``: the column is still found, read and rendered, under --strict."""
+    rows = [{"instruction": "Say hi", "output": "hi"}, {"instruction": "Translate", "input": "hello", "output": "bonjour"}]
+    data = tmp_path / f"a{suffix}"
+    if suffix == ".json":
+        data.write_text(json.dumps(rows))
+    else:
+        write_jsonl(data, rows)
+    build_dir, _ = pack(tmp_path, capsys, "--dataset", str(data), "--strict")
+    assert [text for text, _ in decoded(build_dir)] == [ALPACA_WITHOUT_INPUT.format(**rows[0]), ALPACA_WITH_INPUT.format(**rows[1])]
+    assert read_manifest(build_dir).stats.source_columns_used == ["instruction", "input", "output"]
+
+
 def test_a_template_names_any_column_and_a_system_prompt(tmp_path, capsys):
     data = write_jsonl(tmp_path / "t.jsonl", [{"topic": "math", "q": "2 + 3?", "a": "5", "unused": "x"}])
     build_dir, _ = pack(
