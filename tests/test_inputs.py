@@ -176,6 +176,22 @@ def test_a_directory_reads_the_files_that_name_no_split_as_train(tmp_path, capsy
     assert "extra.csv: not read" in capsys.readouterr().err and not (tmp_path / "strict").exists()
 
 
+@pytest.mark.parametrize("with_train", [True, False])
+def test_a_hidden_data_file_is_skipped_with_a_line_and_underscored_ones_are_read(tmp_path, capsys, with_train):
+    """As on the Hub, ``.hidden.jsonl`` is not read, and a warning names it (an error under --strict); ``_extra.jsonl``
+    and ``_more/x.jsonl`` are read as train, whether ``train.jsonl`` is beside them or not."""
+    data = tmp_path / "d"
+    (data / "_more").mkdir(parents=True)
+    names = ["_extra.jsonl", "_more/x.jsonl", *(["train.jsonl"] if with_train else [])]
+    for name in [*names, ".hidden.jsonl"]:
+        write_jsonl(data / name, [{"prompt": f"file {name}", "response": "ok"}])
+    build_dir, err = pack(tmp_path, capsys, "--dataset", str(data))
+    assert read_manifest(build_dir).stats.source_files == sorted(names)
+    assert "warning: .hidden.jsonl: not read (hidden: as on the Hub" in err
+    assert main(["--dataset", str(data), "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert ".hidden.jsonl: not read" in capsys.readouterr().err and not (tmp_path / "strict").exists()
+
+
 def test_the_report_and_the_manifest_say_which_columns_were_not_read(tmp_path, capsys):
     data = write_jsonl(tmp_path / "q.jsonl", [{"id": 7, "question": "2 + 3?", "answer": "5", "source": "web"}])
     assert main(["--dataset", str(data), "--out", str(tmp_path / "out"), "--no-progress", "--no-report"]) == 0
