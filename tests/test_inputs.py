@@ -246,6 +246,30 @@ def test_file_urls_name_local_paths(tmp_path, capsys):
     assert decoded(str(build_dir)) == [("2 + 3?\n\n5", "5")]
 
 
+@pytest.mark.parametrize("form", ["file://localhost{}", "file:{}"])
+def test_every_local_file_url_form_names_the_same_path(tmp_path, capsys, monkeypatch, form):
+    """RFC 8089's ``file://localhost/ABS`` and ``file:/ABS`` write to ``/ABS``, not under the working directory."""
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "q.jsonl", [{"question": "2 + 3?", "answer": "5"}])
+    args = ["--dataset", form.format(data), "--out", form.format(tmp_path / "out"), "--no-progress", "--no-report"]
+    assert main(args) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "q.jsonl"]
+    (build_dir,) = (tmp_path / "out").iterdir()
+    assert decoded(str(build_dir)) == [("2 + 3?\n\n5", "5")]
+
+
+@pytest.mark.parametrize("option", ["--dataset", "--out"])
+@pytest.mark.parametrize("url", ["file://rel/out", "file://otherhost/abs", "file:rel"])
+def test_a_file_url_of_another_host_or_a_relative_path_is_one_line(tmp_path, capsys, monkeypatch, option, url):
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "q.jsonl", [{"question": "2 + 3?", "answer": "5"}])
+    args = {"--dataset": str(data), "--out": str(tmp_path / "out"), option: url}
+    assert main([arg for pair in args.items() for arg in pair]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"varpack: error: {url}: not a local file URL; write file:///ABS/PATH (or file://localhost/ABS/PATH), or the path itself"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["q.jsonl"]
+
+
 # --- truncation that keeps the response -------------------------------------------------------
 
 
