@@ -266,7 +266,9 @@ def test_a_file_url_of_another_host_or_a_relative_path_is_one_line(tmp_path, cap
     args = {"--dataset": str(data), "--out": str(tmp_path / "out"), option: url}
     assert main([arg for pair in args.items() for arg in pair]) == 1
     err = capsys.readouterr().err
-    assert err.strip() == f"varpack: error: {url}: not a local file URL; write file:///ABS/PATH (or file://localhost/ABS/PATH), or the path itself"
+    assert err.strip() == (
+        f"varpack: error: {url}: not a local file URL; write file:///ABS/PATH (or file://localhost/ABS/PATH), or the path itself"
+    )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["q.jsonl"]
 
 
