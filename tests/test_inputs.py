@@ -105,6 +105,23 @@ def test_a_bad_template_fails_in_one_line(tmp_path, capsys, template, bad):
     assert bad in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "options, template, line",
+    [
+        (["--prompt-column", "question", "--response-column", "answer"], "P: {prompt} Q: {question}\\nA: {response}",
+         "{prompt} and {question} both read column 'question' (--prompt-column question)"),
+        (["--prompt-column", "question", "--response-column", "answer"], "{prompt}\\n{answer} {response}",
+         "{answer} and {response} both read column 'answer' (--response-column answer)"),
+    ],
+)
+def test_two_template_fields_on_one_column_are_one_line(tmp_path, capsys, options, template, line):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1?", "answer": "2"}])
+    assert main(["--dataset", str(data), *options, "--prompt-template", template, "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"varpack: error: --prompt-template {template!r}: {line}; name each column once"
+    assert not (tmp_path / "out").exists()
+
+
 TEMPLATES = ["{prompt}\n\n{response}", "### Question: {prompt}\n### Answer: {response}", "Q: {prompt} A:{response}", "{prompt}{response}"]
 PAIRS = [("What is 2 + 3?", "5"), ("Name a city.", " Paris, the capital"), ("café 東京?", "naïve 🙂"), ("x", "Five")]
 
