@@ -314,6 +314,17 @@ def test_truncate_side_left_goes_with_overflow_truncate(tmp_path, capsys):
     assert "--truncate-side left cuts the prompt's head" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("template", ["QQQ: {prompt} AAA: {response}", "{question}\\n{answer}"])
+def test_a_prompt_template_is_refused_with_as_chat(tmp_path, capsys, template):
+    """The chat template renders --as-chat examples, so a --prompt-template would be silently left out: it is refused."""
+    data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hi", "response": "ok", "question": "q", "answer": "a"}])
+    args = ["--dataset", str(data), "--as-chat", "--prompt-template", template, "--out", str(tmp_path / "out")]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("varpack: error: --prompt-template does not go with --as-chat") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_system_prompt_is_a_system_turn_under_as_chat(tmp_path, capsys):
     data = write_jsonl(tmp_path / "t.jsonl", [{"question": "2 + 3?", "answer": "5"}])
     build_dir, _ = pack(
