@@ -308,6 +308,18 @@ def test_truncate_side_left_cuts_the_prompts_head_and_keeps_the_response(tmp_pat
     assert (stats.examples_truncated, stats.tokens_truncated) == (1, len(whole) + 2 - 64)
 
 
+def test_truncation_that_leaves_nothing_to_train_says_so_naming_max_len(tmp_path, capsys):
+    """Examples read and all dropped as untrained under --overflow truncate: the line says so, not "no examples"."""
+    data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "hi there", "response": "ok"}, {"prompt": "hello you", "response": "fine"}])
+    assert main(["--dataset", str(data), "--out", str(tmp_path / "out"), "--max-len", "3", "--overflow", "truncate", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "varpack: error: nothing to train: every example read (2) was dropped as untrained: --overflow truncate keeps its "
+        "first --max-len 3 tokens, none of them trained; raise --max-len or pass --overflow split"
+    )
+    assert not list((tmp_path / "out").iterdir())
+
+
 def test_truncate_side_left_goes_with_overflow_truncate(tmp_path, capsys):
     data = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
     assert main(["--dataset", str(data), "--out", str(tmp_path / "out"), "--truncate-side", "left"]) == 1
