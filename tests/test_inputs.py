@@ -76,6 +76,15 @@ def test_a_key_first_seen_in_a_later_row_is_a_column(tmp_path, capsys, suffix):
     assert read_manifest(build_dir).stats.source_columns_used == ["instruction", "input", "output"]
 
 
+def test_a_key_first_seen_after_a_line_that_is_not_an_object_is_a_column(tmp_path, capsys):
+    """Lines that are not objects (bad rows, skipped here) do not hide the keys of the records after them."""
+    rows = [{"instruction": "Say hi", "output": "hi"}, {"instruction": "Translate", "input": "hello", "output": "bonjour"}]
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join([json.dumps(rows[0]), "null", json.dumps(rows[1])]) + "\n")
+    build_dir, _ = pack(tmp_path, capsys, "--dataset", str(data), "--on-bad-row", "skip", "--max-bad-rows", "1")
+    assert [text for text, _ in decoded(build_dir)] == [ALPACA_WITHOUT_INPUT.format(**rows[0]), ALPACA_WITH_INPUT.format(**rows[1])]
+
+
 def test_a_template_names_any_column_and_a_system_prompt(tmp_path, capsys):
     data = write_jsonl(tmp_path / "t.jsonl", [{"topic": "math", "q": "2 + 3?", "a": "5", "unused": "x"}])
     build_dir, _ = pack(

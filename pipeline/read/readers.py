@@ -483,18 +483,20 @@ def _record_keys(data: bytes) -> tuple[str, ...]:
     >>> _record_keys(b'{"instruction": "a", "output": "b"}\\n{"instruction": "c", "input": "d", "output": "e"}\\n')
     ('instruction', 'output', 'input')
     """
-    try:
-        return tuple(pajson.read_json(io.BytesIO(_strip_bom(data))).column_names)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a bad line or a column of mixed types: parse the lines one by one
-        keys: dict[str, None] = {}
-        for line in _strip_bom(data).split(b"\n"):
-            try:
-                record = json.loads(line) if line.strip() else None
-            except (ValueError, RecursionError):  # a bad line, reported when the rows are read
-                continue
-            if isinstance(record, dict):
-                keys.update(dict.fromkeys(record))
-        return tuple(keys)
+    data = _strip_bom(data)
+    _, firsts, _ = _records(data)
+    if (np.frombuffer(data, dtype=np.uint8)[firsts] == ord("{")).all():  # Arrow reads only lines of objects
+        with contextlib.suppress(pa.ArrowInvalid, pa.ArrowTypeError):  # a bad line or a column of mixed types
+            return tuple(pajson.read_json(io.BytesIO(data)).column_names)
+    keys: dict[str, None] = {}
+    for line in data.split(b"\n"):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):  # a bad line, reported when the rows are read
+            continue
+        if isinstance(record, dict):
+            keys.update(dict.fromkeys(record))
+    return tuple(keys)
 
 
 def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTask]]:
