@@ -209,8 +209,19 @@ def finish_filtered(
     )
 
 
-def placements(counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int):
-    """``(batch key, (first row, rows kept, group))`` for every batch, from all batches' (examples, rows read)."""
+def placements(
+    counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int, untrained: int = 0, max_len: int = 0
+):
+    """``(batch key, (first row, rows kept, group))`` for every batch, from all batches' (examples, rows read).
+
+    Raises InputError naming --max-len and --overflow when the only examples read were dropped for keeping
+    no trained token (``untrained`` of them) within ``max_len``.
+    """
+    if untrained and not any(examples for _, (examples, _) in counts):
+        raise InputError(
+            f"nothing to train: every example read ({untrained}) was dropped as untrained: --overflow truncate keeps its "
+            f"first --max-len {max_len} tokens, none of them trained; raise --max-len or pass --overflow split"
+        )
     layout = make_layout(counts, limit, examples_per_group)
     yield from layout.index().items()
 
@@ -343,7 +354,8 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "JoinFiltered" >> beam.CoGroupByKey()
         | "Layout" >> beam.FlatMapTuple(
             lambda _, joined: placements(
-                [c for part in joined["counts"] for c in part], config.num_examples, examples_per_group
+                [c for part in joined["counts"] for c in part], config.num_examples, examples_per_group,
+                sum(f.untrained_examples for f in joined["filtered"]), config.max_len,
             )
         )
     )

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from pipeline.config import PackConfig
 from pipeline.errors import ConfigError
 from pipeline.pack import beam_options, build_and_report
+from schemas import VarpackError
 
 # The name becomes the build's source name (``NAME-<fingerprint>``) and its dataset id (``local:NAME.parquet``).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -54,11 +55,24 @@ def pack_dataset(data: Any, out: str = "shards", *, name: str = "data", **option
         raise ConfigError(f"pack_dataset: unknown option {unknown[0]!r}; the options are PackConfig's fields: {', '.join(sorted(fields))}")
     options["beam_args"] = beam_options(options.get("beam_args", ()))
     table = as_table(data)
+    if table.num_rows == 0:
+        raise ConfigError("pack_dataset: no rows")
     with tempfile.TemporaryDirectory(prefix="varpack-rows-") as scratch:
         path = Path(scratch) / f"{name}.parquet"
         pq.write_table(table.replace_schema_metadata(None), path)
         config = PackConfig(dataset=str(path), out=out, **options)
-        return build_and_report(config).out_dir
+        try:
+            return build_and_report(config).out_dir
+        except VarpackError as err:  # name the data passed, not the scratch file removed by now
+            raise _renamed(err, str(path), "pack_dataset data") from err
+
+
+def _renamed(err: VarpackError, path: str, name: str) -> VarpackError:
+    """``err`` with ``path`` in its message read as ``name``: the same class and attributes."""
+    renamed = type(err).__new__(type(err))
+    Exception.__init__(renamed, str(err).replace(path, name))
+    renamed.__dict__.update(err.__dict__)
+    return renamed
 
 
 def as_table(data: Any) -> pa.Table:
@@ -77,7 +91,7 @@ def as_table(data: Any) -> pa.Table:
     for number, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise ConfigError(f"pack_dataset: row {number} is a {type(row).__name__}, not a dict")
-    try:
-        return pa.Table.from_pylist(rows)
+    try:  # the columns are the keys of every row, not only the first: a key first seen in row 5 is a column
+        return pa.Table.from_struct_array(pa.array(rows, type=None if rows else pa.struct([])))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
         raise ConfigError(f"pack_dataset: the rows do not make one table ({err}); give each column one type") from err

@@ -12,22 +12,35 @@ import glob as globlib
 import os
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from pipeline.errors import ConfigError
 from schemas import io as schemas_io
 from schemas.io import UPLOAD_MARK, atomic_output, open_own, write_error
 
 HUB_SCHEME = "hf://"
 
 
-FILE_SCHEME = "file://"
-
 
 def local_path(path: str) -> str:
-    """``path`` with a ``file://`` scheme taken off (``file:///data/x`` is ``/data/x``); any other path as it is."""
-    return path[len(FILE_SCHEME) :] if path.startswith(FILE_SCHEME) else path
+    """The local path a ``file:`` URL names (RFC 8089: no host or ``localhost``, an absolute path); any other path as it is.
+
+    >>> [local_path(url) for url in ("file:///data/x", "file://localhost/data/x", "file:/data/a%20b", "data/x")]
+    ['/data/x', '/data/x', '/data/a b', 'data/x']
+
+    Raises ConfigError for a file URL that names another host or a relative path (``file://data/x``).
+    """
+    if path[:5].lower() != "file:":
+        return path
+    url = urllib.parse.urlsplit(path)
+    if url.netloc not in ("", "localhost") or not url.path.startswith("/") or url.query or url.fragment:
+        raise ConfigError(
+            f"{path}: not a local file URL; write file:///ABS/PATH (or file://localhost/ABS/PATH), or the path itself"
+        )
+    return urllib.parse.unquote(url.path)
 
 
 def is_url(path: str) -> bool:

@@ -62,6 +62,29 @@ def test_alpaca_rows_keep_their_input(tmp_path, capsys):
     assert read_manifest(build_dir).inputs.template.count("alpaca") == 1
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_key_first_seen_in_a_later_row_is_a_column(tmp_path, capsys, suffix):
+    """Alpaca rows whose first row has no ``input``: the column is still found, read and rendered, under --strict."""
+    rows = [{"instruction": "Say hi", "output": "hi"}, {"instruction": "Translate", "input": "hello", "output": "bonjour"}]
+    data = tmp_path / f"a{suffix}"
+    if suffix == ".json":
+        data.write_text(json.dumps(rows))
+    else:
+        write_jsonl(data, rows)
+    build_dir, _ = pack(tmp_path, capsys, "--dataset", str(data), "--strict")
+    assert [text for text, _ in decoded(build_dir)] == [ALPACA_WITHOUT_INPUT.format(**rows[0]), ALPACA_WITH_INPUT.format(**rows[1])]
+    assert read_manifest(build_dir).stats.source_columns_used == ["instruction", "input", "output"]
+
+
+def test_a_key_first_seen_after_a_line_that_is_not_an_object_is_a_column(tmp_path, capsys):
+    """Lines that are not objects (bad rows, skipped here) do not hide the keys of the records after them."""
+    rows = [{"instruction": "Say hi", "output": "hi"}, {"instruction": "Translate", "input": "hello", "output": "bonjour"}]
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join([json.dumps(rows[0]), "null", json.dumps(rows[1])]) + "\n")
+    build_dir, _ = pack(tmp_path, capsys, "--dataset", str(data), "--on-bad-row", "skip", "--max-bad-rows", "1")
+    assert [text for text, _ in decoded(build_dir)] == [ALPACA_WITHOUT_INPUT.format(**rows[0]), ALPACA_WITH_INPUT.format(**rows[1])]
+
+
 def test_a_template_names_any_column_and_a_system_prompt(tmp_path, capsys):
     data = write_jsonl(tmp_path / "t.jsonl", [{"topic": "math", "q": "2 + 3?", "a": "5", "unused": "x"}])
     build_dir, _ = pack(
@@ -89,6 +112,23 @@ def test_a_bad_template_fails_in_one_line(tmp_path, capsys, template, bad):
     assert main(["--dataset", str(data), "--prompt-template", template, "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert bad in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "options, template, line",
+    [
+        (["--prompt-column", "question", "--response-column", "answer"], "P: {prompt} Q: {question}\\nA: {response}",
+         "{prompt} and {question} both read column 'question' (--prompt-column question)"),
+        (["--prompt-column", "question", "--response-column", "answer"], "{prompt}\\n{answer} {response}",
+         "{answer} and {response} both read column 'answer' (--response-column answer)"),
+    ],
+)
+def test_two_template_fields_on_one_column_are_one_line(tmp_path, capsys, options, template, line):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1?", "answer": "2"}])
+    assert main(["--dataset", str(data), *options, "--prompt-template", template, "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"varpack: error: --prompt-template {template!r}: {line}; name each column once"
+    assert not (tmp_path / "out").exists()
 
 
 TEMPLATES = ["{prompt}\n\n{response}", "### Question: {prompt}\n### Answer: {response}", "Q: {prompt} A:{response}", "{prompt}{response}"]
@@ -162,6 +202,22 @@ def test_a_directory_reads_the_files_that_name_no_split_as_train(tmp_path, capsy
     assert "extra.csv: not read" in capsys.readouterr().err and not (tmp_path / "strict").exists()
 
 
+@pytest.mark.parametrize("with_train", [True, False])
+def test_a_hidden_data_file_is_skipped_with_a_line_and_underscored_ones_are_read(tmp_path, capsys, with_train):
+    """As on the Hub, ``.hidden.jsonl`` is not read, and a warning names it (an error under --strict); ``_extra.jsonl``
+    and ``_more/x.jsonl`` are read as train, whether ``train.jsonl`` is beside them or not."""
+    data = tmp_path / "d"
+    (data / "_more").mkdir(parents=True)
+    names = ["_extra.jsonl", "_more/x.jsonl", *(["train.jsonl"] if with_train else [])]
+    for name in [*names, ".hidden.jsonl"]:
+        write_jsonl(data / name, [{"prompt": f"file {name}", "response": "ok"}])
+    build_dir, err = pack(tmp_path, capsys, "--dataset", str(data))
+    assert read_manifest(build_dir).stats.source_files == sorted(names)
+    assert "warning: .hidden.jsonl: not read (hidden: as on the Hub" in err
+    assert main(["--dataset", str(data), "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert ".hidden.jsonl: not read" in capsys.readouterr().err and not (tmp_path / "strict").exists()
+
+
 def test_the_report_and_the_manifest_say_which_columns_were_not_read(tmp_path, capsys):
     data = write_jsonl(tmp_path / "q.jsonl", [{"id": 7, "question": "2 + 3?", "answer": "5", "source": "web"}])
     assert main(["--dataset", str(data), "--out", str(tmp_path / "out"), "--no-progress", "--no-report"]) == 0
@@ -216,6 +272,32 @@ def test_file_urls_name_local_paths(tmp_path, capsys):
     assert decoded(str(build_dir)) == [("2 + 3?\n\n5", "5")]
 
 
+@pytest.mark.parametrize("form", ["file://localhost{}", "file:{}"])
+def test_every_local_file_url_form_names_the_same_path(tmp_path, capsys, monkeypatch, form):
+    """RFC 8089's ``file://localhost/ABS`` and ``file:/ABS`` write to ``/ABS``, not under the working directory."""
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "q.jsonl", [{"question": "2 + 3?", "answer": "5"}])
+    args = ["--dataset", form.format(data), "--out", form.format(tmp_path / "out"), "--no-progress", "--no-report"]
+    assert main(args) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "q.jsonl"]
+    (build_dir,) = (tmp_path / "out").iterdir()
+    assert decoded(str(build_dir)) == [("2 + 3?\n\n5", "5")]
+
+
+@pytest.mark.parametrize("option", ["--dataset", "--out"])
+@pytest.mark.parametrize("url", ["file://rel/out", "file://otherhost/abs", "file:rel"])
+def test_a_file_url_of_another_host_or_a_relative_path_is_one_line(tmp_path, capsys, monkeypatch, option, url):
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "q.jsonl", [{"question": "2 + 3?", "answer": "5"}])
+    args = {"--dataset": str(data), "--out": str(tmp_path / "out"), option: url}
+    assert main([arg for pair in args.items() for arg in pair]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"varpack: error: {url}: not a local file URL; write file:///ABS/PATH (or file://localhost/ABS/PATH), or the path itself"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["q.jsonl"]
+
+
 # --- truncation that keeps the response -------------------------------------------------------
 
 
@@ -235,10 +317,33 @@ def test_truncate_side_left_cuts_the_prompts_head_and_keeps_the_response(tmp_pat
     assert (stats.examples_truncated, stats.tokens_truncated) == (1, len(whole) + 2 - 64)
 
 
+def test_truncation_that_leaves_nothing_to_train_says_so_naming_max_len(tmp_path, capsys):
+    """Examples read and all dropped as untrained under --overflow truncate: the line says so, not "no examples"."""
+    data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "hi there", "response": "ok"}, {"prompt": "hello you", "response": "fine"}])
+    assert main(["--dataset", str(data), "--out", str(tmp_path / "out"), "--max-len", "3", "--overflow", "truncate", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "varpack: error: nothing to train: every example read (2) was dropped as untrained: --overflow truncate keeps its "
+        "first --max-len 3 tokens, none of them trained; raise --max-len or pass --overflow split"
+    )
+    assert not list((tmp_path / "out").iterdir())
+
+
 def test_truncate_side_left_goes_with_overflow_truncate(tmp_path, capsys):
     data = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
     assert main(["--dataset", str(data), "--out", str(tmp_path / "out"), "--truncate-side", "left"]) == 1
     assert "--truncate-side left cuts the prompt's head" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("template", ["QQQ: {prompt} AAA: {response}", "{question}\\n{answer}"])
+def test_a_prompt_template_is_refused_with_as_chat(tmp_path, capsys, template):
+    """The chat template renders --as-chat examples, so a --prompt-template would be silently left out: it is refused."""
+    data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hi", "response": "ok", "question": "q", "answer": "a"}])
+    args = ["--dataset", str(data), "--as-chat", "--prompt-template", template, "--out", str(tmp_path / "out")]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("varpack: error: --prompt-template does not go with --as-chat") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_system_prompt_is_a_system_turn_under_as_chat(tmp_path, capsys):

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import pack_dataset
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError
 from schemas import read_manifest
 
 ROWS = [
@@ -83,6 +83,8 @@ def test_a_table_and_a_list_of_dicts_give_the_datasets_build_and_leave_no_scratc
         ("rows.jsonl", {}, "not str; to pack a file"),
         ([{"question": "q"}, ["not", "a", "dict"]], {}, "row 1 is a list"),
         ([{"question": "q"}, {"question": 5}], {}, "do not make one table"),
+        ([], {}, "^pack_dataset: no rows$"),
+        (pa.table({"question": pa.array([], pa.string())}), {}, "^pack_dataset: no rows$"),
         (ROWS, {"beam_args": ["--direct_running_mode=multi_threading"]}, "loses elements"),
     ],
 )
@@ -91,6 +93,19 @@ def test_bad_data_and_options_are_one_line_errors_and_write_nothing(tmp_path, da
         pack_dataset(data, out=str(tmp_path / "out"), **options)
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_key_first_seen_in_a_later_dict_is_a_column(tmp_path):
+    """The columns are the keys of every dict: row 1's ``input`` is read (Alpaca), as the command line reads it."""
+    rows = [{"instruction": "Say hi", "output": "hi"}, {"instruction": "Translate", "input": "hello", "output": "bonjour"}]
+    stats = read_manifest(pack_dataset(rows, out=str(tmp_path), **{**OPTIONS, "max_len": 256})).stats
+    assert stats.source_columns_used == ["instruction", "input", "output"] and not stats.source_columns_unused
+
+
+def test_a_bad_rows_error_names_the_data_passed_not_a_scratch_file(tmp_path):
+    with pytest.raises(InputError, match=r"^pack_dataset data row 1: 'answer' is null") as caught:
+        pack_dataset([ROWS[0], {"question": "q", "answer": None}], out=str(tmp_path / "out"), **OPTIONS)
+    assert "varpack-rows-" not in str(caught.value) and not list((tmp_path / "out").glob("*/manifest.json"))
 
 
 def test_a_name_that_is_not_a_file_name_is_refused(tmp_path):

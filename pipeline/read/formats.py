@@ -55,6 +55,15 @@ def _named_template(config: PackConfig) -> ExampleFormat | None:
     if config.messages_column is not None or config.text_column is not None:
         raise ConfigError("--prompt-template joins prompt/response columns; it does not go with --messages-column or --text-column")
     columns = template.columns(config.prompt_column, config.response_column)
+    fields = [name for name in template.fields if name != SYSTEM_FIELD]
+    for column in columns:
+        if columns.count(column) > 1:
+            both = " and ".join(f"{{{name}}}" for name, read in zip(fields, columns) if read == column)
+            option = "--prompt-column" if column == config.prompt_column else "--response-column"
+            raise ConfigError(
+                f"--prompt-template {config.prompt_template!r}: {both} both read column {column!r} ({option} {column}); "
+                "name each column once"
+            )
     return ExampleFormat(ExampleKind.PROMPT_RESPONSE, columns, prompt_template=config.prompt_template)
 
 

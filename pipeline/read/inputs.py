@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pipeline.errors import InputError
 from pipeline.read.formats import ExampleFormat
-from pipeline.read.readers import FORMATS
+from pipeline.read.readers import FORMATS, file_format
 from pipeline.read.sources import Source
 from schemas import PackingStats
 
@@ -44,7 +44,11 @@ class InputsRead:
     def warnings(self) -> list[str]:
         """One line per thing present in the source that no example reads."""
         where = self.files[0] if len(self.files) == 1 else "the dataset"
-        files = [f"{name}: not read (not a {', '.join(FORMATS)} file)" for name in self.files_unread]
+        files = [
+            f"{name}: not read (hidden: as on the Hub, a file or folder whose name starts with '.', or a folder starting "
+            "with '__', is skipped; rename it to read it)" if file_format(name) else f"{name}: not read (not a {', '.join(FORMATS)} file)"
+            for name in self.files_unread
+        ]
         return files + [
             f"{where}: column {column} is not read (the examples use {', '.join(self.columns_used)})"
             for column in self.columns_unused

@@ -321,6 +321,11 @@ class PromptResponseAsChat(_ChatKind):
     @classmethod
     def check(cls, config: PackConfig, chosen: ExampleFormat, where: str, chat_template: str | None) -> None:
         _check_kind_options(cls, config, where)
+        if config.prompt_template is not None:
+            raise ConfigError(
+                "--prompt-template does not go with --as-chat: the chat template renders the prompt and response columns; "
+                "pass --prompt-column and --response-column to choose them"
+            )
         if len(chosen.columns) != 2:
             raise ConfigError("--as-chat renders one prompt column and one response column; it does not go with a template of more")
         _check_truncate_side(config, as_chat=True)

@@ -477,6 +477,28 @@ def _first_record_keys(path: str, data: bytes) -> tuple[str, ...]:
     return ()
 
 
+def _record_keys(data: bytes) -> tuple[str, ...]:
+    """The keys of every object line of JSON-lines ``data``, in the order they first appear.
+
+    >>> _record_keys(b'{"instruction": "a", "output": "b"}\\n{"instruction": "c", "input": "d", "output": "e"}\\n')
+    ('instruction', 'output', 'input')
+    """
+    data = _strip_bom(data)
+    _, firsts, _ = _records(data)
+    if (np.frombuffer(data, dtype=np.uint8)[firsts] == ord("{")).all():  # Arrow reads only lines of objects
+        with contextlib.suppress(pa.ArrowInvalid, pa.ArrowTypeError):  # a bad line or a column of mixed types
+            return tuple(pajson.read_json(io.BytesIO(data)).column_names)
+    keys: dict[str, None] = {}
+    for line in data.split(b"\n"):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):  # a bad line, reported when the rows are read
+            continue
+        if isinstance(record, dict):
+            keys.update(dict.fromkeys(record))
+    return tuple(keys)
+
+
 def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTask]]:
     tasks: list[FileTask] = []
     columns: tuple[str, ...] | None = None
@@ -493,6 +515,7 @@ def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTa
         if chunk:
             if columns is None:
                 columns = _first_record_keys(path, chunk)
+            columns = tuple(dict.fromkeys(columns + _record_keys(chunk)))  # a key first seen in a later row is a column too
             rows = _count_lines(chunk)
             if rows:
                 tasks.append(
@@ -558,7 +581,7 @@ def _scan_json(path: str, data: bytes, sha256: str) -> FileScan:
         records = json.loads(data.decode("utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"{path}: not valid JSON ({err})") from err
-    columns = tuple(records[0]) if records and isinstance(records[0], dict) else ()
+    columns = tuple(dict.fromkeys(key for record in records if isinstance(record, dict) for key in record))
     return FileScan(path, sha256, columns, (FileTask(path, "json", rows=len(records)),) if records else ())
 
 

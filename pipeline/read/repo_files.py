@@ -97,12 +97,9 @@ def _resolve(patterns: list[str], base: str) -> list[str]:
 
 
 def _unnamed(base: str, named: set[str]) -> list[str]:
-    """The data files under ``base`` (not hidden, not ``datasets`` metadata) that no split's pattern matched."""
-    hidden = re.compile(r"(^|/)[._]")
-    return [
-        path for path in _resolve(["**"], base)
-        if path not in named and not hidden.search(path.rsplit(base.rstrip("/"), 1)[-1]) and storage.basename(path) not in METADATA
-    ]
+    """The data files under ``base`` (not ``datasets`` metadata) that no split's pattern matched; as on the Hub,
+    hidden ones (a name starting with ``.``, or in a folder starting with ``__``) are not among them."""
+    return [path for path in _resolve(["**"], base) if path not in named and storage.basename(path) not in METADATA]
 
 
 def split_files(base: str, split: str) -> SplitFiles:

@@ -297,7 +297,10 @@ def _data_files(spec: str, split: str) -> tuple[list[str], str, tuple[str, ...]]
 
 
 # Files a dataset directory holds beside its data, read by no one: not worth a warning.
-_NOT_DATA = re.compile(r"(^|/)(\.|_)|(^|/)(README|LICENSE|LICENCE|CITATION)[^/]*$|\.(md|py|gitattributes)$", re.IGNORECASE)
+_NOT_DATA = re.compile(r"(^|/)(README|LICENSE|LICENCE|CITATION)[^/]*$|\.(md|py|gitattributes)$", re.IGNORECASE)
+# Tooling's files (``.git/``, ``__pycache__/``): skipped silently unless they are data files, which the
+# Hub skips too when hidden (a name starting with ``.``, a folder starting with ``__``), with a warning here.
+_TOOLING = re.compile(r"(^|/)(\.|_)")
 
 
 def _unread_files(spec: str, read: list[str], other_splits: tuple[str, ...]) -> tuple[str, ...]:
@@ -311,7 +314,9 @@ def _unread_files(spec: str, read: list[str], other_splits: tuple[str, ...]) -> 
         for name in names:
             path = os.path.join(directory, name)
             relative = os.path.relpath(path, spec)
-            if os.path.realpath(path) not in known and not _NOT_DATA.search(relative) and name not in repo_files.METADATA:
+            if os.path.realpath(path) in known or _NOT_DATA.search(relative) or name in repo_files.METADATA:
+                continue
+            if file_format(relative) or not _TOOLING.search(relative):
                 found.append(relative)
     return tuple(sorted(found))
 
