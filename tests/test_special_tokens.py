@@ -178,3 +178,22 @@ def test_a_template_naming_special_tokens_is_not_counted_as_data_text(tmp_path, 
 def plan_out(tmp_path: Path) -> str:
     (out_dir,) = (tmp_path / "out").iterdir()
     return str(out_dir)
+
+
+@pytest.mark.parametrize(
+    ("record", "options"),
+    [
+        ({"instruction": "Explain", "input": "what does </s> mean", "output": "end"}, []),  # Alpaca's optional input
+        ({"prompt": "Strike it", "response": "Use </s> to close"}, ["--as-chat"]),
+    ],
+    ids=["alpaca-input", "as-chat"],
+)
+def test_special_token_text_in_every_data_column_is_an_error_under_strict(tmp_path, capsys, record, options):
+    """Optional columns and prompt/response rendered as a chat are data text too."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--max-len", "96", "--no-progress", "--no-report", *options]
+    assert main([*args, "--strict"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"varpack: error: {data} line 1: the data text holds '</s>'")
+    assert main(args) == 0
+    assert read_manifest(plan_out(tmp_path)).stats.special_token_text == {"</s>": {"examples": 1, "first_row": f"{data} line 1"}}

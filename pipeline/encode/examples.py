@@ -374,10 +374,10 @@ class Encoder:
     def _special_text(self, table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> dict[str, tuple[int, str]]:
         """The special tokens whose text the data's own text holds (not the template's), tokenized as those
         tokens: for each, the examples holding it and the first one's row; under ``--strict`` an error."""
-        if self.format.is_chat or not self.specials_pattern:
+        if self.kind.messages_columns or not self.specials_pattern:
             return {}
         found: dict[str, tuple[int, str]] = {}
-        for column in self.kind.text_columns:
+        for column in self.kind.columns:  # optional ones too (Alpaca's input), and under --as-chat
             values = table.column(column)
             if pa.types.is_null(values.type):
                 continue
