@@ -344,14 +344,18 @@ def test_bad_runs_are_refused_in_one_line_before_training(shards, tmp_path):
         assert not list(out.glob("*checkpoint-*"))
 
 
-KILLED_MID_SAVE = """
-import importlib.util, os, signal, sys
+# The start of a child process that runs train.py (its path is argv[1]) with one of its save steps replaced.
+TRAIN_SCRIPT_CHILD = """
+import importlib.util, os, resource, signal, sys
 spec = importlib.util.spec_from_file_location("varpack_train_script", sys.argv[1])
 script = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = script
 spec.loader.exec_module(script)
 write_training_state = script.save_training_state
+"""
 
+
+KILLED_MID_SAVE = TRAIN_SCRIPT_CHILD + """
 def killed_after_the_weights(directory, state):
     if state["step"] == 4:  # the weights of checkpoint-4 are written, the rest is not
         os.kill(os.getpid(), signal.SIGKILL)
@@ -522,14 +526,7 @@ def test_a_forged_training_or_loader_state_is_refused(shards, tmp_path):
         "moved or edited")
 
 
-INTERRUPTED = """
-import importlib.util, os, resource, signal, sys
-spec = importlib.util.spec_from_file_location("varpack_train_script", sys.argv[1])
-script = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = script
-spec.loader.exec_module(script)
-write_training_state = script.save_training_state
-
+INTERRUPTED = TRAIN_SCRIPT_CHILD + """
 def interrupted(directory, state):
     if state["step"] == 4:
         if sys.argv[2] == "full":  # the disk fills up at checkpoint-4
