@@ -238,24 +238,14 @@ def _check_order(messages: list[dict[str, Any]], dropped: list[str]) -> None:
     _check_alternation(roles, first)
 
 
-# The turns a split conversation leaves dangling; a conversation with nothing else is left out, not broken.
-DANGLING = frozenset({"leading_assistant", "leading_tool", "trailing_user"})
-
-
 def _check_ends(roles: list[str], dropped: list[str]) -> None:
     """The turns after the system turn hold an assistant turn, start with the user and end with the assistant."""
     if "assistant" not in roles:
-        if dropped and DANGLING.issuperset(dropped):
+        if dropped:
             raise RowProblem(
                 Reason.ONLY_DANGLING_TURNS,
                 "nothing is left to train on once its dangling turns (assistant turns before the first user turn, "
                 "user turns after the last assistant turn) are dropped",
-            )
-        if dropped:
-            raise RowProblem(
-                Reason.EMPTY_TURN,
-                f"nothing is left to train on once its empty turns, and the exchanges that hold them, are dropped "
-                f"(turns dropped: {', '.join(sorted(set(dropped)))})",
             )
         raise RowProblem(Reason.NO_ASSISTANT_TURN, "no assistant turn, so nothing to train on")
     if roles[0] != "user":
@@ -311,6 +301,18 @@ def _check_alternation(roles: list[str], first: int) -> None:
         )
 
 
+def _check_something_left(read: list[dict[str, Any]], messages: list[dict[str, Any]], dropped: list[str]) -> None:
+    """Raise the empty-turn error, naming the first empty user, assistant or tool turn, for a conversation
+    that has nothing left to train on once the exchanges holding empty turns are dropped."""
+    if all(m["role"] != "assistant" for m in messages) and {"empty_user", "empty_assistant", "empty_tool"} & set(dropped):
+        empty = next(k for k, m in enumerate(read, start=1) if m["role"] != "system" and _is_empty(m))
+        raise RowProblem(
+            Reason.EMPTY_TURN,
+            f"turn {empty} ({read[empty - 1]['role']}) is empty, and nothing is left to train on once the exchanges "
+            "that hold empty turns are dropped",
+        )
+
+
 def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Conversation:
     """The messages of one chat row, normalised and checked; raises RowProblem for a broken one.
 
@@ -334,6 +336,7 @@ def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Convers
     messages, dropped = read, []
     if dropping:
         messages, dropped = _without_untrainable_turns(read)
+        _check_something_left(read, messages, dropped)
     _check_order(messages, dropped)
     return Conversation(messages, read, tuple(dropped))
 
