@@ -155,6 +155,24 @@ def tool_call_names(message: dict[str, Any]) -> list[str]:
     return [call["function"]["name"] for call in message.get("tool_calls", ())]
 
 
+def data_text(messages: list[dict[str, Any]]) -> str:
+    """The text of ``messages`` the data holds, one line per field: every text field (``content``,
+    ``reasoning_content``, ...) and each tool call as JSON, for finding special tokens' text in it.
+
+    >>> data_text([{"role": "user", "content": "Use <s>old</s>"}, {"role": "assistant", "content": "Done",
+    ...            "tool_calls": [{"function": {"name": "strike", "arguments": {"tag": "</s>"}}}]}])
+    'Use <s>old</s>\\nDone\\n{"function": {"name": "strike", "arguments": {"tag": "</s>"}}}'
+    """
+    return "\n".join(
+        text
+        for message in messages
+        for text in [
+            *(value for name, value in message.items() if name != "role" and isinstance(value, str) and value),
+            *(json.dumps(call, ensure_ascii=False) for call in message.get("tool_calls", ())),
+        ]
+    )
+
+
 def _is_sharegpt(value: list) -> bool:
     """Whether the row's turns are ShareGPT's ``{from, value}`` rather than ``{role, content}`` messages."""
     return any(isinstance(m, dict) and m.get("role") is None and m.get("from") is not None for m in value)
