@@ -53,7 +53,7 @@ ROWS = [
     (3, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], None),
     (5, sharegpt(("gpt", "I speak first"), ("human", "Hi")), "only_dangling_turns"),  # dropped whole, not broken
     (6, sharegpt(("human", "Hi"), ("gpt", "")), "empty_turn"),
-    (7, sharegpt(("human", "Hi"), ("human", "Hello?"), ("gpt", "Yes")), "roles_not_alternating"),
+    (7, sharegpt(("human", "Hi"), ("gpt", "Hello?"), ("gpt", "Yes")), "roles_not_alternating"),
     (8, None, "null"),
     (9, sharegpt(("human", "Hi"), ("gpt", None)), "empty_turn"),
     (10, sharegpt(("narrator", "Once"), ("gpt", "upon")), "unknown_role"),
@@ -128,8 +128,9 @@ def test_error_names_the_first_bad_line(chats, tmp_path, capsys):
     assert main(["--dataset", str(chats), "--out", str(tmp_path / "out"), "--no-progress"]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == (
-        f"varpack: error: {chats} line 6: 'conversations': turn 2 (assistant) is empty; fix or remove it, or pass "
-        "--on-bad-row skip to leave such rows out"
+        f"varpack: error: {chats} line 6: 'conversations': turn 2 (assistant) is empty, and nothing is left to train on "
+        "once the exchanges that hold empty turns are dropped; fix or remove it, or pass --on-bad-row skip to leave such "
+        "rows out"
     )
     assert not list((tmp_path / "out").rglob("*.*"))
 
@@ -253,7 +254,7 @@ ROLE_NAMES = st.sampled_from(["system", "user", "human", "assistant", "gpt", "ch
                               "function_call", "narrator"])
 CALL = json.dumps({"name": "add", "arguments": {"a": 1}})
 TURNS = st.lists(
-    st.fixed_dictionaries({"speaker": ROLE_NAMES, "text": st.sampled_from(["", "  ", "hi", "Hello there", CALL]),
+    st.fixed_dictionaries({"speaker": ROLE_NAMES, "text": st.sampled_from([None, "", "  ", "hi", "Hello there", CALL]),
                            "sharegpt": st.booleans()}),
     max_size=8,
 )
@@ -277,7 +278,7 @@ def test_conversation_returns_a_well_ordered_chat_or_raises_the_bad_row_error(tu
     assert all(a != b for a, b in zip(speakers, speakers[1:]))
     assert all(body[k - 1] in ("assistant", "tool") for k, r in enumerate(body) if r == "tool")
     assert all(r in ("assistant", "tool") for k, r in enumerate(body) if k and body[k - 1] == "tool")
-    assert len(chat.read) == len(value) == len(chat.messages) + len(chat.dropped_leading) + chat.dropped_trailing
+    assert len(chat.read) == len(value) == len(chat.messages) + len(chat.dropped)
 
 
 def test_the_assistant_speaks_after_a_tool_turn_and_the_turns_that_break_it_are_named():

@@ -19,6 +19,7 @@ from pipeline.config import PackConfig
 from pipeline.errors import ConfigError, InputError
 from pipeline.pack import main
 from pipeline.encode.tokenizer import load_tokenizer
+from schemas import read_manifest
 from tests.test_pipeline_e2e import read_examples
 
 CHATS = [
@@ -540,3 +541,30 @@ def test_a_long_conversation_costs_renders_of_its_kept_part_under_truncation(mon
         kept = [0, *batch.loss_mask[:64].tolist()]
         assert batch.turns["assistant.used"] == sum(b > a for a, b in zip(kept, kept[1:])) > 0  # the turns in the tokens
         assert len(renders) <= 32 and sum(renders) <= 12 * 2 * pairs
+
+
+def test_special_token_text_in_chat_messages_is_counted_named_and_refused_under_strict(tmp_path, capsys):
+    """A message writing ``</s>`` is tokenized with Mistral's EOS inside it: counted per conversation like a text
+    column's, not for the template's own markers nor for a turn dropped before rendering."""
+    rows = [
+        [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}],
+        [{"from": "gpt", "value": "cut </s>"}, {"from": "human", "value": "Strike it"}, {"from": "gpt", "value": "Use <s>old</s>."}],
+        [{"role": "user", "content": "Close it"}, {"role": "assistant", "content": "With </s>, twice: </s>"}],
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": row}) + "\n" for row in rows))
+    args = ["--dataset", str(data), "--max-len", "64", "--no-progress", "--no-report"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert f"'</s>' in the data text of 2 examples, tokenized as that special token (the first: {data} line 2)" in out
+    assert f"warning: 2 examples (the first: {data} line 2): the data text holds '</s>'" in err
+    (out_dir,) = (tmp_path / "out").iterdir()
+    assert read_manifest(out_dir).stats.special_token_text == {
+        "</s>": {"examples": 2, "first_row": f"{data} line 2"}, "<s>": {"examples": 1, "first_row": f"{data} line 2"}
+    }
+    assert main([*args, "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"varpack: error: {data} line 2: the data text holds '<s>', the text of a special token, and is tokenized as that "
+        "token, not as text; remove it from the data, or leave out --strict"
+    )
+    assert not list((tmp_path / "strict").glob("*/manifest.json"))

@@ -8,19 +8,25 @@ import codecs
 import dataclasses
 import io
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline import pack
 from pipeline.report import progress
 from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
+from pipeline.encode.bad_rows import REJECTED_NAME, Reason, RowProblem
+from pipeline.encode.chat import conversation
 from pipeline.errors import InputError
+from pipeline.pack import main
 from pipeline.report.summary import format_report
-from schemas import PackingStats
+from schemas import PackingStats, read_manifest
 from tests.test_bad_rows import transformers_tokens
 from tests.test_pipeline_e2e import read_examples, run_cli
 
@@ -203,3 +209,149 @@ def test_tool_calls_and_reasoning_are_read_alike_from_json_lines_json_and_parque
         assert result.manifest.stats.chat_turns["tool"] == {"read": 1, "used": 1, "unwritten.tool_call_id": 1}
         assert result.manifest.stats.chat_turns["assistant"] == {"read": 3, "used": 3, "unwritten.reasoning_content": 1}
     assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
+
+
+def sharegpt_turns(*turns: tuple[str, str | None]) -> list[dict]:
+    return [{"from": speaker, "value": value} for speaker, value in turns]
+
+
+# The shapes the first 400 conversations of ShareGPT_V3_unfiltered_cleaned_split hold, and a few more of
+# their kind, each with the messages a build trains on (None: left out whole) and the kinds of turns dropped.
+SPLIT_DUMP = [
+    (sharegpt_turns(("gpt", "...and so on."), ("human", "Go on"), ("gpt", "Then this."), ("human", ""), ("gpt", "Lost answer."),
+                    ("human", "Thanks"), ("gpt", "Welcome.")),
+     [("user", "Go on"), ("assistant", "Then this."), ("user", "Thanks"), ("assistant", "Welcome.")],
+     ["leading_assistant", "empty_user", "answer_to_empty_user"]),
+    (sharegpt_turns(("human", "Hi"), ("gpt", "Hello!"), ("human", "Thanks"), ("human", "Will do"), ("gpt", "Bye!")),
+     [("user", "Hi"), ("assistant", "Hello!"), ("user", "Will do"), ("assistant", "Bye!")], ["unanswered_user"]),
+    (sharegpt_turns(("system", " "), ("human", "Q1"), ("gpt", None), ("human", "Q2"), ("gpt", "A2"), ("human", "Q3")),
+     [("user", "Q2"), ("assistant", "A2")], ["empty_system", "unanswered_user", "empty_assistant", "trailing_user"]),
+    (sharegpt_turns(("system", "Be brief."), ("human", "  "), ("gpt", "Sure."), ("human", "2 + 2?"), ("gpt", "4")),
+     [("system", "Be brief."), ("user", "2 + 2?"), ("assistant", "4")], ["empty_user", "answer_to_empty_user"]),
+    ([], None, []),
+    (sharegpt_turns(("system", "*This chat conversation is shared from TypingMind.com*")), None, []),
+    (sharegpt_turns(("gpt", "orphan")), None, ["leading_assistant"]),
+]
+
+
+def test_a_split_chat_dump_packs_with_the_defaults_and_trains_on_exactly_the_assistant_turns_left(tmp_path, capsys):
+    """Empty turns, a user turn answered by another, empty or system-only conversations: what a real ShareGPT
+    dump holds packs with the defaults; each turn dropped is counted by kind, conversations with nothing left
+    are listed in rejected.jsonl, and the loss covers exactly the assistant turns that remain."""
+    path = tmp_path / "dump.jsonl"
+    path.write_text("".join(json.dumps({"id": k, "conversations": value}) + "\n" for k, (value, _, _) in enumerate(SPLIT_DUMP)))
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
+    out = tmp_path / "out"
+    assert main(["--dataset", str(path), "--chat-template", template, "--out", str(out), "--max-len", "256", "--no-progress"]) == 0
+    report = capsys.readouterr().out
+    assert re.search(r"rejected +3 rows \(2 no_chat_turns, 1 only_dangling_turns\), listed in rejected.jsonl", report), report
+    assert re.search(
+        r"trimmed +dropped 1 leading assistant turn, 1 trailing user turn, 2 unanswered user turns, 1 empty system turn, "
+        r"2 empty user turns, 2 turns answering an empty user turn and 1 empty assistant turn in 4 conversations", report
+    ), report
+    (build_dir,) = out.iterdir()
+    manifest = read_manifest(build_dir)
+    # The turns of a conversation left out whole are not counted: it is listed in rejected.jsonl as it is.
+    dropped = [kind for _, messages, kinds in SPLIT_DUMP if messages is not None for kind in kinds]
+    assert manifest.stats.dangling_turns_dropped == {kind: dropped.count(kind) for kind in set(dropped)}
+    assert manifest.stats.conversations_trimmed == 4 and manifest.rejected.rows == 3
+    assert manifest.stats.chat_turns["assistant"] == {"read": 10, "used": 6}
+    kept = {k: [{"role": role, "content": text} for role, text in messages]
+            for k, (_, messages, _) in enumerate(SPLIT_DUMP) if messages is not None}
+    plan = plan_build(PackConfig(dataset=str(path), chat_template=template))
+    backend = plan.tokenizer.backend()
+    examples = read_examples(build_dir)
+    assert sorted(examples) == sorted(kept)
+    for k, messages in kept.items():
+        tokens, mask = examples[k]
+        assert tokens.tolist() == transformers_tokens(plan, messages, template)
+        trained = backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False)
+        assert trained == "".join(f"assistant: {m['content']}</s>" for m in messages if m["role"] == "assistant")
+    records = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
+    assert [(r["where"], r["reason"], r["row"]["conversations"]) for r in records] == [
+        (f"{path} line {k + 1}", reason, SPLIT_DUMP[k][0])
+        for k, reason in [(4, "no_chat_turns"), (5, "no_chat_turns"), (6, "only_dangling_turns")]
+    ]
+
+
+def test_messages_data_refuses_empty_turns_unless_asked_to_drop_them(tmp_path):
+    """``{role, content}`` data keeps its rules: an empty turn is a bad row naming it, unless --drop-dangling-turns;
+    --keep-dangling-turns refuses it in ShareGPT data too."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Yes"}]
+    with pytest.raises(RowProblem, match=r"^turn 2 \(assistant\) is empty$") as refused:
+        conversation(messages)
+    assert refused.value.reason == Reason.EMPTY_TURN
+    chat = conversation(messages, drop_dangling_turns=True)
+    assert chat.messages == messages[2:] and chat.dropped == ("unanswered_user", "empty_assistant")
+    shared = [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in messages]
+    assert conversation(shared).messages == messages[2:]
+    with pytest.raises(RowProblem, match=r"^turn 2 \(assistant\) is empty$"):
+        conversation(shared, drop_dangling_turns=False)
+    for value in ([], [{"role": "system", "content": "Be brief."}]):
+        with pytest.raises(RowProblem) as refused:
+            conversation(value, drop_dangling_turns=False)
+        assert refused.value.reason in (Reason.NOT_A_CONVERSATION, Reason.NO_ASSISTANT_TURN)
+    with pytest.raises(RowProblem) as refused:
+        conversation([{"role": "system", "content": "Be brief."}])
+    assert refused.value.reason == Reason.NO_ASSISTANT_TURN
+
+
+EMPTY_VALUES = st.sampled_from([None, "", " ", "\n\t"])
+
+
+@st.composite
+def split_conversations(draw):
+    """A well-formed ShareGPT conversation (an optional system turn, exchanges of a user turn and an answer,
+    some answers calling a tool), with turns emptied and user turns whose answer is missing put in anywhere."""
+    turns = [("system", draw(st.sampled_from(["Be brief.", None, ""])))] if draw(st.booleans()) else []
+    for k in range(draw(st.integers(0, 5))):
+        if draw(st.integers(0, 4)) == 0:
+            turns.append(("human", f"unanswered {k}"))
+        answer = [("gpt", f"answer {k}")]
+        if draw(st.booleans()):
+            answer = [("function_call", json.dumps({"name": "add", "arguments": {"a": k}})), ("observation", f"{k}"), *answer]
+        turns += [("human", f"question {k}"), *answer]
+    emptied = draw(st.sets(st.integers(0, max(len(turns) - 1, 0)), max_size=3))
+    return [(speaker, draw(EMPTY_VALUES) if k in emptied and speaker != "function_call" else text)
+            for k, (speaker, text) in enumerate(turns)]
+
+
+def expected_exchanges(turns: list[tuple[str, str | None]]) -> list[tuple[str, str]]:
+    """The turns of ``turns`` a build trains on: the system turn when it says something, and each exchange
+    (a user turn and the answer up to the next user turn) none of whose turns is empty."""
+    def said(text):
+        return text is not None and text.strip()
+
+    roles = {"system": "system", "human": "user", "gpt": "assistant", "function_call": "assistant", "observation": "tool"}
+    kept = [("system", text) for speaker, text in turns[:1] if speaker == "system" and said(text)]
+    starts = [k for k, (speaker, _) in enumerate(turns) if speaker == "human"] + [len(turns)]
+    for start, end in zip(starts, starts[1:]):
+        exchange = turns[start:end]
+        if len(exchange) > 1 and all(said(text) for _, text in exchange):
+            kept += [(roles[speaker], text) for speaker, text in exchange]
+    return kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_conversations())
+def test_empty_turns_in_any_role_and_place_drop_exactly_the_exchanges_that_hold_them(turns):
+    value = sharegpt_turns(*turns)
+    expected = expected_exchanges(turns)
+    try:
+        chat = conversation(value)
+    except RowProblem as problem:
+        assert not any(role == "assistant" for role, _ in expected), problem
+        assert problem.reason in (Reason.EMPTY_TURN, Reason.NO_CHAT_TURNS, Reason.NO_ASSISTANT_TURN,
+                                  Reason.ONLY_DANGLING_TURNS)
+        return
+    assert [(m["role"], m["content"]) for m in chat.messages if not m.get("tool_calls")] == [
+        (role, text) for role, text in expected if not text.startswith("{")
+    ]
+    assert len(chat.messages) + len(chat.dropped) == len(value)
+    assert chat.dropped.count("empty_system") == sum(s == "system" and not (t or "").strip() for s, t in turns)
+    if chat.dropped:  # --keep-dangling-turns refuses what the default drops
+        with pytest.raises(RowProblem):
+            conversation(value, drop_dangling_turns=False)
+    else:
+        assert conversation(value, drop_dangling_turns=False) == chat

@@ -39,6 +39,7 @@ class Reason(StrEnum):
     ROLES_NOT_ALTERNATING = "roles_not_alternating"
     NO_ASSISTANT_TURN = "no_assistant_turn"
     ONLY_DANGLING_TURNS = "only_dangling_turns"
+    NO_CHAT_TURNS = "no_chat_turns"
     BAD_TOOL_CALL = "bad_tool_call"
     ENDS_WITH_USER = "ends_with_user"
     TEMPLATE_REJECTED = "template_rejected"
@@ -47,7 +48,7 @@ class Reason(StrEnum):
 
 # Rows the dangling-turn policy drops whole: listed and counted like bad rows, but they are what
 # splitting conversations leaves, not broken data, so they stop no build and count against no --max-bad-rows.
-DROPPED_WHOLE = frozenset({Reason.ONLY_DANGLING_TURNS})
+DROPPED_WHOLE = frozenset({Reason.ONLY_DANGLING_TURNS, Reason.NO_CHAT_TURNS})
 
 
 class RowProblem(Exception):

@@ -14,14 +14,21 @@ other fields (``tool_calls``, whose ``content`` may be null, ``tool_call_id``, `
 ``reasoning_content``) for the chat template; ``written`` finds which of them a template writes.
 
 ShareGPT dumps hold conversations split from longer ones, which often start with an assistant
-(or tool) turn or end with a user turn. In ShareGPT data those dangling turns are dropped, as FastChat's
-preprocessing and axolotl's ShareGPT strategies do, and counted (``Conversation.dropped_leading``,
-``dropped_trailing``); ``--keep-dangling-turns`` refuses such rows instead, and
-``--drop-dangling-turns`` drops them in ``{role, content}`` data too:
+(or tool) turn or end with a user turn, and turns whose text the dump lost. In ShareGPT data those
+turns are dropped, as FastChat's preprocessing and axolotl's ShareGPT strategies drop the dangling
+ones, and each is counted by kind (``Conversation.dropped``, ``DROPPED``): an exchange (a user turn
+and the assistant's answer, tool turns included) that holds an empty turn is dropped whole, since an
+answer to a lost question, or a question whose answer was lost, teaches nothing true; a user turn
+answered by another user turn is dropped; an empty system turn is dropped. ``--keep-dangling-turns``
+refuses such rows instead, and ``--drop-dangling-turns`` drops them in ``{role, content}`` data too:
 
->>> conversation([{"from": "gpt", "value": "...and so on."}, {"from": "human", "value": "Hi"},
-...               {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Bye"}]).messages
+>>> chat = conversation([{"from": "gpt", "value": "...and so on."}, {"from": "human", "value": "Hi"},
+...                      {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": ""},
+...                      {"from": "gpt", "value": "As I said..."}, {"from": "human", "value": "Bye"}])
+>>> chat.messages
 [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]
+>>> chat.dropped
+('leading_assistant', 'empty_user', 'answer_to_empty_user', 'trailing_user')
 """
 
 from __future__ import annotations
@@ -53,12 +60,11 @@ ROLE_ORDER = ("system", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class Conversation:
-    """One row's messages, normalised and checked, and the dangling turns dropped from it."""
+    """One row's messages, normalised and checked, and the turns dropped from it."""
 
     messages: list[dict[str, Any]]
-    read: list[dict[str, Any]]  # every turn of the row, dangling ones included
-    dropped_leading: tuple[str, ...] = ()  # the roles of the leading assistant and tool turns dropped
-    dropped_trailing: int = 0
+    read: list[dict[str, Any]]  # every turn of the row, dropped ones included
+    dropped: tuple[str, ...] = ()  # the kind (one of DROPPED) of each turn dropped
 
 
 # The keys that hold a turn's speaker and text; every other non-null key of a message (``tool_calls``,
@@ -67,9 +73,10 @@ SPEAKER_KEYS = ("role", "from")
 TEXT_KEYS = ("content", "value")
 
 
-def _turn(message: Any, number: int) -> dict[str, Any]:
+def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
     """One message as ``{role, content, ...}``, from ``role``/``content`` or ShareGPT's ``from``/``value``,
-    with its other fields (``tool_calls``, ``reasoning_content``) kept for the chat template."""
+    with its other fields (``tool_calls``, ``reasoning_content``) kept for the chat template; an empty
+    (or null) text is a bad row unless ``empty_allowed``, when it is read as ``""``."""
     if not isinstance(message, dict):
         raise RowProblem(Reason.NOT_A_CONVERSATION, f"turn {number} is not an object, got {message!r:.60}")
     speaker = message.get("role") if message.get("role") is not None else message.get("from")
@@ -87,7 +94,9 @@ def _turn(message: Any, number: int) -> dict[str, Any]:
         _check_tool_calls(extra["tool_calls"], number, role)
         extra["tool_calls"] = [_with_arguments_object(call) for call in extra["tool_calls"]]
         content = "" if content is None else content  # OpenAI writes a call without text as content null
-    if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra):
+    if content is None and empty_allowed:
+        content = ""
+    if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra or empty_allowed):
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
     if speaker.strip().lower() == "function_call":
         return {"role": role, "content": "", "tool_calls": [{"type": "function", "function": _function(content, number)}]}
@@ -146,26 +155,96 @@ def tool_call_names(message: dict[str, Any]) -> list[str]:
     return [call["function"]["name"] for call in message.get("tool_calls", ())]
 
 
+def data_text(messages: list[dict[str, Any]]) -> str:
+    """The text of ``messages`` the data holds, one line per field: every text field (``content``,
+    ``reasoning_content``, ...) and each tool call as JSON, for finding special tokens' text in it.
+
+    >>> data_text([{"role": "user", "content": "Use <s>old</s>"}, {"role": "assistant", "content": "Done",
+    ...            "tool_calls": [{"function": {"name": "strike", "arguments": {"tag": "</s>"}}}]}])
+    'Use <s>old</s>\\nDone\\n{"function": {"name": "strike", "arguments": {"tag": "</s>"}}}'
+    """
+    return "\n".join(
+        text
+        for message in messages
+        for text in [
+            *(value for name, value in message.items() if name != "role" and isinstance(value, str) and value),
+            *(json.dumps(call, ensure_ascii=False) for call in message.get("tool_calls", ())),
+        ]
+    )
+
+
 def _is_sharegpt(value: list) -> bool:
     """Whether the row's turns are ShareGPT's ``{from, value}`` rather than ``{role, content}`` messages."""
     return any(isinstance(m, dict) and m.get("role") is None and m.get("from") is not None for m in value)
 
 
-def _without_dangling_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], int]:
-    """``messages`` without the assistant and tool turns before the first user turn and the user turns
-    after the last assistant turn, the roles of the leading ones dropped, and how many trailing ones were."""
-    first = 1 if messages and messages[0]["role"] == "system" else 0
+# The kinds of turns dropped from a conversation, in the order the manifest and the report list them:
+# dangling turns (the assistant's before the first user turn, the user's after the last answer), a user
+# turn answered by another user turn, empty turns, and the other turns of an exchange that holds an empty one.
+DROPPED = (
+    "leading_assistant",
+    "leading_tool",
+    "trailing_user",
+    "unanswered_user",
+    "empty_system",
+    "empty_user",
+    "answer_to_empty_user",
+    "empty_assistant",
+    "empty_tool",
+    "rest_of_empty_answer",
+)
+
+
+def _is_empty(message: dict[str, Any]) -> bool:
+    """Whether a turn says nothing: no text but whitespace, and no tool calls."""
+    return not (message["content"].strip() or message.get("tool_calls"))
+
+
+def _exchange_kinds(user: dict[str, Any], answer: list[dict[str, Any]], trailing: bool) -> list[str] | None:
+    """Why each turn of an exchange (a user turn and the assistant's answer after it, tool turns included)
+    is dropped, or None when it is kept."""
+    if trailing:
+        return ["trailing_user"]
+    if _is_empty(user):
+        return ["empty_user"] + ["answer_to_empty_user"] * len(answer)
+    if not answer:
+        return ["unanswered_user"]
+    if any(_is_empty(m) for m in answer):
+        return ["unanswered_user"] + [f"empty_{m['role']}" if _is_empty(m) else "rest_of_empty_answer" for m in answer]
+    return None
+
+
+def _without_untrainable_turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``messages`` without the turns nothing true can be learnt from, and the kind of each turn dropped
+    (``DROPPED``): empty system turns, dangling turns, user turns left unanswered, and exchanges that hold
+    an empty turn. Anything else out of order (a system turn after the first) is kept for ``_check_order``.
+
+    >>> u, a, e = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": ""}
+    >>> _without_untrainable_turns([a, u, u, a, e, a, u])[1]
+    ['leading_assistant', 'unanswered_user', 'empty_user', 'answer_to_empty_user', 'trailing_user']
+    """
+    dropped = ["empty_system" if m["role"] == "system" and _is_empty(m) else "" for m in messages]
+    turns = [m for m, why in zip(messages, dropped) if not why]
+    first = 1 if turns and turns[0]["role"] == "system" else 0
     start = first
-    while start < len(messages) and messages[start]["role"] in ("assistant", "tool"):
+    while start < len(turns) and turns[start]["role"] in ("assistant", "tool"):
         start += 1
-    end = len(messages)
-    while end > start and messages[end - 1]["role"] == "user":
-        end -= 1
-    leading = [m["role"] for m in messages[first:start]]
-    return messages[:first] + messages[start:end], leading, len(messages) - end
+    last_answer = max((k for k, m in enumerate(turns) if m["role"] in ("assistant", "tool")), default=-1)
+    kept, kinds = turns[:first], [f"leading_{m['role']}" for m in turns[first:start]]
+    k = start
+    while k < len(turns):
+        end = k + 1
+        while end < len(turns) and turns[end]["role"] in ("assistant", "tool"):
+            end += 1
+        why = _exchange_kinds(turns[k], turns[k + 1 : end], k > last_answer) if turns[k]["role"] == "user" else None
+        if why is None:
+            kept.extend(turns[k:end])
+        kinds.extend(why or [])
+        k = end
+    return kept, [why for why in dropped if why] + kinds
 
 
-def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
+def _check_order(messages: list[dict[str, Any]], dropped: list[str]) -> None:
     """An optional system turn, then user and assistant turns alternating from the user and ending with
     the assistant; tool turns follow an assistant turn (or a tool turn) and are followed by one."""
     first = 1 if messages and messages[0]["role"] == "system" else 0
@@ -177,7 +256,7 @@ def _check_order(messages: list[dict[str, Any]], dropped: int) -> None:
     _check_alternation(roles, first)
 
 
-def _check_ends(roles: list[str], dropped: int) -> None:
+def _check_ends(roles: list[str], dropped: list[str]) -> None:
     """The turns after the system turn hold an assistant turn, start with the user and end with the assistant."""
     if "assistant" not in roles:
         if dropped:
@@ -240,24 +319,44 @@ def _check_alternation(roles: list[str], first: int) -> None:
         )
 
 
+def _check_something_left(read: list[dict[str, Any]], messages: list[dict[str, Any]], dropped: list[str]) -> None:
+    """Raise the empty-turn error, naming the first empty user, assistant or tool turn, for a conversation
+    that has nothing left to train on once the exchanges holding empty turns are dropped."""
+    if all(m["role"] != "assistant" for m in messages) and {"empty_user", "empty_assistant", "empty_tool"} & set(dropped):
+        empty = next(k for k, m in enumerate(read, start=1) if m["role"] != "system" and _is_empty(m))
+        raise RowProblem(
+            Reason.EMPTY_TURN,
+            f"turn {empty} ({read[empty - 1]['role']}) is empty, and nothing is left to train on once the exchanges "
+            "that hold empty turns are dropped",
+        )
+
+
 def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Conversation:
     """The messages of one chat row, normalised and checked; raises RowProblem for a broken one.
 
-    ``drop_dangling_turns``: True drops dangling turns, False refuses them, None (the default)
-    drops them in ShareGPT data and refuses them in ``{role, content}`` data.
+    ``drop_dangling_turns``: True drops dangling turns, unanswered user turns and exchanges holding an
+    empty turn, False refuses them, None (the default) drops them in ShareGPT data and refuses them in
+    ``{role, content}`` data; an empty list, or one of system turns only, is then ``no_chat_turns``.
     """
     if value is None:
         raise RowProblem(Reason.NULL, "the conversation is null")
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
         raise RowProblem(Reason.NOT_A_CONVERSATION, "must be a non-empty list of messages")
-    read = [_turn(message, number) for number, message in enumerate(value, start=1)]
+    # An empty list, whose format cannot be told, is treated as ShareGPT's split leaves it.
+    dropping = drop_dangling_turns or (drop_dangling_turns is None and (not value or _is_sharegpt(value)))
+    read = [_turn(message, number, dropping) for number, message in enumerate(value, start=1)]
+    if dropping and all(message["role"] == "system" for message in read):
+        raise RowProblem(Reason.NO_CHAT_TURNS, "no user or assistant turn (what splitting a conversation can leave)")
+    if not read:
+        raise RowProblem(Reason.NOT_A_CONVERSATION, "must be a non-empty list of messages")
     if all(message["role"] != "assistant" for message in read):
         raise RowProblem(Reason.NO_ASSISTANT_TURN, "no assistant turn, so nothing to train on")
-    messages, leading, trailing = read, [], 0
-    if drop_dangling_turns or (drop_dangling_turns is None and _is_sharegpt(value)):
-        messages, leading, trailing = _without_dangling_turns(read)
-    _check_order(messages, len(leading) + trailing)
-    return Conversation(messages, read, tuple(leading), trailing)
+    messages, dropped = read, []
+    if dropping:
+        messages, dropped = _without_untrainable_turns(read)
+        _check_something_left(read, messages, dropped)
+    _check_order(messages, dropped)
+    return Conversation(messages, read, tuple(dropped))
 
 
 def _probe(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -339,20 +438,15 @@ def count_turns(
     counts.update(f"{m['role']}.left_out" for m, wrote in zip(chat.messages, turns_written) if not wrote)
     counts.update(f"{m['role']}.unwritten.{name}" for m, names in zip(chat.messages, fields_unwritten) for name in names)
     counts["system.merged"] += system_merged
-    counts.update(f"dropped.leading_{role}" for role in chat.dropped_leading)
-    counts["dropped.trailing_user"] += chat.dropped_trailing
-    counts["dropped.conversations"] += bool(chat.dropped_leading or chat.dropped_trailing)
+    counts.update(f"dropped.{kind}" for kind in chat.dropped)
+    counts["dropped.conversations"] += bool(chat.dropped)
     return +counts
-
-
-# The dangling turns dropped, as the manifest names them.
-DANGLING = ("leading_assistant", "leading_tool", "trailing_user")
 
 
 def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[str, int], int]:
     """A build's turn counts as the manifest records them: ``{role: {"read", "used"[, "merged", "left_out",
-    "unwritten.FIELD"]}}`` in ROLE_ORDER, the dangling turns dropped (``leading_assistant``,
-    ``leading_tool``, ``trailing_user``), and the conversations they were dropped from.
+    "unwritten.FIELD"]}}`` in ROLE_ORDER, the turns dropped by kind (``DROPPED``:
+    ``leading_assistant``, ``trailing_user``, ``empty_user``, ...), and the conversations they were dropped from.
 
     >>> turn_stats(Counter({"user.read": 2, "user.used": 1, "dropped.trailing_user": 1, "dropped.conversations": 1}))
     ({'user': {'read': 2, 'used': 1}}, {'trailing_user': 1}, 1)
@@ -366,7 +460,7 @@ def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[st
             kinds = tuple(f"{role}.{kind}" for kind in ("merged", "left_out", "unwritten."))
             extra = sorted(k.removeprefix(f"{role}.") for k in counts if k.startswith(kinds) and counts[k])
             roles[role].update({name: counts[f"{role}.{name}"] for name in extra})
-    dropped = {kind: counts[f"dropped.{kind}"] for kind in DANGLING if counts[f"dropped.{kind}"]}
+    dropped = {kind: counts[f"dropped.{kind}"] for kind in DROPPED if counts[f"dropped.{kind}"]}
     return roles, dropped, counts["dropped.conversations"]
 
 

@@ -27,6 +27,7 @@ import array
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow, Reason, RowProblem
-from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, tool_call_names, written
+from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, data_text, tool_call_names, written
 from pipeline.encode.tokenizer import LoadedTokenizer, _special_tokens
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
@@ -301,7 +302,7 @@ class Encoder:
         batch, problems = self.kind.encode(self, table, rows, source_rows)
         more, table, source_rows = self._leave_out(problems, table, rows, source_rows)
         rejected += more
-        batch.special_text = self._special_text(table, rows, source_rows)
+        batch.special_text = batch.special_text or self._special_text(table, rows, source_rows)
         empty = np.flatnonzero(batch.lengths == 0)
         if empty.size:
             problems = {int(i): (Reason.NO_TOKENS, "encodes to no tokens") for i in empty}
@@ -372,24 +373,31 @@ class Encoder:
         return {int(i): (Reason.NOT_AN_OBJECT, "not a JSON object") for i in candidates[rows.not_an_object(candidates)]}
 
     def _special_text(self, table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> dict[str, tuple[int, str]]:
-        """The special tokens whose text the data's own text holds (not the template's), tokenized as those
-        tokens: for each, the examples holding it and the first one's row; under ``--strict`` an error."""
-        if self.kind.messages_columns or not self.specials_pattern:
+        """The special tokens whose text the data's own text columns hold (not the template's), tokenized as
+        those tokens: for each, the examples holding it and the first one's row; under ``--strict`` an error.
+        Chat messages are counted as they are rendered (``encode_chats``)."""
+        if self.kind.messages_columns:
             return {}
         found: dict[str, tuple[int, str]] = {}
         for column in self.kind.columns:  # optional ones too (Alpaca's input), and under --as-chat
             values = table.column(column)
-            if pa.types.is_null(values.type):
-                continue
-            hits = pc.match_substring_regex(values, self.specials_pattern).fill_null(False).to_numpy(zero_copy_only=False)
-            for i in np.flatnonzero(hits).tolist():
-                for token in dict.fromkeys(re.findall(self.specials_pattern, values[i].as_py())):
-                    count, first = found.get(token, (0, rows.name(int(source_rows[i]))))
-                    found[token] = (count + 1, first)
-        if found and self.strict:
-            token, (_, first) = next(iter(found.items()))
-            raise InputError(f"{first}: {special_text_line(token)}; remove it from the data, or leave out --strict")
+            if not pa.types.is_null(values.type):
+                self._count_special_text(values, lambda i: rows.name(int(source_rows[i])), found)
         return found
+
+    def _count_special_text(self, texts: pa.Array | pa.ChunkedArray, name: Callable[[int], str], found: dict) -> None:
+        """Add to ``found`` the special tokens whose text each of ``texts`` (one per example, named by ``name``)
+        holds; under ``--strict`` the first is an error."""
+        if not self.specials_pattern:
+            return
+        hits = pc.match_substring_regex(texts, self.specials_pattern).fill_null(False).to_numpy(zero_copy_only=False)
+        for i in np.flatnonzero(hits).tolist():
+            for token in dict.fromkeys(re.findall(self.specials_pattern, texts[i].as_py())):
+                count, first = found.get(token, (0, name(i)))
+                found[token] = (count + 1, first)
+            if self.strict:
+                token, (_, first) = next(iter(found.items()))
+                raise InputError(f"{first}: {special_text_line(token)}; remove it from the data, or leave out --strict")
 
     def _text_problems(self, table: pa.Table, origin: str) -> dict[int, tuple[Reason, str]]:
         """Rows with a null or empty value in a text column (the first problem of each row), by index."""
@@ -481,7 +489,11 @@ class Encoder:
             turns += self._count_turns(chat, messages, assistant, kept, rows, row)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
-        return EncodedBatch(lengths, tokens, loss_mask, turns=turns), problems
+        special_text: dict[str, tuple[int, str]] = {}
+        if self.kind.messages_columns:  # the messages' own text; --as-chat rows are counted by their columns
+            texts = pa.array([data_text(messages) for _, messages, _ in chats], pa.large_string())
+            self._count_special_text(texts, lambda i: rows.name(chats[i][2]), special_text)
+        return EncodedBatch(lengths, tokens, loss_mask, turns=turns, special_text=special_text), problems
 
     def _count_turns(
         self, chat: Conversation, messages: list[dict[str, Any]], spans: list[tuple[int, int]], kept: int, rows: BatchRows,

@@ -8,8 +8,19 @@ from pipeline.encode.chat import ROLE_ORDER
 from pipeline.encode.examples import special_text_line
 from schemas import PackingStats, RejectedRows
 
-# The dangling chat turns a build drops, as the manifest and the report name them.
-DANGLING_TURNS = {"leading_assistant": "leading assistant", "leading_tool": "leading tool", "trailing_user": "trailing user"}
+# The chat turns a build drops, as the manifest names them and the report says them (one of each).
+DANGLING_TURNS = {
+    "leading_assistant": "leading assistant turn",
+    "leading_tool": "leading tool turn",
+    "trailing_user": "trailing user turn",
+    "unanswered_user": "unanswered user turn",
+    "empty_system": "empty system turn",
+    "empty_user": "empty user turn",
+    "answer_to_empty_user": "turn answering an empty user turn",
+    "empty_assistant": "empty assistant turn",
+    "empty_tool": "empty tool turn",
+    "rest_of_empty_answer": "other turn of an answer with an empty turn",
+}
 
 
 def examples_per_row(stats: PackingStats) -> tuple[float, int, int]:
@@ -166,16 +177,24 @@ def describe_token_check(stats: PackingStats, verify_tokens: str, reused: bool =
 
 
 def describe_trimmed(stats: PackingStats) -> str:
-    """The dangling chat turns dropped, and from how many conversations.
+    """The chat turns dropped, by kind, and from how many conversations.
 
     >>> stats = PackingStats(conversations_trimmed=144, dangling_turns_dropped={"leading_assistant": 212})
     >>> describe_trimmed(stats)
     'dropped 212 leading assistant turns in 144 conversations (--keep-dangling-turns refuses them)'
+    >>> describe_trimmed(PackingStats(conversations_trimmed=3, dangling_turns_dropped={
+    ...     "leading_assistant": 2, "empty_user": 1, "answer_to_empty_user": 1})).split(" in ")[0]
+    'dropped 2 leading assistant turns, 1 empty user turn and 1 turn answering an empty user turn'
     """
     dropped = stats.dangling_turns_dropped
-    turns = [plural(dropped[key], f"{name} turn") for key, name in DANGLING_TURNS.items() if dropped.get(key)]
+    turns = [
+        f"{dropped[key]:,} {name if dropped[key] == 1 else name.replace('turn', 'turns', 1)}"
+        for key, name in DANGLING_TURNS.items()
+        if dropped.get(key)
+    ]
+    listed = " and ".join([", ".join(turns[:-1]), turns[-1]] if len(turns) > 1 else turns)
     return (
-        f"dropped {' and '.join(turns) or 'dangling turns'} in {plural(stats.conversations_trimmed, 'conversation')} "
+        f"dropped {listed or 'dangling turns'} in {plural(stats.conversations_trimmed, 'conversation')} "
         "(--keep-dangling-turns refuses them)"
     )
 
