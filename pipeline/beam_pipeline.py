@@ -48,6 +48,7 @@ from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summar
 from pipeline.config import VerifyTokens
 from pipeline.encode.examples import EncodedBatch, Encoder
 from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
+from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
@@ -90,13 +91,13 @@ class ReadAndEncode(beam.DoFn):
 
     def setup(self):
         exit_with_parent(self.main_pid)
+        self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")  # first: teardown shuts it
         plan, config = self.plan, self.plan.config
         tokenizer = plan.tokenizer.with_text(lambda: storage.read_bytes(self.tokenizer_file).decode())
         self.encoder = Encoder(tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
         self.known_examples = plan.source.known_examples
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
-        self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
         self.checker = None
         if config.verify_tokens != VerifyTokens.OFF:
             self.checker = TokenChecker(tokenizer, plan.example_format, config.on_token_mismatch)
@@ -319,6 +320,13 @@ def write_build_manifest(
     return storage.join(out_dir, MANIFEST_NAME)
 
 
+def ship_tokenizer(tokenizer: LoadedTokenizer, spill_dir: str) -> str:
+    """Write the tokenizer's text into the spill directory, which every worker reads, once per build; its path."""
+    path = storage.join(spill_dir, f"tokenizer-{tokenizer.content_hash[:16]}.json")
+    storage.write_scratch(path, lambda local: Path(local).write_text(tokenizer.serialized, encoding="utf-8"))
+    return path
+
+
 def _gather(label: str, pcoll):
     """All elements of ``pcoll`` as one list, as the single element ``(None, list)`` of a keyed collection.
 
@@ -338,12 +346,10 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     # Steps below capture these small values, not ``plan``, which carries the whole tokenizer.
     config, inputs, out_dir, read = plan.config, plan.inputs, plan.out_dir, plan.inputs_read
     rows_per_shard, examples_per_group = config.resolved_rows_per_shard, config.resolved_examples_per_group
-    tokenizer_file = storage.join(spill_dir, f"tokenizer-{plan.tokenizer.content_hash[:16]}.json")
-    storage.write_scratch(tokenizer_file, lambda local: Path(local).write_text(plan.tokenizer.serialized, encoding="utf-8"))
     encoded = (
         p
         | "ReadTasks" >> beam.Create(list(enumerate(plan.source.tasks)))
-        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, tokenizer_file, spill_dir, main_pid))
+        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, ship_tokenizer(plan.tokenizer, spill_dir), spill_dir, main_pid))
     )
     filtered = _gather(
         "Notes",

@@ -255,7 +255,11 @@ def main() -> None:
             run["efficiency"] = round(run["tokens_per_s"] / (n * per_worker), 4)
             result["workers"][str(n)] = run
             record(f"{n} workers", run)
-        result["direct_full"] = {"workers": most, **time_pack(args.examples, tmp / "full", direct(most), most, args.max_len)}
+        if args.examples == most * args.examples_per_worker:  # the sweep's last build was this one
+            result["direct_full"] = {"workers": most, **result["workers"][str(most)]}
+            del result["direct_full"]["efficiency"]
+        else:
+            result["direct_full"] = {"workers": most, **time_pack(args.examples, tmp / "full", direct(most), most, args.max_len)}
         record("direct_full", result["direct_full"])
         texts = tmp / "texts.arrow"
         procs = args.baseline_procs or most
