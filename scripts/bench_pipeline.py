@@ -14,8 +14,8 @@ and the manifest), the way a user runs it:
 - ``direct_full``: the same runner with the most workers on ``--examples`` examples (the headline run);
 - ``dask``: Beam's DaskRunner on a ``distributed.LocalCluster`` of ``--dask-workers`` single-threaded worker
   processes started before the clock (their start-up is not timed), on ``--dask-examples`` examples;
-- ``datasets_trl``: the same ``--examples`` texts, prompt and response joined by the default template, in a
-  memory-mapped Arrow file (written before the clock), then ``Dataset.map(batched=True,
+- ``datasets_trl``: the same ``--examples`` texts, prompt and response joined by the default template, in
+  memory-mapped Arrow files, one per process (written before the clock), then ``Dataset.map(batched=True,
   num_proc=--baseline-procs)`` with the same tokenizer as a transformers fast tokenizer, then TRL's
   ``pack_dataset(strategy="bfd", map_kwargs={"num_proc": ...})`` into rows of ``--max-len``.
 
@@ -116,16 +116,30 @@ def python_path() -> str:
     return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+@contextlib.contextmanager
+def cores_held(cores: int | None) -> Iterator[None]:
+    """This thread, and the processes it starts meanwhile, on the first ``cores`` of its cores (None: all of them).
+
+    Set on the starting thread rather than in a ``preexec_fn``, which may deadlock while the sampler thread runs.
+    """
+    allowed = os.sched_getaffinity(0)
+    if cores is not None:
+        os.sched_setaffinity(0, sorted(allowed)[:cores])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 def time_pack(examples: int, out: Path, beam_args: list[str], cores: int | None, max_len: int) -> dict:
     """One ``pack`` build in a fresh process: wall time, tokens, fill and peak RSS of the command and of its workers."""
     env = {**os.environ, "PYTHONPATH": python_path()}
     command = [sys.executable, "-m", "pipeline.pack", "--dataset", "synthetic-flan", "--num-examples", str(examples),
                "--max-len", str(max_len), "--out", str(out), "--no-progress", "--force", *beam_args]
-    allowed = sorted(os.sched_getaffinity(0))
-    pin = None if cores is None else (lambda: os.sched_setaffinity(0, allowed[:cores]))
     with peak_rss() as peaks:
         started = time.perf_counter()
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, preexec_fn=pin)
+        with cores_held(cores):
+            process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
         process.wait()
         elapsed = time.perf_counter() - started
     if process.returncode:
@@ -145,23 +159,29 @@ def time_pack(examples: int, out: Path, beam_args: list[str], cores: int | None,
     }
 
 
-def write_texts(examples: int, path: Path, procs: int) -> None:
-    """The benchmark's examples, prompt and response joined by the default template, as one Arrow file."""
-    before, between, after = split_prompt_template(DEFAULT_PROMPT_TEMPLATE)
+def write_texts(examples: int, directory: Path, procs: int) -> list[Path]:
+    """The benchmark's examples, prompt and response joined by the default template, as ``procs`` Arrow files
+    written in parallel, in order."""
     blocks = [(b, min(BLOCK_EXAMPLES, examples - b * BLOCK_EXAMPLES)) for b in range(-(-examples // BLOCK_EXAMPLES))]
+    per_file = -(-len(blocks) // procs)
+    parts = [(directory / f"texts-{i:03d}.arrow", blocks[first : first + per_file])
+             for i, first in enumerate(range(0, len(blocks), per_file))]
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        pool.starmap(_write_flan_blocks, parts)
+    return [path for path, _ in parts]
+
+
+def _write_flan_blocks(path: Path, blocks: list[tuple[int, int]]) -> None:
+    before, between, after = split_prompt_template(DEFAULT_PROMPT_TEMPLATE)
     schema = pa.schema([("text", pa.large_string())])
-    with multiprocessing.get_context("fork").Pool(procs) as pool, pa.OSFile(str(path), "wb") as sink, \
-            pa.ipc.new_stream(sink, schema) as writer:
-        for table in pool.imap(_generate_flan_block, blocks):
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for block in blocks:
+            table = generate_block(SHAPES["synthetic-flan"], *block)
             text = pc.binary_join_element_wise(before, table["prompt"], between, table["response"], after, "")
             writer.write_table(pa.table({"text": text.cast(pa.large_string())}))
 
 
-def _generate_flan_block(block: tuple[int, int]) -> pa.Table:
-    return generate_block(SHAPES["synthetic-flan"], *block)
-
-
-def time_datasets_trl(texts: Path, procs: int, max_len: int) -> dict:
+def time_datasets_trl(texts: list[Path], procs: int, max_len: int) -> dict:
     """``Dataset.map(num_proc=procs)`` tokenizing, then TRL's best-fit-decreasing ``pack_dataset``."""
     import datasets
     from transformers import PreTrainedTokenizerFast
@@ -175,7 +195,7 @@ def time_datasets_trl(texts: Path, procs: int, max_len: int) -> dict:
 
     with peak_rss() as peaks:
         started = time.perf_counter()
-        dataset = datasets.Dataset.from_file(str(texts), in_memory=False)
+        dataset = datasets.concatenate_datasets([datasets.Dataset.from_file(str(path), in_memory=False) for path in texts])
         tokenized = dataset.map(tokenize, batched=True, remove_columns=["text"], num_proc=procs)
         map_s = time.perf_counter() - started
         packed = pack_dataset(tokenized, seq_length=max_len, strategy="bfd", map_kwargs={"num_proc": procs})
@@ -261,9 +281,8 @@ def main() -> None:
         else:
             result["direct_full"] = {"workers": most, **time_pack(args.examples, tmp / "full", direct(most), most, args.max_len)}
         record("direct_full", result["direct_full"])
-        texts = tmp / "texts.arrow"
         procs = args.baseline_procs or most
-        write_texts(args.examples, texts, procs)
+        texts = write_texts(args.examples, tmp, procs)
         result["datasets_trl"] = {"num_proc": procs, **time_datasets_trl(texts, procs, args.max_len)}
         record("datasets_trl", result["datasets_trl"])
         if args.dask_workers:
