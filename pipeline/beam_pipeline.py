@@ -34,6 +34,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import apache_beam as beam
 import numpy as np
@@ -47,6 +48,7 @@ from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summar
 from pipeline.config import VerifyTokens
 from pipeline.encode.examples import EncodedBatch, Encoder
 from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
+from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
@@ -78,8 +80,10 @@ class ReadAndEncode(beam.DoFn):
 
     IN_FLIGHT = 2
 
-    def __init__(self, plan: BuildPlan, spill_dir: str, main_pid: int):
-        self.plan = plan
+    def __init__(self, plan: BuildPlan, tokenizer_file: str, spill_dir: str, main_pid: int):
+        # The tokenizer's text travels as a file beside the spilled tokens, read once per worker process.
+        self.plan = dataclasses.replace(plan, tokenizer=plan.tokenizer.without_text())
+        self.tokenizer_file = tokenizer_file
         self.spill_dir = spill_dir
         self.main_pid = main_pid
         self.examples = Metrics.counter(_COUNTERS, "examples_tokenized")
@@ -87,15 +91,16 @@ class ReadAndEncode(beam.DoFn):
 
     def setup(self):
         exit_with_parent(self.main_pid)
+        self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")  # first: teardown shuts it
         plan, config = self.plan, self.plan.config
-        self.encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
+        tokenizer = plan.tokenizer.with_text(lambda: storage.read_bytes(self.tokenizer_file).decode())
+        self.encoder = Encoder(tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
         self.known_examples = plan.source.known_examples
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
-        self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
         self.checker = None
         if config.verify_tokens != VerifyTokens.OFF:
-            self.checker = TokenChecker(plan.tokenizer, plan.example_format, config.on_token_mismatch)
+            self.checker = TokenChecker(tokenizer, plan.example_format, config.on_token_mismatch)
         # Where each read task's rows start in the dataset (known when every task knows its row count).
         sizes = [task.rows if task.limit is None else min(task.rows, task.limit) for task in plan.source.tasks if task.rows is not None]
         self.task_starts = np.cumsum(sizes) - sizes
@@ -315,6 +320,13 @@ def write_build_manifest(
     return storage.join(out_dir, MANIFEST_NAME)
 
 
+def ship_tokenizer(tokenizer: LoadedTokenizer, spill_dir: str) -> str:
+    """Write the tokenizer's text into the spill directory, which every worker reads, once per build; its path."""
+    path = storage.join(spill_dir, f"tokenizer-{tokenizer.content_hash[:16]}.json")
+    storage.write_scratch(path, lambda local: Path(local).write_text(tokenizer.serialized, encoding="utf-8"))
+    return path
+
+
 def _gather(label: str, pcoll):
     """All elements of ``pcoll`` as one list, as the single element ``(None, list)`` of a keyed collection.
 
@@ -337,7 +349,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     encoded = (
         p
         | "ReadTasks" >> beam.Create(list(enumerate(plan.source.tasks)))
-        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, spill_dir, main_pid))
+        | "ReadAndEncode" >> beam.ParDo(ReadAndEncode(plan, ship_tokenizer(plan.tokenizer, spill_dir), spill_dir, main_pid))
     )
     filtered = _gather(
         "Notes",
@@ -436,21 +448,49 @@ def run(plan: BuildPlan, shard_dir: str, spill_dir: str) -> None:
     options = PipelineOptions(list(plan.config.beam_args))
     runner = options.view_as(StandardOptions).runner
     quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
+    worker_env: dict[str, str] = {}
     if runner is None:
         # Not the DirectRunner: it tries to download a Prism binary on every run.
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
         environment = None
-        if options.view_as(DirectOptions).direct_running_mode == "multi_processing":
+        direct = options.view_as(DirectOptions)
+        if direct.direct_running_mode == "multi_processing":
             quiet = worker_stderr_discarded()
             # Workers that watch this process from their start (beam_worker.py). Beam would put its
             # own worker command in place of this environment under multi_processing, so unset it.
             environment = SubprocessSDKEnvironment.from_command_string(WORKER_COMMAND)
-            options.view_as(DirectOptions).direct_running_mode = None
+            direct.direct_running_mode = None
+            worker_env.update(tokenizer_threads(direct.direct_num_workers))
         runner = FnApiRunner(default_environment=environment)
-    os.environ[PACK_PID_ENV] = str(os.getpid())  # local workers inherit it: see parent_watch.py
+    worker_env[PACK_PID_ENV] = str(os.getpid())  # local workers inherit it: see parent_watch.py
+    with quiet, environment_set(worker_env), beam.Pipeline(runner=runner, options=options) as p:
+        build_graph(p, plan, shard_dir, spill_dir)
+
+
+def tokenizer_threads(workers: int) -> dict[str, str]:
+    """The environment that gives each of ``workers`` local worker processes its share of this process's cores
+    for tokenizing (``RAYON_NUM_THREADS``; 0 workers: one per core), unless the user set it.
+
+    Each worker's tokenizer would otherwise start a thread per core: 16 workers on 16 cores ran 256
+    tokenizing threads, which contend for the cores instead of sharing them.
+    """
+    if "RAYON_NUM_THREADS" in os.environ:
+        return {}
+    cores = len(os.sched_getaffinity(0))
+    return {"RAYON_NUM_THREADS": str(max(1, cores // (workers or cores)))}
+
+
+@contextlib.contextmanager
+def environment_set(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set for the block, for the worker processes it starts; restored after."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
-        with quiet, beam.Pipeline(runner=runner, options=options) as p:
-            build_graph(p, plan, shard_dir, spill_dir)
+        yield
     finally:
-        del os.environ[PACK_PID_ENV]
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

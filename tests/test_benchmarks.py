@@ -29,7 +29,6 @@ BENCHES = [
     ("bench_memory.py", ["--small", "50", "--factor", "2"], ["raw_encode_batch_tokens_per_s", "pipeline_vs_encode_batch_small"]),
     ("bench_pack.py", ["--examples", "2000", "--repeats", "1", "--slow-repeats", "1"], ["sequential_fill", "speedup_vs_sequential"]),
     ("bench_pack_groups.py", ["--examples", "2000", "--groups", "1", "2"], ["results"]),
-    ("bench_pipeline.py", ["--examples", "100", "--repeats", "1"], ["encode_batch_tokens_per_s", "ratio"]),
     ("bench_verify.py", ["--examples", "300", "--sizes-gb", "0.001"], ["sizes"]),
 ]
 
@@ -100,3 +99,19 @@ def test_bench_train_trains_lora_adapters_in_every_mode(tmp_path: Path) -> None:
     head = 1000 * 32
     assert full_run["flops_per_token"] - modes["ours_eager"]["runs"][0]["flops_per_token"] == pytest.approx(
         6 * (layers + head) - 4 * (layers + head) - 6 * adapters)
+
+
+def test_bench_pipeline_reports_scaling_against_datasets_and_trl(tmp_path: Path) -> None:
+    """bench_pipeline at its smallest: a sweep over 1 and 2 local workers, a DaskRunner build on a 1-worker cluster and
+    datasets + TRL on the same examples, each with its tokens/s and its workers' peak RSS, in one JSON line."""
+    pytest.importorskip("trl")
+    pytest.importorskip("distributed")
+    result = run_bench("bench_pipeline.py", ["--workers", "1,2", "--examples-per-worker", "150", "--examples", "300",
+                                             "--dask-workers", "1", "--baseline-procs", "2"], tmp_path)
+    assert sorted(result["workers"]) == ["1", "2"]
+    assert result["workers"]["1"]["efficiency"] == 1.0
+    for run in [*result["workers"].values(), result["direct_full"], result["dask"], result["datasets_trl"]]:
+        assert run["tokens_per_s"] > 0 and run["peak_rss_worker_bytes"] > 0
+    assert result["direct_full"]["examples"] == result["dask"]["examples"] == result["datasets_trl"]["examples"] == 300
+    assert result["efficiency"] == result["workers"]["2"]["efficiency"]
+    assert result["vs_datasets_trl"] == round(result["datasets_trl"]["wall_s"] / result["direct_full"]["wall_s"], 4)

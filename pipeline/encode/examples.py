@@ -24,6 +24,7 @@ example with no trained token within ``--max-len`` is dropped and counted.
 from __future__ import annotations
 
 import array
+import functools
 import json
 import re
 from collections import Counter
@@ -239,6 +240,7 @@ def cut_between_words(text: str, piece_chars: int) -> list[str]:
         start = cut
 
 
+@functools.lru_cache(maxsize=8)  # per tokenizer object: each worker parses the 1.8 MB JSON once, not once per step
 def cuts_between_words(backend) -> bool:
     """Whether tokenizing pieces of a text cut by ``cut_between_words`` gives exactly the tokens of the whole text.
 

@@ -27,7 +27,7 @@ from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
 from pipeline.config import DEFAULT_TOKENIZER
 from pipeline.errors import ConfigError, InputError
 from pipeline.read import hub
-from schemas import TokenizerInputs, WriteError, atomic_output, cache_dir, file_sha256
+from schemas import TokenizerInputs, VarpackError, WriteError, atomic_output, cache_dir, file_sha256
 
 DEFAULT_TOKENIZER_FILE = "tokenizer.model.v1"  # in mistral_common/data, Apache-2.0
 MISTRAL_V01_TOKENIZER_CONFIG = {
@@ -93,12 +93,39 @@ class LoadedTokenizer:
 
     def _rehashed(self, backend: Any) -> LoadedTokenizer:
         """This tokenizer with its content hash computed; ``backend`` is cached under it."""
-        digest = hashlib.sha256(self.serialized.encode())
-        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "prefix": self.prefix_ids, "suffix": self.suffix_ids}
-        digest.update(json.dumps(specials, sort_keys=True).encode())
-        loaded = replace(self, content_hash=digest.hexdigest())
+        loaded = replace(self, content_hash=self._digest(self.serialized))
         _BACKENDS[loaded.content_hash] = backend
         return loaded
+
+    def _digest(self, serialized: str) -> str:
+        """The content hash of this tokenizer with ``serialized`` as its text."""
+        digest = hashlib.sha256(serialized.encode())
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "prefix": self.prefix_ids, "suffix": self.suffix_ids}
+        digest.update(json.dumps(specials, sort_keys=True).encode())
+        return digest.hexdigest()
+
+    def without_text(self) -> LoadedTokenizer:
+        """This tokenizer without its serialized text, which is most of its pickle (1.8 MB for Mistral's).
+
+        Beam pickles, compresses and unpickles a step's function several times per build and per
+        worker; a step holds this instead, and ``with_text`` puts the text back once per process.
+        """
+        _TEXTS[self.content_hash] = self.serialized
+        return replace(self, serialized="")
+
+    def with_text(self, read: Callable[[], str]) -> LoadedTokenizer:
+        """This tokenizer with its serialized text: this process's copy, else ``read()``, checked against the
+        content hash (WrongTokenizerError when it differs) and kept for the process's later builds."""
+        if self.serialized:
+            return self
+        text = _TEXTS.get(self.content_hash)
+        if text is None:
+            text = read()
+            if self._digest(text) != self.content_hash:
+                raise WrongTokenizerError(f"the tokenizer read for tokenizer {self.name} is not the one the build planned "
+                                          f"(content hash {self.content_hash[:16]}); run the build again")
+            _TEXTS[self.content_hash] = text
+        return replace(self, serialized=text)
 
     def with_added_special_tokens(self, tokens: tuple[str, ...]) -> LoadedTokenizer:
         """This tokenizer with ``--special-tokens`` added: each one token, after the vocabulary, in order.
@@ -196,6 +223,12 @@ def _named(specials: list[str], added: tuple[int, ...], names: tuple[str, ...], 
 
 
 _BACKENDS: dict[str, Any] = {}
+# Serialized tokenizers by content hash, for ``LoadedTokenizer.with_text``: one copy per process.
+_TEXTS: dict[str, str] = {}
+
+
+class WrongTokenizerError(VarpackError):
+    """A tokenizer's text, read back for a worker, is not the one its content hash names."""
 
 
 def _backend(serialized: str, content_hash: str):
@@ -302,11 +335,11 @@ def _cached_conversion(target: Path, convert: Callable[[Path], None]) -> Path:
     if cached.is_file():
         try:
             content = cached.read_bytes()
-            json.loads(content)
             recorded = (target / CACHED_SHA256).read_text().strip() if (target / CACHED_SHA256).is_file() else "none"
             digest = hashlib.sha256(content).hexdigest()
-            if digest == recorded:
+            if digest == recorded:  # what was written there, which was JSON: not parsed again on every load
                 return target
+            json.loads(content)
             print(f"varpack: {cached}: the cached tokenizer is not the one converted there (sha256 {digest[:16]}, "
                   f"recorded {recorded[:16]}); converting it again", file=sys.stderr)
         except (OSError, ValueError) as err:
