@@ -46,6 +46,7 @@ from pipeline.encode.chat import turn_stats
 from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
 from pipeline.config import VerifyTokens
 from pipeline.encode.examples import EncodedBatch, Encoder
+from pipeline.encode.preference import PairEncoder, PairTokenChecker
 from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
 from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
@@ -88,14 +89,16 @@ class ReadAndEncode(beam.DoFn):
     def setup(self):
         exit_with_parent(self.main_pid)
         plan, config = self.plan, self.plan.config
-        self.encoder = Encoder(plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
+        args = (plan.tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
+        self.encoder = PairEncoder(*args, layout=config.preference_layout) if config.is_preference else Encoder(*args)
         self.known_examples = plan.source.known_examples
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")
         self.checker = None
         if config.verify_tokens != VerifyTokens.OFF:
-            self.checker = TokenChecker(plan.tokenizer, plan.example_format, config.on_token_mismatch)
+            checker = PairTokenChecker if config.is_preference else TokenChecker
+            self.checker = checker(plan.tokenizer, plan.example_format, config.on_token_mismatch)
         # Where each read task's rows start in the dataset (known when every task knows its row count).
         sizes = [task.rows if task.limit is None else min(task.rows, task.limit) for task in plan.source.tasks if task.rows is not None]
         self.task_starts = np.cumsum(sizes) - sizes
@@ -301,6 +304,8 @@ def write_build_manifest(
     stats.token_check = token_check
     stats.special_token_text = {token: {"examples": n, "first_row": first} for token, (n, first) in filtered.special_text.items()}
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
+    if inputs.preference_layout is not None:
+        stats.pairs, stats.bad_pairs = stats.examples_kept, dict(filtered.rejected.by_reason)
     read.record(stats)
     if stats.rows == 0:
         raise InputError(
