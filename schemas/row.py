@@ -99,6 +99,14 @@ def _column_names(schema: pa.Schema) -> str:
         return "(column names that are not valid UTF-8)"
 
 
+def _has_roles(schema: pa.Schema) -> bool:
+    """Whether a table's schema has the ``roles`` column of preference rows."""
+    try:
+        return "roles" in schema.names
+    except UnicodeDecodeError:  # a corrupt file's garbled names: the schema check then names the file
+        return False
+
+
 def validate_table(
     table: pa.Table, capacity: int, shard: str, num_example_ids: int | None = None, preference_layout: str | None = None
 ) -> None:
@@ -112,7 +120,7 @@ def validate_table(
     (required when ``preference_layout`` is given) also keeps the pair invariants of
     ``_validate_pairs``.
     """
-    preference = "roles" in table.schema.names or preference_layout is not None
+    preference = _has_roles(table.schema) or preference_layout is not None
     expected, columns = (PREFERENCE_ROW_SCHEMA, PREFERENCE_ROW_COLUMNS) if preference else (ROW_SCHEMA, ROW_COLUMNS)
     if not table.schema.remove_metadata().equals(expected.remove_metadata()):
         kind = "preference-row" if preference else "packed-row"
@@ -217,7 +225,9 @@ def _validate_pairs(table: pa.Table, shard: str, segments: _Segments, mask: np.n
     run = np.cumsum(starts_run) - 1
     run_first = np.flatnonzero(starts_run)
     run_length = np.diff(np.append(run_first, roles.size))
-    fail_at_segment(~np.isin(run_length, (2, 3))[run], "a pair must be 2 segments [chosen, rejected] or 3 [prompt, chosen, rejected], adjacent")
+    fail_at_segment(
+        ~np.isin(run_length, (2, 3))[run], "a pair must be 2 segments [chosen, rejected] or 3 [prompt, chosen, rejected], adjacent"
+    )
     if layout == PreferenceLayout.SEPARATE:
         fail_at_segment(run_length[run] == 3, "a pair of the separate layout has a prompt segment")
     place = np.arange(roles.size) - run_first[run]

@@ -256,7 +256,8 @@ def test_a_prompt_that_is_no_prefix_of_the_whole_tokens_is_refused_not_split_wro
 
 
 # ChatML, but a user turn followed by an answer has its double spaces collapsed: the prompt renders differently.
-RERENDERING = CHAT_TEMPLATES["chatml"].replace("message['content']", "(message['content'] | replace('  ', ' ') if messages[-1]['role'] == 'assistant' else message['content'])")
+COLLAPSED = "(message['content'] | replace('  ', ' ') if messages[-1]['role'] == 'assistant' else message['content'])"
+RERENDERING = CHAT_TEMPLATES["chatml"].replace("message['content']", COLLAPSED)
 
 
 def test_a_chat_template_that_renders_the_prompt_differently_before_a_completion_refuses_the_pair(tmp_path):

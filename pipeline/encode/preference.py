@@ -156,7 +156,8 @@ class PairEncoder(Encoder):
         laid_out = tokens[gather_index(pieces.ravel(), piece_lengths.ravel())]
         k = runs.shape[0]
         mask = np.repeat(np.tile(np.array([0, 0, 1, 0, 1], np.uint8), k), runs.ravel())
-        roles = np.repeat(np.tile(np.array([Role.PROMPT, Role.CHOSEN, Role.CHOSEN, Role.REJECTED, Role.REJECTED], np.uint8), k), runs.ravel())
+        run_roles = np.array([Role.PROMPT, Role.CHOSEN, Role.CHOSEN, Role.REJECTED, Role.REJECTED], np.uint8)
+        roles = np.repeat(np.tile(run_roles, k), runs.ravel())
         batch = EncodedBatch(pair_lengths[keep].astype(np.int64), laid_out, mask, roles=roles)
         # Pairs are encoded in row order; the encoder leaves out the rows of ``problems`` to match.
         return batch, problems

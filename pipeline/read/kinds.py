@@ -517,7 +517,10 @@ class PreferenceMessages(Kind):
         )
 
     def describe(self) -> str:
-        return "chat template (shared leading turns as the prompt, the last assistant turns as completions); loss on each completion and its end-of-turn token"
+        return (
+            "chat template (shared leading turns as the prompt, the last assistant turns as completions); loss on each "
+            "completion and its end-of-turn token"
+        )
 
     def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
         chosen, rejected = (table.column(column).to_pylist() for column in self.columns)
