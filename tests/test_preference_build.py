@@ -414,6 +414,37 @@ def test_an_sft_shard_is_refused_where_the_manifest_says_preference():
         validate_table(shared_prompt_row().drop_columns(["roles"]), 16, "shard", 5, "separate")
 
 
+def test_pairs_all_longer_than_a_row_or_missing_columns_are_one_line(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--format", "preference", "--no-progress", "--no-report"]
+    assert main([*args, "--max-len", "8"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("varpack: error: nothing to write: every pair read that is not a bad row (3) is longer than "
+                            "--max-len 8 in its layout, and a pair is never split; raise --max-len")
+    assert main([*args, "--chosen-column", "better"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"varpack: error: {data}: no column 'better' (columns: prompt, chosen, rejected); choose columns with "
+                     "--prompt-column (none: message lists), --chosen-column and --rejected-column")
+    assert not any((tmp_path / "out").glob("*/manifest.json"))
+
+
+def test_the_isolation_check_runs_on_a_separate_layout_build(tmp_path, capsys):
+    """``varpack check`` on a preference build: each sequence of the separate layout is a whole sequence."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from loaders.check import main as check
+
+    _, out_dir = pack_pairs(tmp_path, TEXT_PAIRS)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    args = ["--model", str(tmp_path / "model"), "--shards", str(out_dir), "--attn", "sdpa_segments", "--no-cache", "--batch-rows", "1"]
+    assert check(args) == 0
+    assert capsys.readouterr().out.startswith("varpack check: ok: packed examples are isolated")
+
+
 def test_pairs_that_stop_the_build_say_which_row(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", [TEXT_PAIRS[0], {"prompt": "p", "chosen": "a", "rejected": "a"}])
     with pytest.raises(InputError, match=r"pairs.jsonl line 2: the chosen and the rejected completions are equal"):

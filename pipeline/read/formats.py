@@ -113,10 +113,10 @@ def _check_columns(chosen: ExampleFormat, available: tuple[str, ...] | None, whe
         return
     missing = [c for c in chosen.columns if c not in available and c.split(".")[0] not in available]
     if missing:
-        raise InputError(
-            f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); "
-            "choose columns with --prompt-column/--response-column, --messages-column or --text-column"
-        )
+        options = "--prompt-column/--response-column, --messages-column or --text-column"
+        if chosen.kind in (ExampleKind.PREFERENCE, ExampleKind.PREFERENCE_CHAT):
+            options = "--prompt-column (none: message lists), --chosen-column and --rejected-column"
+        raise InputError(f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); choose columns with {options}")
 
 
 def resolve_format(
