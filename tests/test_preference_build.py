@@ -31,6 +31,7 @@ from pipeline.packing.rows import build_rows
 from pipeline.read.readers import BatchRows
 from schemas import PREFERENCE_ROW_SCHEMA, Overflow, Role, ShardError, read_manifest, validate_table
 from tests.test_bad_rows import transformers_tokens
+from tests.test_chat_templates import LLAMA3_SPECIALS, byte_level_directory
 
 LAYOUTS = ["separate", "shared-prompt"]
 TEXT_PAIRS = [
@@ -161,6 +162,21 @@ def transformers_tokens_with_generation_prompt(plan, messages: list[dict]) -> li
     encoded = tokenizer.apply_chat_template(messages, chat_template=plan.example_format.chat_template, tokenize=True,
                                             add_generation_prompt=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+@pytest.mark.parametrize("shape", ["messages", "text as chat"])
+def test_pairs_pack_with_a_byte_level_tokenizer_and_llama3s_template_every_pair_checked_equal(tmp_path, shape):
+    tokenizer = byte_level_directory(tmp_path / "tokenizer", LLAMA3_SPECIALS)
+    records = CHAT_PAIRS if shape == "messages" else TEXT_PAIRS
+    options = {"as_chat": True} if shape == "text as chat" else {}
+    config, out_dir = pack_pairs(tmp_path, records, tokenizer=str(tokenizer), chat_template="llama3",
+                                 preference_layout="shared-prompt", **options)
+    manifest = read_manifest(out_dir)
+    assert manifest.stats.pairs == manifest.stats.examples_checked == manifest.stats.examples_equal == len(records)
+    eot = plan_build(config).tokenizer.backend().token_to_id("<|eot_id|>")
+    for segments in read_pairs(out_dir).values():
+        chosen, chosen_mask, rejected, rejected_mask = whole_sequences(segments)
+        assert chosen[-1] == rejected[-1] == eot and chosen_mask[-1] == rejected_mask[-1] == 1
 
 
 def test_text_pairs_as_chat_are_rendered_with_the_chat_template(tmp_path):

@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from pipeline.encode.bad_rows import Reason, RowProblem
 from pipeline.encode.chat import conversation
-from pipeline.encode.examples import EncodedBatch, Encoder, encode_ids, token_ids
+from pipeline.encode.examples import ENCODE_CHUNK, EncodedBatch, Encoder, encode_ids, token_ids
 from pipeline.encode.token_check import TokenChecker
 from pipeline.errors import InputError
 from pipeline.ranges import gather_index
@@ -88,8 +88,8 @@ class PairEncoder(Encoder):
                 continue
             good.append(i)
         encodings = [
-            encoding for start in range(0, len(texts), 1024)
-            for encoding in self.backend.encode_batch(texts[start : start + 1024], add_special_tokens=False)
+            encoding for start in range(0, len(texts), ENCODE_CHUNK)
+            for encoding in self.backend.encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)
         ]
         tokens, lengths = token_ids(encodings, self.dtype)
         return self._pairs(tokens, lengths, good, problems, rows, source_rows)
