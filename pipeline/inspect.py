@@ -30,6 +30,7 @@ from pipeline.report.summary import (
     aligned,
     describe_examples,
     describe_overflow,
+    describe_pairs,
     describe_rejected,
     describe_trimmed,
     examples_dropped,
@@ -148,19 +149,9 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
         ("overflow", describe_overflow(stats)),
         ("bad rows", bad_rows),
         *([("trimmed", describe_trimmed(stats))] if stats.conversations_trimmed else []),
-        *([("pairs", describe_pairs(manifest))] if manifest.preference_layout is not None else []),
+        *([("pairs", describe_pairs(stats, manifest.preference_layout))] if manifest.preference_layout is not None else []),
     ]
     return aligned([(label, printable(value)) for label, value in lines])
-
-
-def describe_pairs(manifest: Manifest) -> str:
-    """A preference build's pairs: packed, their layout, and those left out by reason."""
-    stats = manifest.stats
-    left_out = ", ".join(f"{count:,} {reason}" for reason, count in stats.bad_pairs.items()) or "none"
-    return (
-        f"{plural(stats.pairs, 'pair')} packed whole in the {manifest.preference_layout} layout (each example above is "
-        f"a pair); left out: {left_out}"
-    )
 
 
 Decoder = Callable[[np.ndarray], str]
