@@ -44,9 +44,10 @@ from pipeline import storage
 from pipeline.beam_worker import WORKER_COMMAND
 from pipeline.build_plan import BuildPlan
 from pipeline.encode.chat import turn_stats
-from pipeline.encode.bad_rows import BadRow, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
+from pipeline.encode.bad_rows import BadRow, Reason, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
 from pipeline.config import VerifyTokens
 from pipeline.encode.examples import EncodedBatch, Encoder
+from pipeline.encode.preference import PairEncoder, PairTokenChecker
 from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
@@ -94,13 +95,15 @@ class ReadAndEncode(beam.DoFn):
         self.pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="varpack-encode")  # first: teardown shuts it
         plan, config = self.plan, self.plan.config
         tokenizer = plan.tokenizer.with_text(lambda: storage.read_bytes(self.tokenizer_file).decode())
-        self.encoder = Encoder(tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
+        args = (tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
+        self.encoder = PairEncoder(*args, layout=config.preference_layout) if config.is_preference else Encoder(*args)
         self.known_examples = plan.source.known_examples
         self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
         self.checker = None
         if config.verify_tokens != VerifyTokens.OFF:
-            self.checker = TokenChecker(tokenizer, plan.example_format, config.on_token_mismatch)
+            checker = PairTokenChecker if config.is_preference else TokenChecker
+            self.checker = checker(tokenizer, plan.example_format, config.on_token_mismatch)
         # Where each read task's rows start in the dataset (known when every task knows its row count).
         sizes = [task.rows if task.limit is None else min(task.rows, task.limit) for task in plan.source.tasks if task.rows is not None]
         self.task_starts = np.cumsum(sizes) - sizes
@@ -215,13 +218,20 @@ def finish_filtered(
 
 
 def placements(
-    counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int, untrained: int = 0, max_len: int = 0
+    counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int, untrained: int = 0, max_len: int = 0,
+    too_long_pairs: int = 0,
 ):
     """``(batch key, (first row, rows kept, group))`` for every batch, from all batches' (examples, rows read).
 
     Raises InputError naming --max-len and --overflow when the only examples read were dropped for keeping
-    no trained token (``untrained`` of them) within ``max_len``.
+    no trained token (``untrained`` of them) within ``max_len``, or naming --max-len when the only preference
+    pairs read were longer than a row (``too_long_pairs`` of them).
     """
+    if too_long_pairs and not any(examples for _, (examples, _) in counts):
+        raise InputError(
+            f"nothing to write: every pair read that is not a bad row ({too_long_pairs}) is longer than --max-len {max_len} "
+            "in its layout, and a pair is never split; raise --max-len (--preference-layout shared-prompt counts the prompt once)"
+        )
     if untrained and not any(examples for _, (examples, _) in counts):
         raise InputError(
             f"nothing to train: every example read ({untrained}) was dropped as untrained: --overflow truncate keeps its "
@@ -306,6 +316,8 @@ def write_build_manifest(
     stats.token_check = token_check
     stats.special_token_text = {token: {"examples": n, "first_row": first} for token, (n, first) in filtered.special_text.items()}
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
+    if inputs.preference_layout is not None:
+        stats.pairs, stats.bad_pairs = stats.examples_kept, dict(filtered.rejected.by_reason)
     read.record(stats)
     if stats.rows == 0:
         raise InputError(
@@ -368,6 +380,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
             lambda _, joined: placements(
                 [c for part in joined["counts"] for c in part], config.num_examples, examples_per_group,
                 sum(f.untrained_examples for f in joined["filtered"]), config.max_len,
+                sum(f.rejected.by_reason.get(Reason.PAIR_TOO_LONG, 0) for f in joined["filtered"]),
             )
         )
     )

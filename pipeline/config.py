@@ -15,10 +15,12 @@ from pipeline.errors import ConfigError
 from pipeline.storage import local_path
 from schemas import (
     BadRowPolicy,
+    BuildFormat,
     BuildInputs,
     DatasetInputs,
     Overflow,
     PackingAlgorithm,
+    PreferenceLayout,
     TokenizerInputs,
     one_of,
     positive_int,
@@ -27,6 +29,10 @@ from schemas.row import MAX_ROW_TOKENS
 
 # The Mistral-7B v0.1 tokenizer that ships inside mistral-common (see pipeline/encode/tokenizer.py).
 DEFAULT_TOKENIZER = "mistral-7b-v0.1"
+
+# --prompt-column none: a preference dataset's chosen and rejected columns are message lists whose shared
+# leading turns are the prompt, even where the source has a prompt column too (UltraFeedback's).
+NO_PROMPT_COLUMN = "none"
 
 # Examples per packing group: above it a dataset is packed in groups of consecutive examples.
 EXAMPLES_PER_GROUP = 50_000_000
@@ -71,6 +77,10 @@ class PackConfig:
 
     dataset: str = "gsm8k"
     out: str = "shards"
+    # What the rows hold: examples to fine-tune on ("sft"), or preference pairs ("preference").
+    format: str = BuildFormat.SFT
+    # Preference pairs: both sequences whole ("separate"), or the prompt once ("shared-prompt").
+    preference_layout: str = PreferenceLayout.SEPARATE
     tokenizer: str = DEFAULT_TOKENIZER
     max_len: int = 4096
     # None: the dataset's usual split ("train"; "test" for gsm8k, which embeds only that split).
@@ -90,6 +100,9 @@ class PackConfig:
     response_column: str | None = None
     messages_column: str | None = None
     text_column: str | None = None
+    # Preference pairs: the completions' columns (text, or message lists with --prompt-column none).
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
     # A Jinja chat template, or a file holding one; None: the tokenizer's own.
     chat_template: str | None = None
     # Prompt/response: how they are joined (None: formats.DEFAULT_PROMPT_TEMPLATE), or --as-chat.
@@ -150,7 +163,14 @@ class PackConfig:
         into chunks that start mid-conversation (examples truncation leaves untrained are dropped and counted)."""
         if self.overflow is not None:
             return self.overflow
+        if self.is_preference:  # a pair longer than a row is left out, listed in rejected.jsonl
+            return Overflow.DROP
         return Overflow.TRUNCATE if chat else Overflow.SPLIT
+
+    @property
+    def is_preference(self) -> bool:
+        """Whether the build packs preference pairs (``--format preference``)."""
+        return self.format == BuildFormat.PREFERENCE
 
     def build_inputs(
         self, dataset: DatasetInputs, tokenizer: TokenizerInputs, template: str, loss_masking: str, package_version: str
@@ -177,6 +197,8 @@ class PackConfig:
             on_bad_row=self.on_bad_row,
             rows_per_shard=self.rows_per_shard,
             examples_per_group=self.examples_per_group,
+            format=BuildFormat.PREFERENCE if self.is_preference else None,
+            preference_layout=self.preference_layout if self.is_preference else None,
         )
 
     def validate(self) -> None:
@@ -194,6 +216,9 @@ class PackConfig:
         if self.overflow is not None:
             one_of("--overflow", self.overflow, Overflow, ConfigError)
         one_of("--packing", self.packing, PackingAlgorithm, ConfigError)
+        one_of("--format", self.format, BuildFormat, ConfigError)
+        one_of("--preference-layout", self.preference_layout, PreferenceLayout, ConfigError)
+        self._check_preference()
         one_of("--on-bad-row", self.on_bad_row, BadRowPolicy, ConfigError)
         one_of("--truncate-side", self.truncate_side, TruncateSide, ConfigError)
         one_of("--verify-tokens", self.verify_tokens, VerifyTokens, ConfigError)
@@ -205,7 +230,7 @@ class PackConfig:
             raise ConfigError(f"--max-bad-rows must be a count (0, 1, 2, ...) or a fraction between 0 and 1, got {bound!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"--seed must be a non-negative integer, got {self.seed!r}")
-        if (self.prompt_column is None) != (self.response_column is None):
+        if not self.is_preference and (self.prompt_column is None) != (self.response_column is None):
             raise ConfigError("--prompt-column and --response-column go together: pass both")
         formats = [self.prompt_column is not None, self.messages_column is not None, self.text_column is not None]
         if sum(formats) > 1:
@@ -216,6 +241,25 @@ class PackConfig:
             raise ConfigError(f"--lock-timeout must be a number of seconds (0 or more), got {self.lock_timeout!r}")
         if not self.dataset:
             raise ConfigError("--dataset must not be empty")
+
+    def _check_preference(self) -> None:
+        """Raise ConfigError for an option that does not go with ``--format``."""
+        if not self.is_preference:
+            if self.preference_layout != PreferenceLayout.SEPARATE:
+                raise ConfigError("--preference-layout lays out preference pairs: pass it with --format preference")
+            return
+        if self.overflow in (Overflow.SPLIT, Overflow.TRUNCATE):
+            raise ConfigError(
+                f"--overflow {self.overflow} would cut a pair, which is never split: with --format preference a pair "
+                "longer than --max-len is left out (--overflow drop, the default) or stops the build (--overflow error)"
+            )
+        for option, given in (("--messages-column", self.messages_column), ("--text-column", self.text_column),
+                              ("--response-column", self.response_column), ("--train-on-prompt", self.train_on_prompt)):
+            if given:
+                raise ConfigError(
+                    f"{option} does not go with --format preference, which reads --prompt-column, --chosen-column and "
+                    "--rejected-column and trains on the completions"
+                )
         if not self.out:
             raise ConfigError("--out must not be empty")
 

@@ -30,6 +30,7 @@ from pipeline.report.summary import (
     aligned,
     describe_examples,
     describe_overflow,
+    describe_pairs,
     describe_rejected,
     describe_trimmed,
     examples_dropped,
@@ -37,7 +38,7 @@ from pipeline.report.summary import (
     plural,
 )
 from pipeline.write.build_dir import read_build_manifest
-from schemas import MANIFEST_NAME, Manifest, ManifestError, VarpackError
+from schemas import MANIFEST_NAME, Manifest, ManifestError, Role, VarpackError
 
 EXIT_ERROR = 1
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"
@@ -95,6 +96,9 @@ def summarize(build_dir: str, manifest: Manifest) -> dict[str, Any]:
         },
         "examples_per_row": {"mean": mean, "min": low, "max": high},
         "rejected": None if rejected is None else {"rows": rejected.rows, "by_reason": rejected.by_reason},
+        "preference": None if manifest.preference_layout is None else {
+            "layout": manifest.preference_layout, "pairs": manifest.stats.pairs, "bad_pairs": manifest.stats.bad_pairs,
+        },
     }
 
 
@@ -145,6 +149,7 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
         ("overflow", describe_overflow(stats)),
         ("bad rows", bad_rows),
         *([("trimmed", describe_trimmed(stats))] if stats.conversations_trimmed else []),
+        *([("pairs", describe_pairs(stats, manifest.preference_layout))] if manifest.preference_layout is not None else []),
     ]
     return aligned([(label, printable(value)) for label, value in lines])
 
@@ -188,15 +193,21 @@ def format_rows(build_dir: str, manifest: Manifest, num_rows: int, decode: Decod
         table = read_shard_table(build_dir, info, manifest.capacity).slice(0, num_rows - shown)
         for i, row in enumerate(table.to_pylist()):
             cu, tokens = row["cu_seqlens"], row["num_tokens"]
+            segment = "segment" if "roles" in row else "example"
             yield bold(
-                f"row {shown} ({printable(info.path)} row {i}): {plural(len(cu) - 1, 'example')}, {tokens:,} of "
+                f"row {shown} ({printable(info.path)} row {i}): {plural(len(cu) - 1, segment)}, {tokens:,} of "
                 f"{manifest.capacity:,} tokens ({100 * tokens / manifest.capacity:.1f}%)"
             )
             ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"])
-            for j, (example, offset) in enumerate(zip(row["example_ids"], row["example_offsets"])):
+            roles = row.get("roles") or [None] * len(row["example_ids"])
+            for j, (example, offset, role) in enumerate(zip(row["example_ids"], row["example_offsets"], roles)):
                 a, b = cu[j], cu[j + 1]
-                chunk = f", from token {offset:,} (a later chunk of a split example)" if offset else ""
-                yield dim(f"  -- example {example}: {plural(b - a, 'token')}{chunk}, positions {a} to {b - 1}")
+                if role is None:
+                    chunk = f", from token {offset:,} (a later chunk of a split example)" if offset else ""
+                    yield dim(f"  -- example {example}: {plural(b - a, 'token')}{chunk}, positions {a} to {b - 1}")
+                else:
+                    after = f", position ids from {offset:,} (after the prompt)" if offset else ""
+                    yield dim(f"  -- pair {example}, {Role(role).name.lower()}: {plural(b - a, 'token')}{after}, positions {a} to {b - 1}")
                 text = _segment_text(ids[a:b], mask[a:b], decode, color)  # escapes the text's own controls
                 yield "    " + text.replace("\n", "\n    ")
             shown += 1

@@ -63,7 +63,7 @@ class _DanglingTurns(argparse.Action):
 
 def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     from pipeline.config import OnTokenMismatch, PackConfig, TruncateSide, VerifyTokens
-    from schemas import BadRowPolicy, Overflow, PackingAlgorithm
+    from schemas import BadRowPolicy, BuildFormat, Overflow, PackingAlgorithm, PreferenceLayout
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -102,7 +102,18 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     add("--lock-timeout", type=float, metavar="SECONDS",
         help="how long to wait for another run building the same directory (default: until it finishes)")
     add("--verbose", action="store_true", help="print the traceback of a failure, and Beam's own error logs")
-    add("--prompt-column", help="column of prompts (with --response-column)")
+    add("--format", choices=[e.value for e in BuildFormat], default=default.format,
+        help="what the rows hold: examples to fine-tune on (sft), or preference pairs of a prompt, a chosen and a "
+             "rejected completion (preference; see docs/preference.md) (default: %(default)s)")
+    add("--preference-layout", choices=[e.value for e in PreferenceLayout], default=default.preference_layout,
+        help="--format preference: prompt + chosen and prompt + rejected as two sequences (separate), or the prompt "
+             "once, each completion attending to it (shared-prompt) (default: %(default)s)")
+    add("--chosen-column", default=default.chosen_column,
+        help="--format preference: column of chosen completions (text, or message lists) (default: %(default)s)")
+    add("--rejected-column", default=default.rejected_column,
+        help="--format preference: column of rejected completions (default: %(default)s)")
+    add("--prompt-column", help="column of prompts (with --response-column; with --format preference: default prompt "
+                                "when the source has it, 'none' for chosen and rejected message lists)")
     add("--response-column", help="column of responses, trained on (with --prompt-column)")
     add("--messages-column", help="column of chat messages ([{role, content}, ...] or ShareGPT's [{from, value}, ...]); "
                                    "loss on assistant turns")

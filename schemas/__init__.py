@@ -11,6 +11,7 @@ from schemas.manifest import (
     MANIFEST_NAME,
     SCHEMA_PATH,
     BadRowPolicy,
+    BuildFormat,
     BuildInputs,
     DatasetInputs,
     ExampleKind,
@@ -25,16 +26,28 @@ from schemas.manifest import (
     compute_fingerprint,
     validate_manifest,
 )
-from schemas.row import ROW_COLUMNS, ROW_SCHEMA, list_parts, validate_table
+from schemas.row import (
+    PREFERENCE_ROW_COLUMNS,
+    PREFERENCE_ROW_SCHEMA,
+    ROW_COLUMNS,
+    ROW_SCHEMA,
+    PreferenceLayout,
+    Role,
+    list_parts,
+    validate_table,
+)
 from schemas.validate import one_of, positive_int
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "PREFERENCE_ROW_COLUMNS",
+    "PREFERENCE_ROW_SCHEMA",
     "ROW_COLUMNS",
     "ROW_SCHEMA",
     "SCHEMA_PATH",
     "BadRowPolicy",
+    "BuildFormat",
     "BuildInputs",
     "DatasetInputs",
     "ExampleKind",
@@ -47,7 +60,9 @@ __all__ = [
     "PackingAlgorithm",
     "PackingError",
     "PackingStats",
+    "PreferenceLayout",
     "RejectedRows",
+    "Role",
     "ShardError",
     "ShardInfo",
     "TokenizerInputs",

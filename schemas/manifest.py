@@ -31,7 +31,10 @@ FORMAT_NAME = "varpack.shards"
 #    stats.chat_turns, stats.dangling_turns_dropped and source lists (SOURCE_LISTS), written only when set;
 #    the optional stats.token_check (the check's mode: "off", "sample" or "all") and stats.special_token_text
 #    (special tokens whose text the data holds), written only when set.
-FORMAT_VERSION = 6
+# 7: the optional inputs.format ("preference") and inputs.preference_layout of a build of preference pairs,
+#    whose shards add a roles column (schemas.row.PREFERENCE_ROW_SCHEMA), and stats.pairs and stats.bad_pairs;
+#    written only for such builds, so other builds' manifests and fingerprints stay as they were.
+FORMAT_VERSION = 7
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -66,6 +69,16 @@ class ExampleKind(enum.StrEnum):
     PROMPT_RESPONSE = "prompt_response"
     CHAT = "chat"
     TEXT = "text"
+    # A prompt with a chosen and a rejected completion: text columns, or two message lists sharing their leading turns.
+    PREFERENCE = "preference"
+    PREFERENCE_CHAT = "preference_chat"
+
+
+class BuildFormat(enum.StrEnum):
+    """What a build's rows hold (``inputs.format``): examples to fine-tune on, or preference pairs."""
+
+    SFT = "sft"
+    PREFERENCE = "preference"
 
 
 class LossMasking(enum.StrEnum):
@@ -76,6 +89,8 @@ class LossMasking(enum.StrEnum):
     RESPONSE_AND_EOS = "response_and_eos"
     # The writer passed its own loss mask with the tokens (``ShardWriter``).
     GIVEN = "given"
+    # Preference pairs: each completion and its end-of-turn token (or EOS), never the prompt.
+    COMPLETIONS = "completions"
 
 
 
@@ -120,10 +135,13 @@ class BuildInputs:
     # with the defaults keep their fingerprints): the defaults.
     rows_per_shard: int | None = None
     examples_per_group: int | None = None
+    # A build of preference pairs: "preference" and its layout (schemas.row.PreferenceLayout); None (left out): SFT.
+    format: str | None = None
+    preference_layout: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("on_bad_row", "rows_per_shard", "examples_per_group"):
+        for optional in ("on_bad_row", "rows_per_shard", "examples_per_group", "format", "preference_layout"):
             if data[optional] is None:
                 del data[optional]
         return data
@@ -138,6 +156,8 @@ class BuildInputs:
                 "on_bad_row": data.get("on_bad_row"),
                 "rows_per_shard": data.get("rows_per_shard"),
                 "examples_per_group": data.get("examples_per_group"),
+                "format": data.get("format"),
+                "preference_layout": data.get("preference_layout"),
             }
         )
 
@@ -222,6 +242,9 @@ class PackingStats:
     # Special tokens whose text the data's own text holds, tokenized as those tokens:
     # {"</s>": {"examples": 3, "first_row": "data.jsonl line 7"}}.
     special_token_text: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Preference builds (format 7): the pairs packed, and the pairs left out by reason ({"chosen_equals_rejected": 3}).
+    pairs: int = 0
+    bad_pairs: dict[str, int] = field(default_factory=dict)
     # {"examples in a row": "number of rows"}; JSON object keys are strings.
     segments_per_row: dict[str, int] = field(default_factory=dict)
     # The source files read, and the source columns that reached the tokens and those that did not
@@ -248,7 +271,9 @@ class PackingStats:
     def to_dict(self) -> dict[str, Any]:
         data = {**dataclasses.asdict(self), "fill": self.fill}
         # Written only when set (chat builds, pipeline builds), so that other builds' manifests stay as they were.
-        written_when_set = ("chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", *SOURCE_LISTS)
+        written_when_set = (
+            "chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", "pairs", "bad_pairs", *SOURCE_LISTS
+        )
         return {key: value for key, value in data.items() if value or key not in written_when_set}
 
     @classmethod
@@ -264,7 +289,7 @@ class PackingStats:
                 if item.name == "segments_per_row":
                     for count, rows in part.segments_per_row.items():
                         total.segments_per_row[count] = total.segments_per_row.get(count, 0) + rows
-                elif item.name in ("chat_turns", "dangling_turns_dropped", "token_check", "special_token_text"):
+                elif item.name in ("chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", "bad_pairs"):
                     continue  # counted while reading, not per packing group
                 else:
                     setattr(total, item.name, getattr(total, item.name) + getattr(part, item.name))
@@ -303,6 +328,11 @@ class Manifest:
     rejected: RejectedRows | None = field(default_factory=RejectedRows)
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+
+    @property
+    def preference_layout(self) -> str | None:
+        """The layout of a build of preference pairs (``"separate"`` or ``"shared-prompt"``); None for other builds."""
+        return self.inputs.preference_layout if self.inputs.format == BuildFormat.PREFERENCE else None
 
     @property
     def num_rows(self) -> int:
@@ -521,6 +551,9 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
     rejected = data.get("rejected")
     if rejected is not None and rejected["rows"] != sum(rejected["by_reason"].values()):
         raise ManifestError(f"{source}: rejected.rows differs from the sum of rejected.by_reason")
+    inputs = data["inputs"]
+    if (inputs.get("format") == BuildFormat.PREFERENCE) != ("preference_layout" in inputs):
+        raise ManifestError(f"{source}: inputs.format \"preference\" and inputs.preference_layout go together")
 
 
 def validate_manifest(data: Any, source: str = MANIFEST_NAME) -> None:

@@ -358,6 +358,12 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "on_bad_row": {"on_bad_row": "skip"},
         "rows_per_shard": {"rows_per_shard": 7},
         "examples_per_group": {"examples_per_group": 5},
+        "format": {"format": "preference", "chosen_column": "response", "rejected_column": "answer"},
+        "preference_layout": {
+            "format": "preference", "chosen_column": "response", "rejected_column": "answer", "preference_layout": "shared-prompt",
+        },
+        "chosen_column": {"format": "preference", "chosen_column": "prompt", "rejected_column": "answer"},
+        "rejected_column": {"format": "preference", "chosen_column": "response", "rejected_column": "prompt"},
     }
     prints = {name: plan_build(dataclasses.replace(base, **change)).fingerprint for name, change in in_fingerprint.items()}
     assert fingerprint not in prints.values() and len(set(prints.values())) == len(prints), prints

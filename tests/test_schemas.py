@@ -231,10 +231,11 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     properties = SCHEMA["properties"]
     added = set(ADDED_IN_VERSION_2[""]) | set(ADDED_IN_VERSION_3[""]) | set(ADDED_IN_VERSION_5[""])
     assert set(data) == set(properties) == set(SCHEMA["required"]) | added
-    # Written only when set: the shard and group sizes (absent, the defaults), chat turns, the source files and columns.
+    # Written only when set: the shard and group sizes (absent, the defaults), chat turns, the source files and columns,
+    # and what a preference build records.
     optional = {
-        "inputs": {"rows_per_shard", "examples_per_group"},
-        "stats": {"chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", *SOURCE_LISTS},
+        "inputs": {"rows_per_shard", "examples_per_group", "format", "preference_layout"},
+        "stats": {"chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", "pairs", "bad_pairs", *SOURCE_LISTS},
     }
     for key in ("inputs", "stats"):
         assert not optional[key] & set(data[key])

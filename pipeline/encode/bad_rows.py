@@ -44,11 +44,18 @@ class Reason(StrEnum):
     ENDS_WITH_USER = "ends_with_user"
     TEMPLATE_REJECTED = "template_rejected"
     NO_TOKENS = "no_tokens"
+    # Preference pairs (pipeline/encode/preference.py).
+    CHOSEN_EQUALS_REJECTED = "chosen_equals_rejected"
+    EMPTY_COMPLETION = "empty_completion"
+    PAIR_TOO_LONG = "pair_too_long"
+    NOT_A_PAIR = "not_a_pair"
+    PROMPT_NOT_A_PREFIX = "prompt_not_a_prefix"
 
 
 # Rows the dangling-turn policy drops whole: listed and counted like bad rows, but they are what
 # splitting conversations leaves, not broken data, so they stop no build and count against no --max-bad-rows.
-DROPPED_WHOLE = frozenset({Reason.ONLY_DANGLING_TURNS, Reason.NO_CHAT_TURNS})
+# A pair longer than a row is left out the same way under --overflow drop (the default of --format preference).
+DROPPED_WHOLE = frozenset({Reason.ONLY_DANGLING_TURNS, Reason.NO_CHAT_TURNS, Reason.PAIR_TOO_LONG})
 
 
 class RowProblem(Exception):

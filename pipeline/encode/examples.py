@@ -94,6 +94,8 @@ class EncodedBatch:
     prompt_cut: tuple[int, int] = (0, 0)  # examples that fit once --truncate-side left cut their prompt, tokens cut
     # Special tokens whose text the data holds: {token: (examples, the first one's row)} (see special_text).
     special_text: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # Preference pairs: each token's role (schemas.Role), from which a pair's segments are cut when its row is built.
+    roles: np.ndarray | None = None  # uint8 [sum(lengths)]
 
     @property
     def starts(self) -> np.ndarray:
@@ -109,7 +111,7 @@ class EncodedBatch:
         index = gather_index(self.starts[keep], self.lengths[keep])
         return EncodedBatch(
             self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
-            self.untrained, self.turns, self.prompt_cut, self.special_text,
+            self.untrained, self.turns, self.prompt_cut, self.special_text, None if self.roles is None else self.roles[index],
         )
 
 

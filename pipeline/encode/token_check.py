@@ -153,8 +153,9 @@ class TokenChecker:
         reference, reference_lengths = self.reference(
             select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows))
         )
-        lengths = batch.lengths[examples]
-        built = batch.tokens[gather_index(batch.starts[examples], lengths)]
+        built, lengths = self.sequences(batch, examples)
+        # Each sequence's example: one each, or two for a preference pair (``preference.PairTokenChecker``).
+        source_rows = np.repeat(source_rows, lengths.size // examples.size)
         if self.format.keep_response and not self.format.is_chat:
             reference, reference_lengths = self.without_cut_heads(reference, reference_lengths, lengths)
         differences = first_differences(built, lengths, reference, reference_lengths)
@@ -167,7 +168,13 @@ class TokenChecker:
             first = self.describe(rows.name(int(source_rows[i])), ours, theirs, int(differences[i]))
             if self.on_mismatch == OnTokenMismatch.ERROR:
                 raise TokenMismatchError(first)
-        return CheckCounts(int(examples.size), int(examples.size - differ.size), first)
+        unequal = np.unique(differ // (lengths.size // examples.size)).size
+        return CheckCounts(int(examples.size), int(examples.size - unequal), first)
+
+    def sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The built token sequences of ``examples`` (indices into ``batch``) to compare, flat, and their lengths."""
+        lengths = batch.lengths[examples]
+        return batch.tokens[gather_index(batch.starts[examples], lengths)], lengths
 
     def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """The reference tokens of the rows of ``table`` (the format's columns, rows that made examples),
@@ -224,6 +231,10 @@ class TokenChecker:
                 raise TokenMismatchError(
                     f"a conversation the build encoded is refused by the reference: {problem.message}"
                 ) from problem
+        return self.with_system_merged(chats)
+
+    def with_system_merged(self, chats: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+        """``chats`` with a system turn merged into the first user turn where the template writes none."""
         if self.writes_system_turns():
             return chats
         return [merged_system(messages) for messages in chats]

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from pipeline.packing.algorithms import PackingPlan
 from pipeline.ranges import gather_index
-from schemas import ROW_SCHEMA
+from schemas import PREFERENCE_ROW_SCHEMA, ROW_SCHEMA
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -32,8 +32,10 @@ def build_rows(
     tokens: np.ndarray,
     loss_mask: np.ndarray,
     example_ids: np.ndarray | None = None,
+    roles: np.ndarray | None = None,
 ) -> pa.Table:
-    """The packed rows of ``plan`` as a table of ROW_SCHEMA.
+    """The packed rows of ``plan`` as a table of ROW_SCHEMA, or with ``roles`` (one per segment, preference pairs)
+    of PREFERENCE_ROW_SCHEMA.
 
     ``segment_starts[j]`` is where segment ``j`` of the plan begins in the flat ``tokens`` and
     ``loss_mask`` buffers. ``example_ids`` maps the plan's example indices to the ids stored in
@@ -72,15 +74,15 @@ def build_rows(
     def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
         return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values))
 
-    return pa.Table.from_arrays(
-        [
-            list_array(token_offsets, input_ids),
-            list_array(token_offsets, mask),
-            list_array(cu_offsets, cu),
-            pa.array(max_seqlen, pa.int32()),
-            pa.array(np.diff(token_offsets), pa.int32()),
-            list_array(segment_offsets, ids.astype(np.int64)),
-            list_array(segment_offsets, plan.segment_offset.astype(np.int32)),
-        ],
-        schema=ROW_SCHEMA,
-    )
+    columns = [
+        list_array(token_offsets, input_ids),
+        list_array(token_offsets, mask),
+        list_array(cu_offsets, cu),
+        pa.array(max_seqlen, pa.int32()),
+        pa.array(np.diff(token_offsets), pa.int32()),
+        list_array(segment_offsets, ids.astype(np.int64)),
+        list_array(segment_offsets, plan.segment_offset.astype(np.int32)),
+    ]
+    if roles is None:
+        return pa.Table.from_arrays(columns, schema=ROW_SCHEMA)
+    return pa.Table.from_arrays([*columns, list_array(segment_offsets, roles.astype(np.uint8))], schema=PREFERENCE_ROW_SCHEMA)

@@ -21,6 +21,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.packing.algorithms import PackingPlan, pack
 from pipeline.packing.groups import BatchKey
+from pipeline.packing.pairs import pair_segments
 from pipeline.packing.rows import build_rows
 from pipeline.packing.spill import read_spilled
 from pipeline.ranges import gather_index
@@ -140,17 +141,25 @@ def assemble_shard(shard_plan: ShardPlan) -> pa.Table:
     plan = shard_plan.plan
     order = np.argsort(shard_plan.source, kind="stable")
     bounds = np.flatnonzero(np.diff(shard_plan.source[order])) + 1
-    tokens, loss_mask = [], []
+    tokens, loss_mask, roles = [], [], []
     for segments in np.split(order, bounds) if order.size else []:
-        source_tokens, source_mask = read_spilled(str(shard_plan.sources[shard_plan.source[segments[0]]]))
+        source_tokens, source_mask, source_roles = read_spilled(str(shard_plan.sources[shard_plan.source[segments[0]]]))
         index = gather_index(shard_plan.token_start[segments], plan.segment_length[segments])
         if index.size and index[-1] >= source_tokens.size:
             source = shard_plan.sources[shard_plan.source[segments[0]]]
             raise RuntimeError(f"a shard plan points past the end of {source}: routing is broken")
         tokens.append(source_tokens[index])
         loss_mask.append(source_mask[index])
+        if source_roles is not None:
+            roles.append(source_roles[index])
     lengths = plan.segment_length[order]
     segment_starts = np.empty(order.size, dtype=np.int64)
     segment_starts[order] = np.cumsum(lengths) - lengths
-    return build_rows(plan, segment_starts, np.concatenate(tokens), np.concatenate(loss_mask))
+    if not roles:
+        return build_rows(plan, segment_starts, np.concatenate(tokens), np.concatenate(loss_mask))
+    # Preference pairs: tokens in plan order, each pair then cut into its segments.
+    gather = gather_index(segment_starts, plan.segment_length)
+    pairs, segment_roles = pair_segments(plan, np.concatenate(roles)[gather])
+    in_order = np.cumsum(pairs.segment_length) - pairs.segment_length
+    return build_rows(pairs, in_order, np.concatenate(tokens)[gather], np.concatenate(loss_mask)[gather], roles=segment_roles)
 

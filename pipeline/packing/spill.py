@@ -65,7 +65,10 @@ def spill(
     batch: EncodedBatch, spill_dir: str, name: str, rows_read: int, token_check: CheckCounts = CheckCounts()
 ) -> SpilledBatch:
     """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``; ``batch`` came from ``rows_read`` source rows."""
-    table = pa.table({"tokens": batch.tokens, "loss_mask": batch.loss_mask})
+    columns = {"tokens": batch.tokens, "loss_mask": batch.loss_mask}
+    if batch.roles is not None:
+        columns["roles"] = batch.roles
+    table = pa.table(columns)
     path = storage.join(spill_dir, f"{name}.arrow")
     storage.write_scratch(path, lambda local: _write(table, local))
     release_freed_memory()
@@ -103,15 +106,17 @@ def _write(table: pa.Table, path: str) -> None:
         writer.write_table(table)
 
 
-def read_spilled(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens, loss_mask)`` of a spill file: memory-mapped, zero copy, when it is local."""
+def read_spilled(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(tokens, loss_mask, roles)`` of a spill file (roles: None but for preference pairs): memory-mapped, zero
+    copy, when it is local."""
     if storage.is_url(path):
         with storage.open_read(path) as f:
             source = pa.BufferReader(f.read())
     else:
         source = pa.memory_map(path, "r")
     table = pa.ipc.open_file(source).read_all()
-    return table.column("tokens").chunk(0).to_numpy(), table.column("loss_mask").chunk(0).to_numpy()
+    roles = table.column("roles").chunk(0).to_numpy() if "roles" in table.column_names else None
+    return table.column("tokens").chunk(0).to_numpy(), table.column("loss_mask").chunk(0).to_numpy(), roles
 
 
 def remove_spill(spill_dir: str) -> None:

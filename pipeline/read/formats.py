@@ -6,7 +6,7 @@ given for it (``kinds.py``), and returns the ``ExampleFormat`` the build records
 
 from __future__ import annotations
 
-from pipeline.config import PackConfig, TruncateSide
+from pipeline.config import NO_PROMPT_COLUMN, PackConfig, TruncateSide
 from pipeline.errors import ConfigError, InputError
 from pipeline.read.kinds import DEFAULT_PROMPT_TEMPLATE, ExampleFormat, kind_type
 from pipeline.read.templates import ALPACA, SYSTEM_FIELD, AlpacaTemplate, PromptTemplate, parse_template
@@ -95,16 +95,28 @@ def _detected(available: tuple[str, ...] | None, where: str) -> ExampleFormat:
     )
 
 
+def _preference_format(config: PackConfig, available: tuple[str, ...] | None) -> ExampleFormat:
+    """Preference pairs: prompt, chosen and rejected texts where there is a prompt column (``--prompt-column``, else
+    ``prompt`` when the source has it), else chosen and rejected message lists (also with ``--prompt-column none``)."""
+    completions = (config.chosen_column, config.rejected_column)
+    prompt = config.prompt_column
+    if prompt is None and available is not None and "prompt" in available:
+        prompt = "prompt"
+    if prompt is None or prompt == NO_PROMPT_COLUMN:
+        return ExampleFormat(ExampleKind.PREFERENCE_CHAT, completions)
+    return ExampleFormat(ExampleKind.PREFERENCE, (prompt, *completions))
+
+
 def _check_columns(chosen: ExampleFormat, available: tuple[str, ...] | None, where: str) -> None:
     """Raise InputError naming the first column of ``chosen`` the source lacks."""
     if available is None:
         return
     missing = [c for c in chosen.columns if c not in available and c.split(".")[0] not in available]
     if missing:
-        raise InputError(
-            f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); "
-            "choose columns with --prompt-column/--response-column, --messages-column or --text-column"
-        )
+        options = "--prompt-column/--response-column, --messages-column or --text-column"
+        if chosen.kind in (ExampleKind.PREFERENCE, ExampleKind.PREFERENCE_CHAT):
+            options = "--prompt-column (none: message lists), --chosen-column and --rejected-column"
+        raise InputError(f"{where}: no column {missing[0]!r} (columns: {', '.join(available) or 'none'}); choose columns with {options}")
 
 
 def resolve_format(
@@ -119,7 +131,10 @@ def resolve_format(
     ``available`` lists the source's columns (None when unknown); a missing column raises
     InputError naming ``where`` and the columns that exist.
     """
-    chosen = _from_options(config) or default or _detected(available, where)
+    if config.is_preference:
+        chosen = _preference_format(config, available)
+    else:
+        chosen = _from_options(config) or default or _detected(available, where)
     _check_columns(chosen, available, where)
     kind = kind_type(chosen.kind, config.as_chat)
     kind.check(config, chosen, where, chat_template)

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from pipeline.config import PackConfig, TruncateSide
 from pipeline.errors import ConfigError, InputError
 from pipeline.read.readers import MESSAGES_TYPE, TEXT_TYPE, BatchRows, read_schema
-from pipeline.read.templates import ALPACA, AlpacaTemplate, PromptTemplate, parse_template
+from pipeline.read.templates import ALPACA, SYSTEM_FIELD, AlpacaTemplate, PromptTemplate, parse_template
 from schemas import ExampleKind, LossMasking, Overflow
 
 # How a prompt and its response are joined into one example, unless --prompt-template says otherwise.
@@ -46,6 +46,16 @@ class ExampleEncoder(Protocol[Encoded]):
 
     def encode_chats(self, conversations: list, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
         """Each conversation rendered with the chat template and tokenized whole, trained on its assistant turns."""
+        ...
+
+    def encode_text_pairs(
+        self, prompts: list[str], chosen: list[str | None], rejected: list[str | None], rows: BatchRows, source_rows: np.ndarray
+    ) -> Encoded:
+        """Preference pairs of texts: ``[bos] prompt completion [eos]`` for each completion, trained on the completion."""
+        ...
+
+    def encode_message_pairs(self, chosen: list, rejected: list, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
+        """Preference pairs of conversations whose shared leading turns are the prompt, trained on the last turns."""
         ...
 
 
@@ -385,9 +395,147 @@ class PlainText(_TextKind):
         return texts, np.zeros(len(texts), np.int64)
 
 
+def _check_preference_template(config: PackConfig) -> None:
+    """Raise ConfigError for a ``--prompt-template`` that is not one prompt and one completion."""
+    if config.prompt_template is None:
+        return
+    fields = set(parse_template(config.prompt_template).fields)
+    if not {"prompt", "response"} <= fields <= {"prompt", "response", SYSTEM_FIELD}:
+        raise ConfigError(
+            f"--prompt-template {config.prompt_template!r}: a preference pair joins one prompt and one completion; "
+            "write {prompt} and {response} (the completion), e.g. '{prompt}\\n\\n{response}'"
+        )
+
+
+class PreferenceText(Kind):
+    """Prompt, chosen and rejected text columns, each completion joined to the prompt by ``--prompt-template``
+    as ``[bos] text [eos]``; loss on each completion and its EOS, never the prompt."""
+
+    kind = ExampleKind.PREFERENCE
+    trained = LossMasking.COMPLETIONS
+    options = frozenset({"--as-chat", "--system-prompt"})
+
+    @property
+    def optional_columns(self) -> tuple[str, ...]:
+        """The completions, whose null or blank values are bad pairs (``empty_completion``)."""
+        return self.columns[1:]
+
+    @property
+    def template(self) -> str:
+        prompt, chosen, rejected = self.columns
+        return (
+            f"varpack.preference.v1 prompt={prompt} chosen={chosen} rejected={rejected}{_system(self.format)}: "
+            f"[bos] text [eos] per completion, the text rendered with {self.format.prompt_template!r} and tokenized whole"
+        )
+
+    def describe(self) -> str:
+        shown = self.format.prompt_template.replace("\n", "\\n").replace("\t", "\\t")
+        return f"[bos] {shown} [eos] per completion; loss on each completion and EOS"
+
+    def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
+        prompt, chosen, rejected = (table.column(column) for column in self.columns)
+        template, system = self.format.prompt_response(), self.format.system_prompt or ""
+        # The template's text before {response} is the prompt; the rest, the completion.
+        prompts, chosen_texts = template.render(pa.table([prompt, pc.fill_null(chosen, "")], names=["p", "c"]), system)
+        _, rejected_texts = template.render(pa.table([prompt, pc.fill_null(rejected, "")], names=["p", "c"]), system)
+        return encoder.encode_text_pairs(
+            prompts.to_pylist(), _completions(chosen, chosen_texts), _completions(rejected, rejected_texts), rows, source_rows
+        )
+
+    @classmethod
+    def check(cls, config: PackConfig, chosen: ExampleFormat, where: str, chat_template: str | None) -> None:
+        _check_kind_options(cls, config, where)
+        _check_preference_template(config)
+
+
+class PreferenceTextAsChat(PreferenceText):
+    """Prompt, chosen and rejected text columns rendered with the chat template (``--as-chat``): the prompt as a
+    user turn after the system prompt, each completion as an assistant turn."""
+
+    as_chat = True
+    is_chat = True
+
+    @property
+    def template(self) -> str:
+        prompt, chosen, rejected = self.columns
+        return (
+            f"varpack.preference_chat.v1 user={prompt} chosen={chosen} rejected={rejected}{_system(self.format)}: the chat "
+            f"template below, each completion an assistant turn ending with the end-of-turn token\n{self.format.chat_template}"
+        )
+
+    def describe(self) -> str:
+        return "chat template (prompt as user, each completion as assistant); loss on each completion and its end-of-turn token"
+
+    def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
+        prompt, chosen, rejected = (table.column(column).to_pylist() for column in self.columns)
+        system = [] if self.format.system_prompt is None else [{"role": "system", "content": self.format.system_prompt}]
+
+        def chats(completions: list[str | None]) -> list:
+            return [[*system, {"role": "user", "content": p}, {"role": "assistant", "content": c}] for p, c in zip(prompt, completions)]
+
+        return encoder.encode_message_pairs(chats(chosen), chats(rejected), rows, source_rows)
+
+    @classmethod
+    def check(cls, config: PackConfig, chosen: ExampleFormat, where: str, chat_template: str | None) -> None:
+        _check_kind_options(cls, config, where)
+        if config.prompt_template is not None:
+            raise ConfigError("--prompt-template does not go with --as-chat: the chat template renders the pair")
+        _require_chat_template("--as-chat", where, chat_template)
+
+
+def _completions(values: pa.ChunkedArray, rendered: pa.Array) -> list[str | None]:
+    """Each completion as the template renders it, None where the completion itself is null or blank."""
+    blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(values), ""), True)
+    return pc.if_else(blank, pa.scalar(None, pa.string()), rendered).to_pylist()
+
+
+class PreferenceMessages(Kind):
+    """Chosen and rejected columns of messages (UltraFeedback's, HH-RLHF's shape): their shared leading turns
+    are the prompt and each one's last turn, an assistant turn, its completion; loss on each completion and its
+    end-of-turn token."""
+
+    kind = ExampleKind.PREFERENCE_CHAT
+    is_chat = True
+    trained = LossMasking.COMPLETIONS
+    column_type = MESSAGES_TYPE
+    options = frozenset({"--drop-dangling-turns", "--keep-dangling-turns"})
+
+    @property
+    def messages_columns(self) -> tuple[str, ...]:
+        return self.columns
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def template(self) -> str:
+        chosen, rejected = self.columns
+        return (
+            f"varpack.preference_chat.v1 chosen={chosen} rejected={rejected}: the shared leading turns are the prompt, "
+            f"each last assistant turn a completion; the chat template below\n{self.format.chat_template}"
+        )
+
+    def describe(self) -> str:
+        return (
+            "chat template (shared leading turns as the prompt, the last assistant turns as completions); loss on each "
+            "completion and its end-of-turn token"
+        )
+
+    def encode(self, encoder: ExampleEncoder[Encoded], table: pa.Table, rows: BatchRows, source_rows: np.ndarray) -> Encoded:
+        chosen, rejected = (table.column(column).to_pylist() for column in self.columns)
+        return encoder.encode_message_pairs(chosen, rejected, rows, source_rows)
+
+    @classmethod
+    def check(cls, config: PackConfig, chosen: ExampleFormat, where: str, chat_template: str | None) -> None:
+        _check_kind_options(cls, config, where)
+        _require_chat_template("preference pairs of messages", where, chat_template)
+
+
 # Each kind by what it is and whether it is rendered as a chat.
 KINDS: dict[tuple[ExampleKind, bool], type[Kind]] = {
-    (kind.kind, kind.as_chat): kind for kind in (PromptResponse, PromptResponseAsChat, ChatMessages, PlainText)
+    (kind.kind, kind.as_chat): kind
+    for kind in (PromptResponse, PromptResponseAsChat, ChatMessages, PlainText, PreferenceText, PreferenceTextAsChat, PreferenceMessages)
 }
 
 

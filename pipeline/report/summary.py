@@ -64,6 +64,8 @@ def format_report(
         lines.append(("rejected", describe_rejected(rejected)))
     if stats.conversations_trimmed:
         lines.append(("trimmed", describe_trimmed(stats)))
+    if stats.pairs:
+        lines.append(("pairs", describe_pairs(stats)))
     if stats.chat_turns:
         lines.append(("turns", describe_turns(stats)))
     lines += inputs_section(stats)
@@ -83,6 +85,13 @@ DROP_REASONS = {
     "too_long": "longer than --max-len {capacity:,} (--overflow drop)",
     "untrained": "with no trained token within --max-len {capacity:,} (--overflow truncate)",
 }
+
+
+def describe_pairs(stats: PackingStats, layout: str | None = None) -> str:
+    """A preference build's pairs: packed (in ``layout``), and those left out by reason."""
+    left_out = ", ".join(f"{count:,} {reason}" for reason, count in stats.bad_pairs.items()) or "none"
+    where = f" in the {layout} layout" if layout else ""
+    return f"{plural(stats.pairs, 'pair')} packed whole{where} (each example above is a pair); left out: {left_out}"
 
 
 def examples_dropped(stats: PackingStats) -> dict[str, int]:

@@ -29,6 +29,7 @@ from pipeline.packing.algorithms import PackingPlan, pack
 from pipeline.packing.rows import build_rows
 from schemas import (
     MANIFEST_NAME,
+    PREFERENCE_ROW_SCHEMA,
     ROW_SCHEMA,
     BuildInputs,
     LossMasking,
@@ -65,7 +66,7 @@ def write_shard(
     shard. Returns the manifest entry with the file's sha256.
     """
     validate_table(table, capacity, name)
-    schema = with_identity(ROW_SCHEMA, identity)
+    schema = with_identity(PREFERENCE_ROW_SCHEMA if "roles" in table.column_names else ROW_SCHEMA, identity)
     # Written, then hashed, through the descriptor that made the temporary file: never reopened by its name.
     with atomic_file(Path(directory) / name) as file:
         # One record batch per shard: the reader maps it as contiguous buffers.
