@@ -76,7 +76,7 @@ class RankCheck:
     attn: str = "auto"  # the attention backend trained with (loaders.train.attention.attn_implementation_for)
     loss_reduction: str = "token"
     full_logits: bool = False  # the model's own loss over every token, not the loss-position head
-    device: str = "auto"  # cuda (one GPU a rank, NCCL), cpu (gloo) or auto
+    device: str = "auto"  # cuda (one GPU a rank, NCCL), cpu (gloo), or auto: cuda when there is a GPU for every rank
     tolerance: float = DEFAULT_TOLERANCE
     fault: str | None = None  # a key of FAULTS
 
@@ -125,7 +125,8 @@ class RankReport:
 
 def check_ranks(check: RankCheck) -> RankReport:
     """Run the check: K spawned ranks compute the step's packed gradients, this process the reference."""
-    cuda = check.device == "cuda" or (check.device == "auto" and torch.cuda.is_available())
+    # auto: NCCL when every rank can have a GPU of its own, else gloo on CPU.
+    cuda = check.device == "cuda" or (check.device == "auto" and torch.cuda.device_count() >= check.ranks)
     if cuda and torch.cuda.device_count() < check.ranks:
         raise RankCheckError(f"--ranks {check.ranks} needs a GPU each, and {torch.cuda.device_count()} are visible; "
                              "use fewer ranks or --device cpu")
