@@ -99,6 +99,7 @@ class RankReport:
     grad_accum: int
     examples: int  # examples (or pieces of split ones) in the step
     normalizer: float  # the step's global loss tokens (or loss weight)
+    reduction: str  # token or sequence: what the normaliser counts
     loss: float  # the packed ranks' step loss
     reference_loss: float  # one process, one example at a time
     gradient_error: float
@@ -113,8 +114,11 @@ class RankReport:
     @property
     def verdict(self) -> str:
         """One line: what was compared and the two figures."""
-        measured = (f"{self.ranks} ranks ({self.backend}) x {self.grad_accum} micro-batches vs one process on the same "
-                    f"{self.examples} examples one at a time ({self.normalizer:g} loss tokens): largest relative gradient "
+        counted = "loss tokens" if self.reduction == "token" else "examples' loss weight"
+        ranks = f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
+        micro_batches = f"{self.grad_accum} micro-batch{'es' if self.grad_accum > 1 else ''}"
+        measured = (f"{ranks} ({self.backend}) x {micro_batches} vs one process on the same "
+                    f"{self.examples} examples one at a time ({self.normalizer:g} {counted}): largest relative gradient "
                     f"error {self.gradient_error:.3g} ({self.parameter}), loss {self.loss:.6g} vs {self.reference_loss:.6g} "
                     f"(difference {self.loss_difference:.3g}); tolerance {self.tolerance:g}")
         if self.ok:
@@ -133,20 +137,20 @@ def check_ranks(check: RankCheck) -> RankReport:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     # The reference model and the batches first: a bad --model, --attn or build is refused before any rank starts.
     attn_implementation_for(check.attn)
-    model = load_causal_lm(check.model, "sdpa", torch.float32).to(device)  # eval mode, as the ranks': no dropout
+    model = load_causal_lm(check.model, "sdpa", torch.float32)  # eval mode, as the ranks': no dropout
     cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
     batches = [rank_batches(check, rank) for rank in range(check.ranks)]
     with tempfile.TemporaryDirectory(prefix="varpack-check-") as scratch:
         spawn_ranks(check, "nccl" if cuda else "gloo", Path(scratch))
         packed = torch.load(Path(scratch) / "gradients.pt", weights_only=True)
-    reference_loss, reference, examples, normalizer = reference_gradients(model, batches, check.shards)
+    reference_loss, reference, examples, normalizer = reference_gradients(model.to(device), batches, check.shards)
     errors = {name: float((packed["gradients"][name] - grad).norm() / grad.norm().clamp_min(1e-30))
               for name, grad in reference.items()}
     parameter = max(errors, key=errors.__getitem__)
     loss, error = float(packed["loss"]), errors[parameter]
     ok = error <= check.tolerance and abs(loss - reference_loss) <= check.tolerance * max(1.0, abs(reference_loss))
-    return RankReport(ok and math.isfinite(loss), check.ranks, check.grad_accum, examples, normalizer, loss, reference_loss,
-                      error, parameter, check.tolerance, "nccl" if cuda else "gloo")
+    return RankReport(ok and math.isfinite(loss), check.ranks, check.grad_accum, examples, normalizer, check.loss_reduction,
+                      loss, reference_loss, error, parameter, check.tolerance, "nccl" if cuda else "gloo")
 
 
 def rank_batches(check: RankCheck, rank: int) -> list[dict]:
