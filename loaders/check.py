@@ -225,7 +225,18 @@ def main_ranks(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "python -m loaders.check") -> int:
     """The command line; returns the exit status: 0 isolated, 1 not, 2 bad input."""
-    args = make_parser(prog).parse_args(argv)
+    parser = make_parser(prog)
+    args = parser.parse_args(argv)
+    # Each check's own options, refused with the other rather than ignored.
+    given = [name for name, value in vars(args).items() if value != parser.get_default(name)]
+    isolation_only = [name for name in given if name in ("dtype", "examples", "no_cache", "attention_mask")]
+    ranks_only = [name for name in given if name in ("grad_accum", "loss_reduction", "full_logits", "tolerance",
+                                                     "inject_fault")]
+    if args.ranks and isolation_only:
+        parser.error(f"--{isolation_only[0].replace('_', '-')} applies to the isolation check, not with --ranks "
+                     "(the data-parallel check runs in float32 without a cache or attention mask)")
+    if not args.ranks and ranks_only:
+        parser.error(f"--{ranks_only[0].replace('_', '-')} applies to the data-parallel check: add --ranks K")
     if args.ranks:
         return main_ranks(args)
     from loaders.dataset import PackedIterableDataset

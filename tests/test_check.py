@@ -153,3 +153,13 @@ def test_the_data_parallel_check_refuses_bad_input_in_one_line(capsys, shards, t
     status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--ranks", "2", *args)
     assert status == 2 and "\n" not in line, line
     assert line.startswith("varpack check: error:") and error in line, line
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--ranks", "2", "--attention-mask"], "--attention-mask applies to the isolation check, not with --ranks"),
+    (["--grad-accum", "4"], "--grad-accum applies to the data-parallel check: add --ranks K"),
+])
+def test_an_option_of_the_other_check_is_refused_not_ignored(capsys, args, error):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "m", "--shards", "s", *args])
+    assert exit_.value.code == 2 and error in capsys.readouterr().err
