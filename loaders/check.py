@@ -213,8 +213,7 @@ def main_ranks(args: argparse.Namespace) -> int:
 
         disable_progress_bar()  # the verdict is the one line printed
         check = RankCheck(args.model, args.shards, args.ranks, args.grad_accum, args.batch_rows, args.attn,
-                          args.loss_reduction, args.full_logits,
-                          args.device, args.tolerance, args.inject_fault)
+                          args.loss_reduction, args.full_logits, args.device, args.tolerance, args.inject_fault)
         report = check_ranks(check)
     except (VarpackError, ValueError, RuntimeError) as err:
         print(f"varpack check: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
