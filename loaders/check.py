@@ -15,6 +15,13 @@ not help, an attention backend that ignores ``cu_seq_lens``; and exits 1. Silent
 examples depends on the model, the backend and the settings together, so check the combination
 you train with. ``check_isolation(model, batch)`` is the same check on a model and batch in hand.
 
+    python -m loaders.check --model NAME_OR_DIR --shards DIR --ranks K --grad-accum G
+
+checks data-parallel training instead: K processes with G packed micro-batches each compute one
+optimizer step's gradients as ``scripts/train.py`` does, and one process the same examples
+unpacked, one at a time; it prints the largest relative gradient error and the loss difference,
+and exits 1 past ``--tolerance`` (``loaders.train.rank_check``).
+
 Imports only torch at module import; transformers is imported to load the model.
 """
 
@@ -28,8 +35,9 @@ from typing import Any, Callable, cast
 
 import torch
 
-from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS
+from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, LossReduction
 from loaders.train.models import load_causal_lm, model_inputs
+from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS, RankCheck, check_ranks
 
 # Largest |packed - alone| logit gap allowed, relative to the largest logit: about what a few
 # layers of rounding give in each dtype, far below what a leak across examples gives.
@@ -181,12 +189,55 @@ def make_parser(prog: str = "python -m loaders.check") -> argparse.ArgumentParse
                         help="set config.use_cache=False first, as training scripts do (default: the model's config)")
     parser.add_argument("--attention-mask", action="store_true",
                         help="add an all-ones attention_mask to the batch, as a padding collator would (default: off)")
+    ranks = parser.add_argument_group("data-parallel check (with --ranks): one step's gradients on K ranks vs one process")
+    ranks.add_argument("--ranks", type=int, default=0, help="processes of the data-parallel check: gloo on CPU, NCCL with "
+                       "one GPU each (default: 0, the isolation check instead)")
+    ranks.add_argument("--grad-accum", type=int, default=2, help="micro-batches per rank in the step (default: 2)")
+    ranks.add_argument("--loss-reduction", default="token", choices=tuple(LossReduction),
+                       help="token or sequence, as train.py takes it (default: token)")
+    ranks.add_argument("--full-logits", action="store_true",
+                       help="the model's own loss over every token, not the loss-position head (default: off)")
+    ranks.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                       help=f"largest relative gradient error and loss difference accepted, in float32 "
+                            f"(default: {DEFAULT_TOLERANCE:g})")
+    ranks.add_argument("--inject-fault", default=None, choices=tuple(FAULTS), help=argparse.SUPPRESS)
     return parser
+
+
+def main_ranks(args: argparse.Namespace) -> int:
+    """``--ranks K``: the data-parallel check; returns the exit status: 0 equal, 1 not, 2 bad input."""
+    from schemas import VarpackError
+
+    try:
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()  # the verdict is the one line printed
+        check = RankCheck(args.model, args.shards, args.ranks, args.grad_accum, args.batch_rows, args.attn,
+                          args.loss_reduction, args.full_logits, args.device, args.tolerance, args.inject_fault)
+        report = check_ranks(check)
+    except (VarpackError, ValueError, RuntimeError) as err:
+        print(f"varpack check: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"varpack check: {report.verdict}")
+    return 0 if report.ok else 1
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m loaders.check") -> int:
     """The command line; returns the exit status: 0 isolated, 1 not, 2 bad input."""
-    args = make_parser(prog).parse_args(argv)
+    parser = make_parser(prog)
+    args = parser.parse_args(argv)
+    # Each check's own options, refused with the other rather than ignored.
+    given = [name for name, value in vars(args).items() if value != parser.get_default(name)]
+    isolation_only = [name for name in given if name in ("dtype", "examples", "no_cache", "attention_mask")]
+    ranks_only = [name for name in given if name in ("grad_accum", "loss_reduction", "full_logits", "tolerance",
+                                                     "inject_fault")]
+    if args.ranks and isolation_only:
+        parser.error(f"--{isolation_only[0].replace('_', '-')} applies to the isolation check, not with --ranks "
+                     "(the data-parallel check runs in float32 without a cache or attention mask)")
+    if not args.ranks and ranks_only:
+        parser.error(f"--{ranks_only[0].replace('_', '-')} applies to the data-parallel check: add --ranks K")
+    if args.ranks:
+        return main_ranks(args)
     from loaders.dataset import PackedIterableDataset
     from loaders.train.attention import attn_implementation_for
     from schemas import VarpackError

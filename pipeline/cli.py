@@ -3,7 +3,8 @@
     varpack pack ...      python -m pipeline.pack: pack a dataset into shards
     varpack inspect ...   python -m pipeline.inspect: what a build holds (of a mixture file, its plan:
                           python -m loaders.mixture)
-    varpack check ...     python -m loaders.check: the isolation self-check (read side only)
+    varpack check ...     python -m loaders.check: the isolation self-check (read side only); with --ranks K
+                          --grad-accum G, data-parallel gradients against one process's
 
 Commands are imported by module name only when run, so ``varpack check`` works on a training
 box that has the read side (torch, pyarrow, numpy) but no Apache Beam, datasets or tokenizers.
@@ -23,7 +24,8 @@ EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 COMMANDS = {
     "pack": ("pipeline.pack", "pack a dataset into content-addressed shards of packed rows"),
     "inspect": ("pipeline.inspect", "show what a build holds: summary, decoded rows, histograms"),
-    "check": ("loaders.check", "check that a model, attention backend and settings keep packed examples apart"),
+    "check": ("loaders.check", "check that a model, attention backend and settings keep packed examples apart; with "
+                               "--ranks K --grad-accum G, that K ranks' gradients equal one process's"),
 }
 
 

@@ -47,7 +47,7 @@ from loaders.collate import NUM_REAL_TOKENS, SOURCE_IDS  # noqa: E402
 from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
 from loaders.mixture import source_counts  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
-from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size  # noqa: E402
+from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size  # noqa: E402
 from loaders.train.checkpoint import (  # noqa: E402
     TRAINING_STATE,
     CheckpointError,
@@ -513,7 +513,7 @@ def train_plain(config: TrainConfig) -> None:
             log_and_save(step)
             continue
         # DDP averages gradients over ranks: dividing by the global count / ranks makes them the global mean.
-        num_items = global_loss_tokens(local_items, device) / ranks if ranks > 1 else count_on_device(local_items, device)
+        num_items = step_normalizer(local_items, device) if ranks > 1 else count_on_device(local_items, device)
         step_loss = torch.zeros((), device=device)
         for i, batch in enumerate(window):
             sync = contextlib.nullcontext() if ranks == 1 or i == len(window) - 1 else trained.no_sync()

@@ -4,9 +4,15 @@ It passes with the backends that keep examples apart, and fails, naming the sett
 way packed examples come to attend to each other: a cache enabled (transformers' sdpa then
 ignores the packed position ids), an attention mask in the batch, and an attention backend that
 ignores ``cu_seq_lens``.
+
+With ``--ranks K --grad-accum G`` it checks data-parallel training instead: 2 gloo ranks of 2
+packed micro-batches against one process on the same examples one at a time; it passes, and fails
+on each data-parallel bug injected on purpose.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -15,6 +21,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.check import check_isolation, main
+from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,3 +101,65 @@ def test_bad_input_is_one_line_and_exit_2(capsys, shards, tmp_path):
     status, line = run(capsys, "--model", str(tmp_path / "missing"), "--shards", str(shards), "--attn", "sdpa")
     assert status == 2
     assert line.startswith("varpack check: error: --model") and "\n" not in line
+
+
+# ---- the data-parallel check: python -m loaders.check --ranks K --grad-accum G ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """tests/tiny_model.py's Llama, saved as a user has it on disk."""
+    import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model.tiny_llama(VOCAB, 2 * CAPACITY).save_pretrained(path)
+    return path
+
+
+def gradient_error(line: str) -> float:
+    return float(re.search(r"largest relative gradient error (\S+)", line)[1])
+
+
+@pytest.mark.parametrize("reduction,head", [("token", "--full-logits"), ("sequence", None)])
+def test_two_ranks_of_two_micro_batches_equal_one_process(capsys, shards, tiny_model_dir, reduction, head):
+    """2 gloo ranks x 2 micro-batches of packed rows give the gradients of one process taking the same
+    examples one at a time, per token and per sequence, through the model's loss and the loss-position head."""
+    args = ["--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments", "--ranks", "2",
+            "--grad-accum", "2", "--loss-reduction", reduction, *([head] if head else [])]
+    status, line = run(capsys, *args)
+    assert status == 0, line
+    assert line.startswith("varpack check: ok: data-parallel gradients equal one process's (2 ranks (gloo) x 2 "
+                           "micro-batches") and "\n" not in line
+    assert gradient_error(line) < DEFAULT_TOLERANCE / 10
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_each_data_parallel_bug_fails_the_check(capsys, shards, tiny_model_dir, fault):
+    """Each bug class injected on purpose: a per-rank or per-micro-batch mean, DDP's average not undone, packed
+    examples attending to each other, position ids restarting a token late, a label across a boundary."""
+    status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments",
+                       "--ranks", "2", "--grad-accum", "2", "--inject-fault", fault)
+    assert status == 1 and "\n" not in line, line
+    assert line.startswith("varpack check: FAILED: data-parallel gradients differ from one process's"), line
+    assert gradient_error(line) > 10 * DEFAULT_TOLERANCE, line
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--grad-accum", "1000"], "rank 0 of 2 gets 6 batches of 2 rows, fewer than --grad-accum 1000"),
+    (["--tolerance", "0"], "--tolerance is 0.0; give a positive number"),
+    (["--ranks", "-1"], "--ranks is -1; give a positive integer"),
+])
+def test_the_data_parallel_check_refuses_bad_input_in_one_line(capsys, shards, tiny_model_dir, args, error):
+    status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--ranks", "2", *args)
+    assert status == 2 and "\n" not in line, line
+    assert line.startswith("varpack check: error:") and error in line, line
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--ranks", "2", "--attention-mask"], "--attention-mask applies to the isolation check, not with --ranks"),
+    (["--grad-accum", "4"], "--grad-accum applies to the data-parallel check: add --ranks K"),
+])
+def test_an_option_of_the_other_check_is_refused_not_ignored(capsys, args, error):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "m", "--shards", "s", *args])
+    assert exit_.value.code == 2 and error in capsys.readouterr().err

@@ -2,9 +2,10 @@
 
 - Every rank takes the same number of steps, and the ranks together see every example at most
   once per epoch.
-- Each rank divides its summed token loss by the global loss-token count (times the world size,
-  which DDP's gradient averaging divides by): two ranks then train exactly like one process on
-  both ranks' batches at once, though their batches hold different numbers of loss tokens.
+- Each rank divides its summed token loss by ``step_normalizer``, the global loss-token count over
+  the world size that DDP's gradient averaging divides by again: two ranks then train exactly like
+  one process on both ranks' batches at once, though their batches hold different numbers of loss
+  tokens.
 - Stopping every rank at step k and resuming from their checkpoints continues exactly.
 """
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
-from loaders.train.distributed import finish_distributed_run, global_loss_tokens, world_size
+from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,8 +72,7 @@ def ddp_worker(rank: int, path: str, init_file: str, out: str, start: int, stop:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     losses = []
     for step, batch in zip(range(start, stop), data):
-        count = global_loss_tokens(batch["num_loss_tokens"])
-        loss = summed_loss(ddp, batch) / (count / world_size())
+        loss = summed_loss(ddp, batch) / step_normalizer(batch["num_loss_tokens"])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -2,12 +2,17 @@
 
 A packed batch holds a different number of loss tokens on every rank. Averaging each rank's
 own mean (what DDP does with per-rank means) weighs a token on a rank with few loss tokens more
-than one on a busy rank. Dividing each rank's summed loss by the global count, times the world
-size that DDP's gradient averaging divides by, gives exactly the gradient of one process
+than one on a busy rank, and averaging each micro-batch's mean does the same across gradient
+accumulation. Dividing every micro-batch's summed loss by the step's global count, times the
+world size that DDP's gradient averaging divides by, gives exactly the gradient of one process
 training on all ranks' batches at once:
 
-    count = global_loss_tokens(sum(b["num_loss_tokens"] for b in window), device)
-    loss = model(**inputs, num_items_in_batch=count / world_size()).loss   # per micro-batch
+    normalizer = step_normalizer(sum(batch_normalizer(b) for b in window), device)   # one all-reduce
+    loss = model(**inputs, num_items_in_batch=normalizer).loss   # each micro-batch of the window
+
+With K ranks, counts ``n_r`` and summed losses ``L_r``: DDP's gradient is
+``(1/K) sum_r grad(L_r / (N / K)) = grad(sum_r L_r) / N`` with ``N = sum_r n_r``.
+``varpack check --ranks K --grad-accum G`` (``loaders.check``) measures it on a model and build.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ def global_loss_tokens(count: float, device: torch.device | str = "cpu") -> torc
     if world_size() > 1:
         dist.all_reduce(total)
     return total
+
+
+def step_normalizer(count: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """What each micro-batch of an optimizer step divides its summed loss by: the step's global loss tokens (or
+    loss weight), over every rank and micro-batch, divided by the world size that DDP's gradient average divides by.
+
+    ``count`` is this rank's total over the step's micro-batches (``batch_normalizer`` of each), a Python number.
+    """
+    return global_loss_tokens(count, device) / world_size()
 
 
 def finish_distributed_run() -> NoReturn:

@@ -1,0 +1,316 @@
+"""Does data-parallel training on packed batches compute one process's gradients? A check on one step.
+
+    varpack check --model NAME_OR_DIR --shards DIR --ranks K --grad-accum G
+
+K processes (gloo on CPU, NCCL with one GPU each) load the model and take one optimizer step's
+gradients as ``scripts/train.py`` computes them: G packed micro-batches each from the build,
+DDP with gradient synchronisation on the last micro-batch, every micro-batch's summed loss
+divided by ``step_normalizer`` (the step's global loss tokens, or loss weight, over the world
+size). One process then takes the same examples unpacked, one at a time (a batch of one
+unpadded example each, default position ids), sums their losses with the same per-token weights
+and divides by the same global count. The two must agree: the largest relative gradient error
+over the parameters (``|g - g_ref| / |g_ref|`` per tensor) and the loss difference (relative to
+the loss) must both be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
+
+It catches each data-parallel bug of this kind seen in other trainers (``FAULTS`` injects each,
+to test the check itself): a loss averaged per rank (transformers #34191, TRL #3538) or per
+micro-batch (axolotl #3196), DDP's averaging not undone, packed examples attending to each
+other, position ids restarting at the wrong token (Megatron-LM #5243), and a label across an
+example boundary (NeMo #14437).
+
+``check_ranks(...)`` is the same check from Python; ``loaders.check`` is its command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
+from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
+from loaders.train.attention import attn_implementation_for
+from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size
+from loaders.train.models import load_causal_lm, model_inputs
+
+# Largest relative gradient error and loss difference accepted, in float32: packed and one-at-a-time runs round
+# differently (about 1e-6 here), while each fault moves the gradients by a share of the batches' imbalance (>1e-2).
+DEFAULT_TOLERANCE = 1e-3
+# Bugs the check exists to catch, injected on purpose (``fault=``) to show that it does.
+FAULTS = {
+    "per_rank": "each rank divides by its own loss tokens, so DDP averages per-rank means (transformers #34191)",
+    "per_micro_batch": "each micro-batch divides by its own loss tokens, averaged over the window (axolotl #3196)",
+    "ddp_average": "the global count, without undoing DDP's average over the ranks (gradients K times too small)",
+    "cross_attention": "the row runs as one sequence, so packed examples attend to each other",
+    "late_position_restart": "position ids restart one token after each example's first (Megatron-LM #5243)",
+    "boundary_label": "each example's first token is a label of the last token before it (NeMo #14437)",
+}
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class RankCheckError(ValueError):
+    """The check could not run (bad input, or a rank that failed): one line naming what to change."""
+
+
+@dataclass(frozen=True)
+class RankCheck:
+    """What to check: the model and build, the ranks, micro-batches and reduction, and an injected fault (tests)."""
+
+    model: str
+    shards: str
+    ranks: int = 2
+    grad_accum: int = 2
+    batch_rows: int = 2
+    attn: str = "auto"  # the attention backend trained with (loaders.train.attention.attn_implementation_for)
+    loss_reduction: str = "token"
+    full_logits: bool = False  # the model's own loss over every token, not the loss-position head
+    device: str = "auto"  # cuda (one GPU a rank, NCCL), cpu (gloo), or auto: cuda when there is a GPU for every rank
+    tolerance: float = DEFAULT_TOLERANCE
+    fault: str | None = None  # a key of FAULTS
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "grad_accum", "batch_rows"):
+            if getattr(self, name) < 1:
+                raise RankCheckError(f"--{name.replace('_', '-')} is {getattr(self, name)}; give a positive integer")
+        if not self.tolerance > 0:
+            raise RankCheckError(f"--tolerance is {self.tolerance}; give a positive number")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise RankCheckError(f"fault {self.fault!r} is not one of {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """The outcome: the step's loss both ways, the largest relative gradient error and where."""
+
+    ok: bool
+    ranks: int
+    grad_accum: int
+    examples: int  # examples (or pieces of split ones) in the step
+    normalizer: float  # the step's global loss tokens (or loss weight)
+    reduction: str  # token or sequence: what the normaliser counts
+    loss: float  # the packed ranks' step loss
+    reference_loss: float  # one process, one example at a time
+    gradient_error: float
+    parameter: str  # the parameter with the largest relative gradient error
+    tolerance: float
+    backend: str  # gloo or nccl
+
+    @property
+    def loss_difference(self) -> float:
+        return abs(self.loss - self.reference_loss)
+
+    @property
+    def verdict(self) -> str:
+        """One line: what was compared and the two figures."""
+        counted = "loss tokens" if self.reduction == "token" else "examples' loss weight"
+        ranks = f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
+        micro_batches = f"{self.grad_accum} micro-batch{'es' if self.grad_accum > 1 else ''}"
+        measured = (f"{ranks} ({self.backend}) x {micro_batches} vs one process on the same "
+                    f"{self.examples} examples one at a time ({self.normalizer:g} {counted}): largest relative gradient "
+                    f"error {self.gradient_error:.3g} ({self.parameter}), loss {self.loss:.6g} vs {self.reference_loss:.6g} "
+                    f"(difference {self.loss_difference:.3g}); tolerance {self.tolerance:g}")
+        if self.ok:
+            return f"ok: data-parallel gradients equal one process's ({measured})"
+        return (f"FAILED: data-parallel gradients differ from one process's: check the loss normalisation across ranks "
+                f"and micro-batches, position ids and attention over packed examples ({measured})")
+
+
+def check_ranks(check: RankCheck) -> RankReport:
+    """Run the check: K spawned ranks compute the step's packed gradients, this process the reference."""
+    # auto: NCCL when every rank can have a GPU of its own, else gloo on CPU.
+    cuda = check.device == "cuda" or (check.device == "auto" and torch.cuda.device_count() >= check.ranks)
+    if cuda and torch.cuda.device_count() < check.ranks:
+        raise RankCheckError(f"--ranks {check.ranks} needs a GPU each, and {torch.cuda.device_count()} are visible; "
+                             "use fewer ranks or --device cpu")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    # The reference model and the batches first: a bad --model, --attn or build is refused before any rank starts.
+    attn_implementation_for(check.attn)
+    model = load_causal_lm(check.model, "sdpa", torch.float32)  # eval mode, as the ranks': no dropout
+    cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
+    batches = [rank_batches(check, rank) for rank in range(check.ranks)]
+    with tempfile.TemporaryDirectory(prefix="varpack-check-") as scratch:
+        spawn_ranks(check, "nccl" if cuda else "gloo", Path(scratch))
+        packed = torch.load(Path(scratch) / "gradients.pt", weights_only=True)
+    reference_loss, reference, examples, normalizer = reference_gradients(model.to(device), batches, check.shards)
+    errors = {name: float((packed["gradients"][name] - grad).norm() / grad.norm().clamp_min(1e-30))
+              for name, grad in reference.items()}
+    parameter = max(errors, key=errors.__getitem__)
+    loss, error = float(packed["loss"]), errors[parameter]
+    ok = error <= check.tolerance and abs(loss - reference_loss) <= check.tolerance * max(1.0, abs(reference_loss))
+    return RankReport(ok and math.isfinite(loss), check.ranks, check.grad_accum, examples, normalizer, check.loss_reduction,
+                      loss, reference_loss, error, parameter, check.tolerance, "nccl" if cuda else "gloo")
+
+
+def rank_batches(check: RankCheck, rank: int) -> list[dict]:
+    """The first ``grad_accum`` batches of ``rank`` of ``ranks``, in the build's order (no shuffle)."""
+    from loaders.dataset import PackedIterableDataset
+
+    dataset = PackedIterableDataset(check.shards, batch_rows=check.batch_rows, shuffle=False, rank=rank,
+                                    world_size=check.ranks, loss_reduction=check.loss_reduction)
+    batches = [batch for _, batch in zip(range(check.grad_accum), dataset)]
+    if len(batches) < check.grad_accum:
+        raise RankCheckError(f"{check.shards}: rank {rank} of {check.ranks} gets {len(batches)} batches of "
+                             f"{check.batch_rows} rows, fewer than --grad-accum {check.grad_accum}; use fewer ranks, "
+                             "micro-batches or --batch-rows")
+    return batches
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the ranks' rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(check: RankCheck, backend: str, scratch: Path) -> None:
+    """Start the ranks and wait for them; a rank's failure is a RankCheckError of its one line."""
+    port = free_port()
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # the ranks left waiting on a failed one are ended with a warning line each
+    try:
+        mp.start_processes(_rank, args=(check, backend, port, str(scratch)), nprocs=check.ranks, join=True,
+                           start_method="spawn")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        said = sorted(scratch.glob("error-rank*.txt"))
+        line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise RankCheckError(line) from None
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str) -> None:
+    """One rank: its step's packed gradients; rank 0 saves them with the step's loss. A failure is written as one line."""
+    try:
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()  # the parent prints one line; and tqdm's lock would outlive os._exit as a leaked semaphore
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // check.ranks))
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=check.ranks)
+        loss, gradients = packed_gradients(check, rank, device)
+        if rank == 0:
+            torch.save({"loss": loss, "gradients": gradients}, Path(scratch) / "gradients.pt")
+    except (ValueError, RuntimeError, OSError) as err:
+        Path(scratch, f"error-rank{rank}.txt").write_text(f"rank {rank}: {str(err).strip().splitlines()[0]}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    finish_distributed_run()
+
+
+def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple[float, dict[str, torch.Tensor]]:
+    """This rank's share of the step, trained as ``scripts/train.py`` does: (the step's loss over all ranks, gradients)."""
+    from loaders.train.loss_head import use_loss_position_head
+
+    model = load_causal_lm(check.model, attn_implementation_for(check.attn), torch.float32).to(device)
+    cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
+    if not check.full_logits:
+        use_loss_position_head(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    batches = [inject(check.fault, batch) for batch in rank_batches(check, rank)]
+    normalizers = micro_batch_normalizers(check.fault, [batch_normalizer(b) for b in batches], device)
+    step_loss = torch.zeros((), device=device)
+    for i, (batch, normalizer) in enumerate(zip(batches, normalizers)):
+        sync = ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext()
+        with sync:
+            inputs = model_inputs(batch, device, check.full_logits)
+            if check.full_logits and LOSS_WEIGHTS in inputs:
+                from loaders.train.loss import weighted_causal_lm_loss
+
+                logits = ddp(**{k: v for k, v in inputs.items() if k not in ("labels", LOSS_WEIGHTS, LOSS_WEIGHT_SUM)}).logits
+                loss = weighted_causal_lm_loss(logits, inputs["labels"], inputs[LOSS_WEIGHTS], normalizer)
+            else:
+                loss = ddp(**inputs, num_items_in_batch=normalizer).loss
+            loss.backward()
+        step_loss += loss.detach()
+    dist.all_reduce(step_loss)  # as train.py logs it: each rank's share summed, over the ranks
+    gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    return float(step_loss / world_size()), gradients
+
+
+def micro_batch_normalizers(fault: str | None, counts: list[float], device: torch.device) -> list[torch.Tensor]:
+    """What each micro-batch divides its summed loss by: ``step_normalizer``, or an injected fault's."""
+    if fault == "per_rank":
+        return [torch.tensor(sum(counts), device=device)] * len(counts)
+    if fault == "per_micro_batch":
+        return [torch.tensor(count * len(counts), device=device) for count in counts]
+    if fault == "ddp_average":
+        return [step_normalizer(sum(counts), device) * world_size()] * len(counts)
+    return [step_normalizer(sum(counts), device)] * len(counts)
+
+
+def inject(fault: str | None, batch: dict) -> dict:
+    """``batch`` with an injected fault of its inputs (``cross_attention``, ``late_position_restart``,
+    ``boundary_label``); as it is otherwise."""
+    if fault == "cross_attention":
+        tokens = batch["input_ids"].shape[1]
+        return {**{k: v for k, v in batch.items() if k not in BOUNDARY_KEYS},
+                "position_ids": torch.arange(tokens).unsqueeze(0)}
+    if fault == "late_position_restart":
+        return {**batch, "position_ids": torch.cat([batch["position_ids"][:, :1], batch["position_ids"][:, :-1]], 1)}
+    if fault == "boundary_label":
+        starts = torch.tensor(_sequences(batch))[1:, 0]
+        labels, unlabelled = batch["labels"].clone(), batch["labels"][0, starts] == IGNORE_INDEX
+        starts = starts[unlabelled]
+        labels[0, starts] = batch["input_ids"][0, starts]
+        changed = {"labels": labels, NUM_LOSS_TOKENS: batch[NUM_LOSS_TOKENS] + int(starts.numel())}
+        if LOSS_WEIGHTS in batch:
+            weights = batch[LOSS_WEIGHTS].clone()
+            weights[0, starts] = weights[0, starts - 1]
+            changed.update({LOSS_WEIGHTS: weights, LOSS_WEIGHT_SUM: float(weights.double().sum())})
+        return {**batch, **changed}
+    return batch
+
+
+def _sequences(batch: dict) -> list[tuple[int, int]]:
+    """The (start, end) of each data sequence of ``batch`` (pad sequences and empty entries left out)."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if a < b <= batch[NUM_REAL_TOKENS]]
+
+
+def reference_gradients(model: torch.nn.Module, batches: list[list[dict]], source: str
+                        ) -> tuple[float, dict[str, torch.Tensor], int, float]:
+    """``model`` over every rank's micro-batches in one process, one example at a time, unpadded and with default
+    position ids: (the step's loss, gradients, examples, the step's global loss tokens or weight).
+
+    Each example's targets are its own labels but the first (no token of it predicts that one), weighed by the
+    batch's ``loss_weights`` where given; the normaliser is their sum over all examples.
+    """
+    device = next(model.parameters()).device
+    examples = []
+    for batch in (b for rank in batches for b in rank):
+        for a, b in _sequences(batch):
+            targets = batch["labels"][0, a + 1 : b]
+            weights = (batch[LOSS_WEIGHTS][0, a + 1 : b] if LOSS_WEIGHTS in batch
+                       else (targets != IGNORE_INDEX).to(torch.float32))
+            examples.append((batch["input_ids"][0, a:b], targets, weights))
+    normalizer = float(sum(weights.double().sum() for _, _, weights in examples))
+    if normalizer == 0:
+        raise RankCheckError(f"{source}: the step's batches hold no trained token; use more --batch-rows")
+    step_loss = 0.0
+    for input_ids, targets, weights in examples:
+        if not weights.any():
+            continue
+        logits = model(input_ids=input_ids.unsqueeze(0).to(device)).logits[0, :-1].float()
+        terms = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="none")
+        loss = (terms * weights.to(device)).sum() / normalizer
+        loss.backward()
+        step_loss += loss.item()
+    gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    return step_loss, gradients, len(examples), normalizer
+
