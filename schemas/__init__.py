@@ -25,12 +25,13 @@ from schemas.manifest import (
     compute_fingerprint,
     validate_manifest,
 )
-from schemas.row import ROW_COLUMNS, ROW_SCHEMA, list_parts, validate_table
+from schemas.row import PREFERENCE_ROW_SCHEMA, ROW_COLUMNS, ROW_SCHEMA, list_parts, validate_table
 from schemas.validate import one_of, positive_int
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "PREFERENCE_ROW_SCHEMA",
     "ROW_COLUMNS",
     "ROW_SCHEMA",
     "SCHEMA_PATH",

@@ -48,6 +48,9 @@ ROW_SCHEMA = pa.schema(
 )
 
 ROW_COLUMNS = tuple(ROW_SCHEMA.names)
+# A preference build's rows: ROW_SCHEMA plus each segment's role (0 shared prompt, 1 chosen, 2 rejected);
+# example_ids then holds each segment's pair id.
+PREFERENCE_ROW_SCHEMA = ROW_SCHEMA.append(pa.field("roles", pa.list_(pa.uint8()), nullable=False))
 # The most tokens a row can hold: its token count, its cu_seqlens and its list offsets are int32.
 MAX_ROW_TOKENS = int(np.iinfo(np.int32).max)
 
@@ -81,7 +84,8 @@ def validate_table(table: pa.Table, capacity: int, shard: str, num_example_ids: 
     is the largest segment; one example id and offset per segment, every id in
     ``[0, num_example_ids)`` when given (the manifest's ``num_example_ids``).
     """
-    if not table.schema.remove_metadata().equals(ROW_SCHEMA.remove_metadata()):
+    schema = table.schema.remove_metadata()
+    if not (schema.equals(ROW_SCHEMA.remove_metadata()) or schema.equals(PREFERENCE_ROW_SCHEMA.remove_metadata())):
         raise ShardError(shard, f"schema {_column_names(table.schema)} does not match the packed-row schema {list(ROW_COLUMNS)}")
     if table.num_rows == 0:
         raise ShardError(shard, "holds no rows")
@@ -116,6 +120,8 @@ def validate_table(table: pa.Table, capacity: int, shard: str, num_example_ids: 
     fail_at(n_segments < 1, "cu_seqlens must hold at least [0, n]")
     fail_at(np.diff(id_offsets) != n_segments, "example_ids needs one entry per segment of cu_seqlens")
     fail_at(np.diff(pos_offsets) != n_segments, "example_offsets needs one entry per segment of cu_seqlens")
+    if "roles" in schema.names:
+        fail_at(np.diff(list_parts(table.column("roles"))[0]) != n_segments, "roles needs one entry per segment of cu_seqlens")
     if num_example_ids is not None:
         outside = np.flatnonzero((example_ids < 0) | (example_ids >= num_example_ids))
         if outside.size:
