@@ -21,7 +21,7 @@ from shard_factory import PreferencePair, build_preference_dir
 from loaders import PackedIterableDataset
 from loaders.collate import CHOSEN, IGNORE_INDEX, KEY_INDEX, NUM_PAIRS, PAIR_IDS, PROMPT, REJECTED, ROLES
 from loaders.train.attention import register_segment_attention
-from loaders.train.loss_head import use_loss_position_head
+from loaders.train.loss_head import frozen_copy, use_loss_position_head
 from loaders.train.preference import (
     PreferenceConfig,
     Reference,
@@ -223,7 +223,7 @@ def test_dpo_at_step_zero_is_ln2_with_zero_rewards(build):
     """Policy == reference: every pair's DPO loss is ln 2, every reward 0, accuracy 0 (TRL counts chosen > rejected)."""
     _, path = build
     model = use_loss_position_head(tiny_llama())
-    reference = Reference(copy.deepcopy(model).eval())
+    reference = Reference(frozen_copy(model))
     for batch in batches(path):
         terms = preference_terms(model, batch, PreferenceConfig("dpo", beta=0.1), reference)
         assert terms.losses.numel() == batch[NUM_PAIRS]
@@ -236,7 +236,7 @@ def test_padding_is_never_a_fake_pair(pairs, tmp_path):
     batches pad with sequences that carry no pair: the pairs are the real ones and the step-0 loss is ln 2."""
     build_preference_dir(tmp_path, pairs, layout="separate", capacity=CAPACITY)
     model = use_loss_position_head(tiny_llama())
-    reference = Reference(copy.deepcopy(model).eval())
+    reference = Reference(frozen_copy(model))
     for batch in batches(tmp_path, pad_to_fixed_shape=True):
         assert batch["input_ids"].shape[1] == 3 * CAPACITY and batch["cu_seq_lens_q"].numel() - 1 > batch[ROLES].numel()
         terms = preference_terms(model, batch, PreferenceConfig("dpo"), reference)
@@ -353,3 +353,48 @@ def test_stored_reference_equals_the_frozen_model_and_names_its_build(build, tmp
         ReferenceLogProbs(written, "0" * 64)
     with pytest.raises(ValueError, match="computed by the reference model"):
         ReferenceLogProbs(written, fingerprint, reference_identity(policy))
+
+
+# ---- the trainer ------------------------------------------------------------------------------
+
+
+def manual_dpo(path, steps: int, grad_accum: int, lr: float, beta: float) -> dict[str, torch.Tensor]:
+    """SGD on windows of ``grad_accum`` batches, each window's summed per-pair losses over its pairs."""
+    model = use_loss_position_head(tiny_llama())
+    reference = Reference(use_loss_position_head(tiny_llama()).eval())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    dataset = PackedIterableDataset(path, batch_rows=1, seed=0)
+    batches_read = iter(dataset)
+    for _ in range(steps):
+        window = [next(batches_read) for _ in range(grad_accum)]
+        pairs = sum(b[NUM_PAIRS] for b in window)
+        for batch in window:
+            (preference_terms(model, batch, PreferenceConfig("dpo", beta=beta), reference).losses.sum() / pairs).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_dpo_trainer_logs_trl_rewards_and_trains_as_a_plain_loop(layout, pairs, tmp_path):
+    """PackedDPOTrainer, given TRL's DPOConfig: the first loss is ln 2 with rewards 0 (policy = reference), the
+    reward metrics are logged by TRL's names, and after 3 steps of 2 micro-batches the weights are a plain loop's."""
+    trl = pytest.importorskip("trl")
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout=layout, capacity=CAPACITY)
+    args = trl.DPOConfig(output_dir=str(tmp_path / "run"), beta=0.5, max_steps=3, gradient_accumulation_steps=2,
+                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1,
+                         save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True, bf16=False,
+                         per_device_train_batch_size=1)
+    trainer = PackedDPOTrainer(model=tiny_llama(), args=args,
+                               train_dataset=PackedIterableDataset(tmp_path / "build", batch_rows=1, seed=0))
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert logs[-1]["rewards/margins"] > 0 and 0 < logs[-1]["rewards/accuracies"] <= 1
+    expected = manual_dpo(tmp_path / "build", steps=3, grad_accum=2, lr=0.5, beta=0.5)
+    for name, value in expected.items():
+        torch.testing.assert_close(trainer.model.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)

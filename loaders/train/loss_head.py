@@ -377,3 +377,15 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     # nn.Module.__setattr__ is typed for tensors and modules only; a plain value is stored as it is.
     model.varpack_loss_head = True  # type: ignore[assignment]
     return model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` without gradients, in eval mode, with its own loss-position head when ``model`` has one
+    (a plain deep copy's head would still run the original's forward): a preference loss's reference model."""
+    import copy
+
+    frozen = copy.deepcopy(model)
+    if getattr(model, "varpack_loss_head", False):
+        del frozen.forward  # the instance attribute use_loss_position_head set, bound to the original
+        use_loss_position_head(frozen)
+    return frozen.requires_grad_(False).eval()
