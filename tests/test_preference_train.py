@@ -398,3 +398,47 @@ def test_packed_dpo_trainer_logs_trl_rewards_and_trains_as_a_plain_loop(layout, 
     expected = manual_dpo(tmp_path / "build", steps=3, grad_accum=2, lr=0.5, beta=0.5)
     for name, value in expected.items():
         torch.testing.assert_close(trainer.model.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- scripts/train.py --------------------------------------------------------------------------
+
+TRAIN_MODEL = "llama:hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=1"
+
+
+def train_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "varpack_train_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("varpack_train_script",
+                                                      Path(__file__).resolve().parent.parent / "scripts" / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["varpack_train_script"]
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_train_script_dpo_logs_rewards_from_ln2(pairs, tmp_path, trainer):
+    import json
+
+    build_preference_dir(tmp_path / "build", pairs, layout="shared-prompt", capacity=CAPACITY)
+    out = tmp_path / "run"
+    train_script().main(["--shards", str(tmp_path / "build"), "--random-init", TRAIN_MODEL, "--attn", "sdpa_segments",
+                         "--precision", "fp32", "--objective", "dpo", "--beta", "0.5", "--max-steps", "3", "--log-every", "1",
+                         "--lr", "1e-2", "--batch-rows", "2", "--trainer", trainer, "--out", str(out)])
+    logs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logs] == [1, 2, 3]
+    assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and logs[0]["rewards/accuracies"] == 0.0
+    assert logs[-1]["rewards/margins"] > 0 and logs[-1]["loss"] < math.log(2)
+
+
+def test_train_script_refuses_a_preference_objective_on_an_sft_build(tmp_path):
+    from shard_factory import build_shard_dir
+
+    build_shard_dir(tmp_path / "sft", [20, 30, 40], capacity=CAPACITY, vocab_size=VOCAB)
+    with pytest.raises(SystemExit, match="train.py: error: a preference objective trains on preference pairs, and the "
+                                         "batches hold none: the build is not a preference build"):
+        train_script().main(["--shards", str(tmp_path / "sft"), "--random-init", TRAIN_MODEL, "--attn", "sdpa_segments",
+                             "--precision", "fp32", "--objective", "dpo", "--max-steps", "1", "--out", str(tmp_path / "run")])

@@ -61,6 +61,8 @@ class Objective(StrEnum):
 
 # Objectives that compare the policy with a reference model; SimPO and ORPO need none.
 NEEDS_REFERENCE = (Objective.DPO, Objective.IPO)
+NOT_PREFERENCE = ("trains on preference pairs, and the batches hold none: the build is not a preference build "
+                  "(pack it with --format preference)")
 # TRL's logged reward metrics, each a mean over pairs.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
@@ -209,6 +211,8 @@ def preference_terms(model: torch.nn.Module, batch: dict, config: PreferenceConf
     ``inputs`` are the batch's model inputs already on the model's device (default: ``model_inputs(batch)``).
     A shared-prompt batch (``key_index``) needs an attention implementation that honours it.
     """
+    if ROLES not in batch:
+        raise ValueError(f"a {config.objective} objective {NOT_PREFERENCE}")
     inputs = model_inputs(batch) if inputs is None else inputs
     if KEY_INDEX in inputs:
         check_key_index_attention(getattr(model, "module", model))
@@ -342,4 +346,6 @@ class ReferenceLogProbs:
 
 def pairs_in(batches: list[dict[str, Any]]) -> int:
     """The pairs in a window of preference batches: what its per-pair losses are divided by."""
+    if any(NUM_PAIRS not in b for b in batches):
+        raise ValueError(f"a preference objective {NOT_PREFERENCE}")
     return sum(int(b[NUM_PAIRS]) for b in batches)
