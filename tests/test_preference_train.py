@@ -286,13 +286,14 @@ def test_losses_equal_trl_formulas_on_unpacked_log_probs(build, pairs, objective
 
 
 def trl_tokenizer():
-    """A word-level tokenizer over ids ``t0``..``t127`` split on spaces: TRL's processing class for token-id text."""
+    """A word-level tokenizer over ids ``<0>``..``<127>`` split on spaces (no id's word inside another's, as
+    transformers matches special tokens anywhere): TRL's processing class for token-id text."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    vocab = {f"<{i}>": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", pad_token="t0")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<1>", pad_token="<0>")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -303,10 +304,11 @@ def test_loss_and_gradients_equal_trl_dpo_trainer(layout, tmp_path):
     text = random_pairs(6, seed=3)
 
     def words(ids: list[int]) -> str:
-        return " ".join(f"t{i}" for i in ids)
+        return " ".join(f"<{i}>" for i in ids)
 
-    data = datasets.Dataset.from_dict({"prompt": [words(p.prompt) for p in text], "chosen": [words(p.chosen) for p in text],
-                                       "rejected": [words(p.rejected) for p in text]})
+    # TRL joins prompt + answer as text and appends the EOS text (<1>): spaces keep the words apart.
+    data = datasets.Dataset.from_dict({"prompt": [words(p.prompt) for p in text], "chosen": [f" {words(p.chosen)} " for p in text],
+                                       "rejected": [f" {words(p.rejected)} " for p in text]})
     policy, reference = tiny_llama(), perturbed(tiny_llama())
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3, report_to="none", use_cpu=True, bf16=False,
                          per_device_train_batch_size=len(text), max_length=None, disable_tqdm=True)
@@ -318,6 +320,7 @@ def test_loss_and_gradients_equal_trl_dpo_trainer(layout, tmp_path):
 
     # The same token ids (TRL added the EOS to each answer), packed into one batch.
     pairs = [PreferencePair(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in examples]
+    assert pairs == [PreferencePair(p.prompt, p.chosen + [1], p.rejected + [1]) for p in text]
     build_preference_dir(tmp_path / "build", pairs, layout=layout, capacity=CAPACITY)
     model = use_loss_position_head(policy)
     (batch,) = batches(tmp_path / "build", batch_rows=len(PackedIterableDataset(tmp_path / "build", batch_rows=1)))
