@@ -164,6 +164,32 @@ def measure(step: Callable[[], None], warmup: int, steps: int, repeats: int, dev
     return times
 
 
+def summarize(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict:
+    """The result object, with the ratios; written to ``--json`` when given."""
+    rates = {name: r["pairs_per_s"] for name, r in results.items() if "pairs_per_s" in r}
+    ours = {name: rate for name, rate in rates.items() if not name.startswith("trl")}
+    trl_rates = {name: rate for name, rate in rates.items() if name.startswith("trl")}
+    summary = {
+        "bench": "preference",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "model": args.model_config,
+        "pairs_per_step": args.pairs,
+        "prompt_tokens_mean": args.prompt_tokens,
+        "completion_tokens_mean": args.completion_tokens,
+        "median_of": args.repeats,
+        "methods": results,
+        "pairs_per_s": rates,
+        "best_trl": max(trl_rates, key=lambda name: trl_rates[name]) if trl_rates else None,
+        "best_vs_trl": max(ours.values()) / max(trl_rates.values()) if ours and trl_rates else None,
+        "shared_prompt_vs_separate": (rates["shared-prompt"] / rates["separate"]
+                                      if "shared-prompt" in rates and "separate" in rates else None),
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), default="qwen2-0.5b")
@@ -175,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default="separate,shared-prompt,trl_sdpa,trl_sdpa_compiled,trl_fa2")
+    parser.add_argument("--methods", default="separate,shared-prompt,trl_sdpa,trl_fa2,trl_sdpa_compiled")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="", help="also write the result here")
     args = parser.parse_args(argv)
@@ -212,27 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
                                "peak_mem_gib": peak}
             print(json.dumps({method: results[method]}), flush=True)
             del step
-    rates = {name: r["pairs_per_s"] for name, r in results.items() if "pairs_per_s" in r}
-    ours = {name: rate for name, rate in rates.items() if not name.startswith("trl")}
-    trl_rates = {name: rate for name, rate in rates.items() if name.startswith("trl")}
-    summary = {
-        "bench": "preference",
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "model": args.model_config,
-        "pairs_per_step": args.pairs,
-        "prompt_tokens_mean": args.prompt_tokens,
-        "completion_tokens_mean": args.completion_tokens,
-        "median_of": args.repeats,
-        "methods": results,
-        "pairs_per_s": rates,
-        "best_trl": max(trl_rates, key=lambda name: trl_rates[name]) if trl_rates else None,
-        "best_vs_trl": max(ours.values()) / max(trl_rates.values()) if ours and trl_rates else None,
-        "shared_prompt_vs_separate": (rates["shared-prompt"] / rates["separate"]
-                                      if "shared-prompt" in rates and "separate" in rates else None),
-    }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+            summarize(args, results)  # written after every method, so a run cut short keeps what it measured
+    summary = summarize(args, results)
     print(json.dumps(summary), flush=True)
     return summary
 
