@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -190,8 +191,10 @@ def collate_rows(
         NUM_LOSS_TOKENS: int(np.count_nonzero(labels != IGNORE_INDEX)),
         **extra,
     }
-    if extra.get(NUM_PAIRS) and bool(np.any(extra[ROLES].numpy() == PROMPT)):  # type: ignore[union-attr]
-        batch.update(shared_prompt_keys(cu_seqlens, extra[ROLES].numpy(), extra[PAIR_IDS].numpy()))  # type: ignore[union-attr]
+    if extra:
+        roles = cast(torch.Tensor, extra[ROLES]).numpy()
+        if np.any(roles == PROMPT):
+            batch.update(shared_prompt_keys(cu_seqlens, roles, cast(torch.Tensor, extra[PAIR_IDS]).numpy()))
     return batch
 
 

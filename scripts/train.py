@@ -730,8 +730,9 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
                      "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")
     if config.objective != "sft":
         needs = [why for why, broken in (
-            ("the loss-position head (drop --full-logits)", config.full_logits), ("--shards (not --mixture)", bool(config.mixture)),
-            ("--loss-reduction token", config.loss_reduction != "token"), ("no --step-graph", config.step_graph), ("a positive --beta", not config.beta > 0)) if broken]
+            ("the loss-position head (drop --full-logits)", config.full_logits),
+            ("--shards (not --mixture)", bool(config.mixture)), ("--loss-reduction token", config.loss_reduction != "token"),
+            ("no --step-graph", config.step_graph), ("a positive --beta", not config.beta > 0)) if broken]
         if needs:
             parser.error(f"--objective {config.objective} needs {', '.join(needs)}")
     elif config.reference_log_probs:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -292,9 +292,10 @@ def write_reference_log_probs(model: torch.nn.Module, build: str | os.PathLike[s
     dataset.set_epoch(0)
     for batch in dataset:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs(batch).items()}
+        roles = cast(torch.Tensor, batch[ROLES])
         with torch.no_grad(), autocast:
-            pairs = pair_log_probs(sequence_sums(model, inputs), batch[ROLES])
-        pair_ids.append(batch[PAIR_IDS][batch[ROLES] == CHOSEN].numpy())
+            pairs = pair_log_probs(sequence_sums(model, inputs), roles)
+        pair_ids.append(cast(torch.Tensor, batch[PAIR_IDS])[roles == CHOSEN].numpy())
         chosen.append(pairs.chosen.double().cpu().numpy())
         rejected.append(pairs.rejected.double().cpu().numpy())
     table = pa.table([np.concatenate(pair_ids), np.concatenate(chosen), np.concatenate(rejected)], schema=REFERENCE_SCHEMA)
