@@ -445,3 +445,26 @@ def test_train_script_refuses_a_preference_objective_on_an_sft_build(tmp_path):
                                          "batches hold none: the build is not a preference build"):
         train_script().main(["--shards", str(tmp_path / "sft"), "--random-init", TRAIN_MODEL, "--attn", "sdpa_segments",
                              "--precision", "fp32", "--objective", "dpo", "--max-steps", "1", "--out", str(tmp_path / "run")])
+
+
+def test_bench_preference_runs_on_cpu_with_its_trl_anchor(tmp_path):
+    """scripts/bench_preference.py measures both layouts and TRL's DPOTrainer on the same pairs in one run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_preference.py"), "--model-config", "tiny",
+                           "--pairs", "2", "--prompt-tokens", "16", "--completion-tokens", "8", "--capacity", "128",
+                           "--device", "cpu", "--warmup", "0", "--steps", "1", "--repeats", "1",
+                           "--methods", "separate,shared-prompt,trl_sdpa", "--json", str(tmp_path / "bench.json")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["pairs_per_s"]) == {"separate", "shared-prompt", "trl_sdpa"}
+    assert result["best_vs_trl"] > 0 and result["shared_prompt_vs_separate"] > 0
+    assert result["methods"]["shared-prompt"]["tokens_per_step"] < result["methods"]["separate"]["tokens_per_step"]
+    assert json.loads((tmp_path / "bench.json").read_text()) == result
