@@ -71,7 +71,8 @@ def make_model(spec: str, attn: str, device: str) -> torch.nn.Module:
     config = AutoConfig.for_model(values.pop("model_type"), **values, use_cache=False)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).to(device).train()
+    with torch.device(device):  # initialised where it runs: on a CPU a 0.5B init takes tens of seconds
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).train()
 
 
 def packed_step(pairs, layout: str, spec: str, device: str, capacity: int, beta: float, work: Path) -> tuple[Callable[[], None], int]:
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default="separate,shared-prompt,trl_sdpa,trl_fa2,trl_sdpa_compiled")
+    # The anchor first, so that a run cut short still holds a ratio.
+    parser.add_argument("--methods", default="trl_sdpa,separate,shared-prompt,trl_fa2,trl_sdpa_compiled")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="", help="also write the result here")
     args = parser.parse_args(argv)
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     from shard_factory import PreferencePair
 
     packed_pairs = [PreferencePair(p.prompt, p.chosen + [1], p.rejected + [1]) for p in pairs]
-    results: dict[str, dict[str, Any]] = {}
+    # Each method is "not reached" until measured, so a run stopped at its time limit says which it left out.
+    results: dict[str, dict[str, Any]] = {method: {"error": "not reached"} for method in args.methods.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             gc.collect()
