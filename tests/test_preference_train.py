@@ -72,9 +72,10 @@ def batches(path, **kwargs) -> list[dict]:
 
 def unpacked_log_probs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """The summed log-prob of ``completion`` after ``prompt``, computed on prompt + completion alone."""
-    ids = torch.tensor([prompt + completion])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + completion], device=device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).sum()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion, device=device)[:, None]).sum()
 
 
 def unpacked_pairs(model, pairs: list[PreferencePair], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,6 +335,44 @@ def test_loss_and_gradients_equal_trl_dpo_trainer(layout, tmp_path):
     metrics = trainer._metrics["train"]
     torch.testing.assert_close(terms.chosen_rewards.mean().item(), metrics["rewards/chosen"][-1], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(terms.rejected_rewards.mean().item(), metrics["rewards/rejected"][-1], rtol=1e-4, atol=1e-6)
+
+
+def test_a_lora_models_reference_is_the_model_with_its_adapter_off(build, pairs):
+    """Reference(adapter_off=True): the base model's log-probs, computed by the policy with its LoRA adapter off."""
+    peft = pytest.importorskip("peft")
+    _, path = build
+    base = tiny_llama()
+    alone = copy.deepcopy(base)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    policy = peft.get_peft_model(use_loss_position_head(base), lora)
+    batch = batches(path)[0]
+    ids = batch[PAIR_IDS][batch[ROLES] == CHOSEN].tolist()
+    reference = Reference(adapter_off=True).pairs(policy, batch, model_inputs(batch))
+    with torch.no_grad():
+        chosen, rejected = unpacked_pairs(alone, pairs, ids)
+        adapted = pair_log_probs(sequence_sums(policy, model_inputs(batch)), batch[ROLES])
+    torch.testing.assert_close(reference.chosen, chosen, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(reference.rejected, rejected, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(adapted.chosen, chosen, atol=1e-3)  # the adapter is on again, and matters
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
+def test_flash_attention_over_gathered_keys_equals_unpacked(pairs, tmp_path):
+    """FA2 varlen with a shared-prompt batch's gathered K/V and separate query and key offsets: per-pair sums equal
+    the unpacked computation (bf16 tolerance)."""
+    from loaders.train.attention import attn_implementation_for
+
+    build_preference_dir(tmp_path, pairs, layout="shared-prompt", capacity=CAPACITY)
+    model = tiny_model.tiny_llama(VOCAB, 2 * CAPACITY, attn_implementation_for("flash_attn")).cuda().to(torch.bfloat16)
+    model = use_loss_position_head(model.eval())
+    (batch,) = batches(tmp_path, batch_rows=len(PackedIterableDataset(tmp_path, batch_rows=1)))
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in model_inputs(batch).items()}
+    with torch.no_grad():
+        packed = pair_log_probs(sequence_sums(model, inputs), batch[ROLES])
+        chosen, rejected = unpacked_pairs(model, pairs, batch[PAIR_IDS][batch[ROLES] == CHOSEN].tolist())
+    torch.testing.assert_close(packed.chosen.cpu(), chosen.cpu(), rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(packed.rejected.cpu(), rejected.cpu(), rtol=2e-2, atol=0.5)
 
 
 # ---- the reference stored beside the build ---------------------------------------------------
