@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -22,6 +23,17 @@ NUM_LOSS_TOKENS = "num_loss_tokens"
 COUNT_KEYS = (NUM_REAL_TOKENS, NUM_LOSS_TOKENS)
 # A mixture's batches: the source index of each real sequence of cu_seq_lens (int64 [n]); not a model input.
 SOURCE_IDS = "source_ids"
+# A preference build's batches (``preference_fields``): each real sequence's pair id (int64 [n]) and role (uint8 [n]),
+# and the pairs the batch holds (a Python int); not model inputs.
+PAIR_IDS = "pair_ids"
+ROLES = "roles"
+NUM_PAIRS = "num_pairs"
+PREFERENCE_KEYS = (PAIR_IDS, ROLES, NUM_PAIRS)
+# Roles of a preference row's segments (schemas.PREFERENCE_ROW_SCHEMA).
+PROMPT, CHOSEN, REJECTED = 0, 1, 2
+# A shared-prompt batch's attention input: the token of the batch each key comes from (int64 [keys]); the
+# attention functions of loaders.train.attention gather K and V with it (see ``shared_prompt_keys``).
+KEY_INDEX = "key_index"
 # Bucketed fixed shapes: sequences in cu_seqlens rounded up to a multiple of this, max_length
 # to a power of two of at least MIN_BUCKET_LENGTH (FA2's query block is 128 tokens).
 SEGMENT_BUCKET = 64
@@ -109,6 +121,9 @@ def collate_rows(
     """
     token_ranges = []
     cu_parts = []
+    preference = [shard.roles is not None for shard, _ in rows]
+    if any(preference) and not all(preference):
+        raise ValueError("a batch mixes preference rows (with roles) and other rows; train on one kind of build")
     max_length = 0
     total = 0
     for shard, i in rows:
@@ -148,6 +163,9 @@ def collate_rows(
     labels[starts] = IGNORE_INDEX
     position_ids = np.arange(width, dtype=np.int64)
     position_ids -= np.repeat(starts, lengths)
+    extra: dict[str, torch.Tensor | int] = {}
+    if rows and all(preference):
+        extra = preference_fields(rows, cu_seqlens, position_ids)
 
     if fixed is not None:
         if fixed.buckets:
@@ -161,7 +179,7 @@ def collate_rows(
             size = fixed.cu_seqlens
         cu_seqlens = np.concatenate((cu_seqlens, np.full(size - cu_seqlens.size, width, dtype=np.int32)))
     cu = torch.from_numpy(cu_seqlens)
-    return {
+    batch: dict[str, torch.Tensor | int] = {
         "input_ids": torch.from_numpy(input_ids).unsqueeze(0),
         "labels": torch.from_numpy(labels).unsqueeze(0),
         "position_ids": torch.from_numpy(position_ids).unsqueeze(0),
@@ -171,4 +189,82 @@ def collate_rows(
         "max_length_k": max_length,
         NUM_REAL_TOKENS: total,
         NUM_LOSS_TOKENS: int(np.count_nonzero(labels != IGNORE_INDEX)),
+        **extra,
     }
+    if extra:
+        roles = cast(torch.Tensor, extra[ROLES]).numpy()
+        if np.any(roles == PROMPT):
+            batch.update(shared_prompt_keys(cu_seqlens, roles, cast(torch.Tensor, extra[PAIR_IDS]).numpy()))
+    return batch
+
+
+def preference_fields(rows: Sequence[tuple[Shard, int]], cu_seqlens: np.ndarray,
+                      position_ids: np.ndarray) -> dict[str, torch.Tensor | int]:
+    """The pair id and role of each real sequence of a preference batch, and its number of pairs; shifts
+    ``position_ids`` (in place) by each segment's ``example_offsets``, so a shared prompt's branches continue
+    its positions.
+
+    Raises ValueError naming the shard and row where a chosen and a rejected sequence do not pair up in
+    order (the rows are not a preference build's, or are corrupt).
+    """
+    pair_ids, roles, offsets = [], [], []
+    for shard, i in rows:
+        s0, s1 = int(shard.segment_offsets[i]), int(shard.segment_offsets[i + 1])
+        assert shard.roles is not None  # collate_rows checked every row
+        row_roles = shard.roles[s0:s1]
+        row_pairs = shard.example_ids[s0:s1]
+        chosen, rejected = row_pairs[row_roles == CHOSEN], row_pairs[row_roles == REJECTED]
+        prompts = row_pairs[row_roles == PROMPT]
+        if chosen.shape != rejected.shape or np.any(chosen != rejected) or not np.isin(prompts, chosen).all():
+            raise ValueError(f"{shard.path}: row {i}: its chosen and rejected sequences do not pair up "
+                             f"(pair ids {row_pairs.tolist()}, roles {row_roles.tolist()}); rebuild it")
+        pair_ids.append(row_pairs)
+        roles.append(row_roles)
+        offsets.append(shard.example_offsets[s0:s1])
+    segment_offsets = np.concatenate(offsets).astype(np.int64)
+    lengths = np.diff(cu_seqlens)[: segment_offsets.size].astype(np.int64)
+    position_ids[: int(cu_seqlens[segment_offsets.size])] += np.repeat(segment_offsets, lengths)
+    all_roles = np.concatenate(roles).astype(np.uint8)
+    return {
+        PAIR_IDS: torch.from_numpy(np.concatenate(pair_ids).astype(np.int64)),
+        ROLES: torch.from_numpy(all_roles),
+        NUM_PAIRS: int(np.count_nonzero(all_roles == CHOSEN)),
+    }
+
+
+def shared_prompt_keys(cu_seqlens: np.ndarray, roles: np.ndarray, pair_ids: np.ndarray) -> dict[str, torch.Tensor | int]:
+    """The key side of a shared-prompt batch for an exact varlen kernel: ``key_index``, ``cu_seq_lens_k``, ``max_length_k``.
+
+    Each branch (chosen or rejected) that follows its pair's prompt segment sees the prompt's keys, then its own; any
+    other sequence sees its own. Gathering K and V with ``key_index`` lays them out as ``[P | P C' | P R']`` per pair,
+    so with ``cu_seq_lens_q`` over the tokens and ``cu_seq_lens_k`` over the gathered keys, causal attention aligned at
+    the bottom right (FA2's, for more keys than queries) lets a branch see the prompt and itself, never the other branch.
+
+    A pair of prompt ``[5, 6, 7]``, chosen ``[8, 9]`` and rejected ``[4]`` is laid out ``[5, 6 | 7, 8, 9 | 7, 4]``:
+
+    >>> keys = shared_prompt_keys(np.array([0, 2, 5, 7]), np.array([0, 1, 2]), np.array([3, 3, 3]))
+    >>> keys["key_index"].tolist(), keys["cu_seq_lens_k"].tolist(), keys["max_length_k"]
+    ([0, 1, 0, 1, 2, 3, 4, 0, 1, 5, 6], [0, 2, 7, 11], 5)
+    """
+    n = roles.size
+    lengths = np.diff(cu_seqlens).astype(np.int64)
+    starts = cu_seqlens[:-1].astype(np.int64)
+    # Each real branch's prompt is the segment `role` places before it (contract: [prompt, chosen, rejected]).
+    index = np.arange(n)
+    prompt = index - roles.astype(np.int64)
+    has_prompt = (roles != PROMPT) & (prompt >= 0)
+    has_prompt[has_prompt] &= (roles[prompt[has_prompt]] == PROMPT) & (pair_ids[prompt[has_prompt]] == pair_ids[has_prompt])
+    prefix_start = np.zeros(lengths.size, np.int64)
+    prefix_length = np.zeros(lengths.size, np.int64)
+    prefix_start[:n][has_prompt] = starts[prompt[has_prompt]]
+    prefix_length[:n][has_prompt] = lengths[prompt[has_prompt]]
+    # Two pieces of keys per sequence, the prompt's (empty for most) then its own, as one vectorised gather.
+    piece_start = np.stack((prefix_start, starts), axis=1).reshape(-1)
+    piece_length = np.stack((prefix_length, lengths), axis=1).reshape(-1)
+    piece_end = np.cumsum(piece_length)
+    key_index = np.arange(int(piece_end[-1]) if piece_end.size else 0, dtype=np.int64)
+    key_index += np.repeat(piece_start - (piece_end - piece_length), piece_length)
+    key_lengths = prefix_length + lengths
+    cu_k = np.concatenate(([0], np.cumsum(key_lengths))).astype(np.int32)
+    return {KEY_INDEX: torch.from_numpy(key_index), "cu_seq_lens_k": torch.from_numpy(cu_k),
+            "max_length_k": int(key_lengths.max())}

@@ -56,6 +56,7 @@ class Shard:
     example_ids: np.ndarray  # int64 [segments]
     example_offsets: np.ndarray  # int32 [segments]
     segment_offsets: np.ndarray  # int32 [rows + 1]
+    roles: np.ndarray | None = None  # uint8 [segments], a preference build's (schemas.PREFERENCE_ROW_SCHEMA)
 
     def unchanged(self) -> bool:
         """Whether the mapped file is still as it was checked: not truncated, rewritten or touched since."""
@@ -193,6 +194,7 @@ def _map_shard(
     segment_offsets, example_ids = list_parts(table.column("example_ids"))
     _, example_offsets = list_parts(table.column("example_offsets"))
     max_seqlen = _column(table, "max_seqlen").to_numpy(zero_copy_only=True)
+    roles = list_parts(table.column("roles"))[1] if "roles" in table.schema.names else None
     shard = Shard(
         path=name,
         file=file,
@@ -207,6 +209,7 @@ def _map_shard(
         example_ids=example_ids,
         example_offsets=example_offsets,
         segment_offsets=segment_offsets,
+        roles=roles,
     )
     weakref.finalize(shard, file.close)  # the map needs no descriptor; the check does, while the shard lives
     return shard

@@ -18,6 +18,11 @@ Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, p
 (GPU memory allocated; on CPU the process's peak resident memory); on a mixture, each source's
 tokens (plain loop) and mean token loss (``source_loss``, both loops) since the last line.
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
+
+On a preference build, ``--objective dpo|ipo|simpo|orpo --beta B`` trains on its pairs
+(``loaders.train.preference``): the loss of a step is the mean over its pairs, the reference (DPO, IPO)
+is the starting model, frozen, or ``--reference-log-probs FILE`` computed once beside the build, and the
+logs carry TRL's ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies`` and ``rewards/margins``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ from loaders.train.checkpoint import (  # noqa: E402
     save_training_state,
     start_checkpoint,
 )
-from loaders.train.loss_head import SEQUENCE_LOSSES, use_loss_position_head  # noqa: E402
+from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_position_head  # noqa: E402
+from loaders.train import preference  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     check_trained_tokens,
     compile_layers,
@@ -111,6 +117,10 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     allow_tokenizer_mismatch: bool = False  # train although --model's tokenizer differs from the shards'
+    objective: str = "sft"  # sft | dpo | ipo | simpo | orpo (a preference build's pairs)
+    beta: float = 0.1  # the preference objective's beta (ORPO's lambda)
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    reference_log_probs: str = ""  # DPO/IPO: the reference's log-probs stored beside the build, not a frozen copy
 
 
 # ---- model, data, logs, checkpoints: shared by both loops -----------------------------------
@@ -390,6 +400,34 @@ def find_checkpoint(out: Path, rank: int) -> Path | None:
     return resumable_checkpoint(out, ranks)
 
 
+@dataclass
+class PreferenceTraining:
+    """A preference objective's settings, reference and reward metrics for the plain loop."""
+
+    config: preference.PreferenceConfig
+    reference: preference.Reference | None
+    metrics: preference.RewardMetrics
+
+
+def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_size: int,
+                     device: torch.device) -> PreferenceTraining | None:
+    """None for --objective sft; else the objective, and for DPO and IPO the reference: the stored log-probs of
+    --reference-log-probs, or the starting model (--model or the seeded --random-init, never a resumed checkpoint),
+    frozen."""
+    if config.objective == "sft":
+        return None
+    objective = preference.PreferenceConfig(config.objective, beta=config.beta, simpo_gamma=config.simpo_gamma)
+    reference = None
+    if objective.objective in preference.NEEDS_REFERENCE:
+        if config.reference_log_probs:
+            stored = preference.ReferenceLogProbs(config.reference_log_probs, dataset.manifest.fingerprint)
+            reference = preference.Reference(stored=stored)
+        else:
+            start = use_loss_position_head(load_model(config, vocab_size, attn_implementation_for(config.attn)))
+            reference = preference.Reference(frozen_copy(start).to(device))
+    return PreferenceTraining(objective, reference, preference.RewardMetrics(device))
+
+
 def train_plain(config: TrainConfig) -> None:
     """The plain loop; under ``torchrun --nproc_per_node N`` each rank reads its share and DDP averages gradients.
 
@@ -409,6 +447,7 @@ def train_plain(config: TrainConfig) -> None:
     model.train()
     if not config.full_logits:
         use_loss_position_head(model)
+    pairs = preference_setup(config, dataset, vocab_size, device)
     if config.compile:
         compile_layers(model, activation_memory_budget=config.activation_memory_budget)
     if config.step_graph:  # a captured step reads the learning rate from a tensor the scheduler fills
@@ -459,6 +498,11 @@ def train_plain(config: TrainConfig) -> None:
     def micro_batch_loss(batch: dict, num_items: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch, to call backward on; on a mixture its loss per source is added up
         first, so that a model's full logits are not kept through the backward pass."""
+        if pairs is not None:  # a preference objective: the batch's per-pair losses over the window's pairs
+            inputs = preference.model_inputs(model_inputs(batch, device, config.full_logits))
+            terms = preference.preference_terms(trained, batch, pairs.config, pairs.reference, inputs)
+            pairs.metrics.add(terms)
+            return terms.losses.sum() / num_items
         outputs = trained(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items, **per_sequence)
         if source_losses is not None:
             source_losses.add_outputs(outputs, batch)
@@ -477,7 +521,8 @@ def train_plain(config: TrainConfig) -> None:
                     torch.distributed.all_reduce(sources)
                     logger.source_tokens = sources.cpu().numpy()
             graphs = {"step_graphs": len(graphed.graphs)} if graphed is not None else {}  # flat once all are captured
-            logger.log(step, loss=mean_loss.item(), lr=float(scheduler.get_last_lr()[0]), **graphs)
+            rewards = pairs.metrics.pop(distributed=True) if pairs is not None else {}
+            logger.log(step, loss=mean_loss.item(), lr=float(scheduler.get_last_lr()[0]), **graphs, **rewards)
             losses.clear()
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
             save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
@@ -498,7 +543,7 @@ def train_plain(config: TrainConfig) -> None:
                 batches = iter(dataset)
                 batch = next(batches)
             window.append(batch)
-        local_items = sum(batch_normalizer(b) for b in window)
+        local_items = preference.pairs_in(window) if pairs is not None else sum(batch_normalizer(b) for b in window)
         if ranks == 1:  # under torchrun, a rank's share may hold none while others' do
             check_trained_tokens(local_items, step + 1, dataset.source)
         if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
@@ -578,11 +623,19 @@ def train_hf(config: TrainConfig) -> None:
             if state.is_world_process_zero and logs and "loss" in logs:
                 record = {"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
                           "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()}
+                record.update({name: logs[name] for name in preference.REWARD_METRICS if name in logs})
                 if sources:  # PackedTrainer's train_NAME_loss
                     record["source_loss"] = {name: logs.get(f"train_{name}_loss") for name in sources}
                 logger.write(record)
 
-    trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
+    if config.objective == "sft":
+        trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
+    else:
+        from loaders.train.hf_trainer import PackedDPOTrainer
+
+        objective = preference.PreferenceConfig(config.objective, beta=config.beta, simpo_gamma=config.simpo_gamma)
+        trainer = PackedDPOTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()],
+                                   preference_config=objective, reference_log_probs=config.reference_log_probs or None)
     trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
 
 
@@ -623,8 +676,14 @@ OPTION_HELP = {
     "seed": "seed of the model init and the loader's shuffle",
     "allow_tokenizer_mismatch": "train although the tokenizer in the --model directory differs from the one the shards "
                                 "were built with",
+    "objective": "sft (next-token loss), or on a preference build's pairs dpo (sigmoid), ipo, simpo or orpo",
+    "beta": "the preference objective's beta (DPO, IPO, SimPO; ORPO's lambda)",
+    "simpo_gamma": "SimPO's target reward margin (TRL's simpo_gamma)",
+    "reference_log_probs": "dpo, ipo: the reference model's log-probs stored beside the build "
+                           "(loaders.train.preference.write_reference_log_probs) instead of a frozen copy of the model",
 }
-CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction)}
+CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction),
+           "objective": ("sft", *preference.Objective)}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -669,6 +728,15 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     if config.full_logits and config.loss_reduction != "token" and config.trainer == "plain":
         parser.error(f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
                      "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")
+    if config.objective != "sft":
+        needs = [why for why, broken in (
+            ("the loss-position head (drop --full-logits)", config.full_logits),
+            ("--shards (not --mixture)", bool(config.mixture)), ("--loss-reduction token", config.loss_reduction != "token"),
+            ("no --step-graph", config.step_graph), ("a positive --beta", not config.beta > 0)) if broken]
+        if needs:
+            parser.error(f"--objective {config.objective} needs {', '.join(needs)}")
+    elif config.reference_log_probs:
+        parser.error("--reference-log-probs applies to --objective dpo or ipo")
     return config
 
 

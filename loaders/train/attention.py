@@ -16,6 +16,11 @@ Four kernels can train on it without letting examples attend to one another:
   with ``config.use_cache=False`` and no ``attention_mask``, and builds a T x T mask: memory
   grows with the square of the batch's tokens.
 
+A shared-prompt preference batch (``loaders.collate.shared_prompt_keys``) also carries ``key_index``:
+each of these functions (not transformers' own) then gathers K and V with it, so each chosen or
+rejected branch attends to its prompt's keys and its own, with ``cu_seq_lens_k`` over the gathered
+keys and causality aligned at the bottom right: exact, the prompt computed once.
+
 The registered functions take the boundaries from the batch (``cu_seq_lens_*``,
 ``max_length_*``) and register no mask function, so transformers builds no mask for them and
 skips its packed-sequence check on ``position_ids``, a device-to-host sync every forward that
@@ -45,6 +50,8 @@ ATTN_IMPLEMENTATIONS = {
     "sdpa_segments": SEGMENTS_IMPLEMENTATION,
     "sdpa": "sdpa",
 }
+# The implementations that honour a shared-prompt batch's key_index; transformers' own would ignore it.
+KEY_INDEX_IMPLEMENTATIONS = (FLASH_IMPLEMENTATION, VARLEN_IMPLEMENTATION, SEGMENTS_IMPLEMENTATION)
 # Transformers' own implementations, accepted as they are.
 TRANSFORMERS_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention")
 
@@ -97,6 +104,18 @@ def attn_implementation_for(backend: str) -> str:
     if backend != "sdpa":
         register_varlen_attention(backend)
     return ATTN_IMPLEMENTATIONS[backend]
+
+
+def check_key_index_attention(model: torch.nn.Module) -> None:
+    """Raise ValueError unless ``model`` attends through an implementation that honours ``key_index``
+    (a shared-prompt batch's), so that no branch of a pair silently attends to the other."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation not in KEY_INDEX_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation {implementation!r} ignores a shared-prompt batch's key_index, so the rejected answer "
+            f"would attend to the chosen one; load the model with one of {', '.join(KEY_INDEX_IMPLEMENTATIONS)} "
+            "(attn_implementation_for('auto') picks the best here)"
+        )
 
 
 @lru_cache(maxsize=1)
@@ -178,6 +197,7 @@ def varlen_attention_forward(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
+    key_index: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function (``AttentionInterface``) on the varlen kernel of ``backend``.
@@ -186,7 +206,8 @@ def varlen_attention_forward(
     boundaries come from ``cu_seq_lens_q/k`` and ``max_length_q/k`` (a PackedIterableDataset
     batch, or ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); without them each
     of the B rows is one whole sequence. transformers builds no attention mask for this
-    implementation, so padded batches are not supported: feed packed ones.
+    implementation, so padded batches are not supported: feed packed ones. With ``key_index`` (a
+    shared-prompt batch) K and V are gathered with it first, and ``cu_seq_lens_k`` bounds the gathered keys.
     """
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATIONS[backend]} does not do attention dropout (got {dropout}); set attention_dropout=0")
@@ -198,12 +219,14 @@ def varlen_attention_forward(
         max_length_q = seq_len
     if cu_seq_lens_k is None:
         cu_seq_lens_k, max_length_k = cu_seq_lens_q, max_length_q
+    if key_index is not None:
+        key, value = gather_keys(key, key_index), gather_keys(value, key_index)
     causal = cast(bool, module.is_causal) if is_causal is None else is_causal
     assert max_length_q is not None and max_length_k is not None  # transformers passes them with cu_seq_lens_q/k
     dtype = _half_dtype(query)
 
     def tokens_first(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2).reshape(batch * x.shape[2], x.shape[1], head_dim).to(dtype)
+        return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], head_dim).to(dtype)
 
     out = varlen_attention(
         tokens_first(query), tokens_first(key), tokens_first(value),
@@ -214,6 +237,13 @@ def varlen_attention_forward(
         window_left=sliding_window - 1 if sliding_window else -1,
     )
     return out.view(batch, seq_len, heads, head_dim), None
+
+
+def gather_keys(states: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
+    """Keys or values [1, H, T, D] of a packed batch -> [1, H, len(key_index), D], those of the tokens ``key_index`` names."""
+    if states.shape[0] != 1:
+        raise ValueError(f"key_index applies to one packed row of tokens ([1, T]), got a batch of {states.shape[0]} rows")
+    return states.index_select(2, key_index.to(states.device))
 
 
 def register_varlen_attention(backend: str = "torch_varlen") -> str:
@@ -256,6 +286,8 @@ def segment_attention_forward(
     softcap: float | None = None,
     is_causal: bool | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    key_index: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function running sdpa on each packed example in turn.
@@ -265,6 +297,10 @@ def segment_attention_forward(
     own with no mask, so sdpa's memory-efficient kernels apply and the largest buffer grows with
     the longest example's length, where a packed mask grows with the square of the batch's tokens.
     A Python loop over examples: its cost per example is small beside the attention itself on CPU.
+
+    With ``key_index`` (a shared-prompt batch) example ``i`` attends to the keys ``key_index`` names between
+    ``cu_seq_lens_k[i]`` and ``cu_seq_lens_k[i + 1]``, under a causal mask aligned at the bottom right (the last
+    query sees every key): the exact reference of the varlen kernels' shared-prompt attention.
     """
     if softcap is not None:
         raise ValueError(f"{SEGMENTS_IMPLEMENTATION} does not support attention logit softcapping; use eager")
@@ -272,17 +308,27 @@ def segment_attention_forward(
     bounds = _example_bounds(query, cu_seq_lens_q)
     causal = cast(bool, module.is_causal) if is_causal is None else is_causal
     q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
+    key_bounds = bounds
+    if key_index is not None:
+        if cu_seq_lens_k is None:
+            raise ValueError("key_index needs cu_seq_lens_k, the bounds of each example's gathered keys")
+        k, v = gather_keys(k, key_index), gather_keys(v, key_index)
+        key_bounds = cu_seq_lens_k.tolist()
     outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end, key_start, key_end in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
         if end == start:
             continue
+        # Causal aligned at the bottom right: query i sees keys up to i + (keys - queries).
+        shift = (key_end - key_start) - (end - start)
         mask = None
-        if sliding_window and causal:
-            mask = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).tril().triu(1 - sliding_window)
+        if causal and (sliding_window or shift):
+            mask = torch.ones(end - start, key_end - key_start, dtype=torch.bool, device=q.device).tril(shift)
+            if sliding_window:
+                mask = mask.triu(shift + 1 - sliding_window)
         outputs.append(
             torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], attn_mask=mask, dropout_p=dropout,
-                is_causal=causal and mask is None, scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
+                q[:, :, start:end], k[:, :, key_start:key_end], v[:, :, key_start:key_end], attn_mask=mask,
+                dropout_p=dropout, is_causal=causal and mask is None, scale=scaling, enable_gqa=k.shape[1] != q.shape[1],
             )
         )
     out = torch.cat(outputs, dim=2).view(heads, batch, seq_len, head_dim)

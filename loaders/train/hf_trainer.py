@@ -1,6 +1,7 @@
 """The Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` on packed shards, without workarounds.
 
     from loaders.train.hf_trainer import PackedTrainer          # or PackedSFTTrainer (pip install -e '.[train]')
+                                                                # or PackedDPOTrainer on preference pairs
 
     args = TrainingArguments(output_dir="runs/a", max_steps=1000, gradient_accumulation_steps=4, ...)
     dataset = PackedIterableDataset("shards/DIR", batch_rows=8)   # after args: it reads the ranks
@@ -158,13 +159,17 @@ class PackedTrainerMixin(_TrainerBase):
         batches = list(itertools.islice(epoch_iterator, num_batches))
         if not batches:
             return batches, None
-        local = sum(batch_normalizer(b) for b in batches)
+        local = self._window_normalizer(batches)
         if world_size() == 1:  # under torchrun, a rank's share may hold none while others' do
             training.check_trained_tokens(local, self.state.global_step + 1, self.packed_dataset.source)
         total = global_loss_tokens(local, device)
         # With average_tokens_across_devices the trainer multiplies each rank's loss by the world size, which
         # DDP's gradient average undoes; without it, divide here instead.
         return batches, total if self.args.average_tokens_across_devices else total / world_size()
+
+    def _window_normalizer(self, batches: list[dict]) -> float:
+        """What the window's summed loss is divided by, on this rank: its loss tokens (or loss weights)."""
+        return sum(batch_normalizer(b) for b in batches)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._real_tokens += inputs[NUM_REAL_TOKENS]
@@ -372,6 +377,89 @@ def _packed_sft_trainer() -> type:
     return PackedSFTTrainer
 
 
+@functools.cache
+def _packed_dpo_trainer() -> type:
+    from transformers import Trainer
+
+    from loaders.train import preference
+
+    class PackedDPOTrainer(PackedTrainerMixin, Trainer):
+        """DPO, IPO, SimPO or ORPO on a preference build's PackedIterableDataset, with what PackedTrainer adds.
+
+        Takes what TRL's ``DPOTrainer`` takes: ``model``, ``ref_model`` (default: a frozen copy of ``model``,
+        or, for a PEFT model, the model with its adapter turned off), ``args`` (a ``TrainingArguments``, or TRL's
+        ``DPOConfig``, whose ``beta`` and ``loss_type`` "sigmoid" or "ipo" are read) and logs what it logs:
+        ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies`` and ``rewards/margins`` beside
+        ``loss``. ``preference`` (a ``loaders.train.preference.PreferenceConfig``) sets the objective instead;
+        ``reference_log_probs`` reads the reference's log-probs from a file computed once
+        (``write_reference_log_probs``) instead of running a reference model. The loss of a step is the mean
+        over all its pairs (every micro-batch of every rank). The model gets the loss-position head.
+        """
+
+        def __init__(self, model: Any = None, ref_model: Any = None, args: Any = None, *,
+                     train_dataset: PackedIterableDataset, preference_config: Any = None,
+                     reference_log_probs: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+            from loaders.train.loss_head import use_loss_position_head
+
+            if model is not None and not getattr(model, "varpack_loss_head", False):
+                use_loss_position_head(model)
+            super().__init__(model, args, train_dataset=train_dataset, **kwargs)
+            self.packed_dataset = self._check_packed(train_dataset, self.args)
+            self.preference = preference_config or _preference_from_args(self.args)
+            self.reference = None
+            if self.preference.objective in preference.NEEDS_REFERENCE:
+                self.reference = self._make_reference(ref_model, reference_log_probs)
+            self._reward_metrics = preference.RewardMetrics(self.args.device)
+
+        def _make_reference(self, ref_model: Any, stored: str | os.PathLike[str] | None) -> Any:
+            from loaders.train.loss_head import frozen_copy, use_loss_position_head
+
+            if stored is not None:
+                return preference.Reference(stored=preference.ReferenceLogProbs(stored, self.packed_dataset.manifest.fingerprint))
+            if ref_model is None and hasattr(self.model, "disable_adapter"):  # PEFT: the base model is the reference
+                return preference.Reference(adapter_off=True)
+            if ref_model is None:  # TRL's default: the model as it starts, frozen
+                return preference.Reference(frozen_copy(self.accelerator.unwrap_model(self.model)))
+            if not getattr(ref_model, "varpack_loss_head", False):
+                use_loss_position_head(ref_model)
+            return preference.Reference(ref_model.requires_grad_(False).eval().to(self.args.device))
+
+        def _window_normalizer(self, batches: list[dict]) -> float:
+            return float(preference.pairs_in(batches))
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            model_inputs = preference.model_inputs(self.model_inputs(model, inputs))
+            terms = preference.preference_terms(model, inputs, self.preference, self.reference, model_inputs)
+            pairs = num_items_in_batch if num_items_in_batch is not None else terms.losses.numel()
+            loss = terms.losses.sum() / pairs
+            if model.training:
+                self._reward_metrics.add(terms)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * world_size()
+            return (loss, terms) if return_outputs else loss
+
+        def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+            if "loss" in logs:  # a training log: every rank is here
+                logs = {**logs, **self._reward_metrics.pop(distributed=True)}
+            super().log(logs, *args, **kwargs)
+
+    return PackedDPOTrainer
+
+
+def _preference_from_args(args: Any) -> Any:
+    """The preference objective of TrainingArguments (DPO, beta 0.1) or of TRL's DPOConfig (its beta; loss_type
+    "sigmoid" or "ipo")."""
+    from loaders.train.preference import PreferenceConfig
+
+    loss_types = getattr(args, "loss_type", ["sigmoid"])
+    loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
+    objectives = {"sigmoid": "dpo", "ipo": "ipo"}
+    if len(loss_types) != 1 or loss_types[0] not in objectives:
+        raise ValueError(f"loss_type {loss_types}: PackedDPOTrainer runs 'sigmoid' (DPO) or 'ipo'; for SimPO or ORPO "
+                         "pass preference_config=PreferenceConfig('simpo' or 'orpo', beta=...)")
+    return PreferenceConfig(objectives[loss_types[0]], beta=getattr(args, "beta", 0.1))
+
+
 def check_trainer_state(checkpoint: Path) -> None:
     """CheckpointError unless ``trainer_state.json`` holds the checkpoint's step (a non-negative integer, its
     ``checkpoint-STEP`` name's); a file missing or unreadable is left for the trainer to report."""
@@ -417,9 +505,11 @@ def __getattr__(name: str) -> type:
         return _packed_trainer()
     if name == "PackedSFTTrainer":
         return _packed_sft_trainer()
+    if name == "PackedDPOTrainer":
+        return _packed_dpo_trainer()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# PackedTrainer and PackedSFTTrainer come from __getattr__, which imports transformers or TRL on first use.
-__all__ = ["EpochAfterEpoch", "LOADER_STATE", "PackedSFTTrainer", "PackedTrainer", "PackedTrainerMixin",  # noqa: F822
+# PackedTrainer, PackedSFTTrainer and PackedDPOTrainer come from __getattr__, which imports transformers or TRL on first use.
+__all__ = ["EpochAfterEpoch", "LOADER_STATE", "PackedDPOTrainer", "PackedSFTTrainer", "PackedTrainer", "PackedTrainerMixin",  # noqa: F822
            "loader_state_name"]

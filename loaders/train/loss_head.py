@@ -18,6 +18,11 @@ sequence's summed token loss and loss tokens, from the same cross-entropy and wi
 sync: a mixture's loss per source (``loaders.train.source_loss``). The loss and its gradients
 are the same either way.
 
+Asked with ``sequence_log_probs=True`` (``SEQUENCE_LOG_PROBS``), the output holds each packed
+sequence's summed log-probability of its labels and its label count, ``[2, n]``, with gradients (the LM
+head recomputed chunk by chunk in backward): the per-sequence sums preference losses take
+(``loaders.train.preference``).
+
 Imports only torch at module import; transformers is imported inside the functions that need it.
 """
 
@@ -37,6 +42,8 @@ CHUNK_LOGITS = 2**27
 PADDED_LOSS_ROWS = "padded_loss_rows"
 # A keyword the head takes besides a batch's: also return each packed sequence's loss (``sequence_losses``).
 SEQUENCE_LOSSES = "sequence_losses"
+# A keyword the head takes besides a batch's: return each packed sequence's summed label log-probability, with gradients.
+SEQUENCE_LOG_PROBS = "sequence_log_probs"
 # Config attributes that change logits after the LM head's matmul; such models need their own head.
 LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scaling")
 
@@ -101,6 +108,75 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Each row's log-probability of its target under ``hidden @ weight.T + bias``, fp32 [N], chunk by chunk.
+
+    Backward recomputes each chunk's logits, so no ``[N, vocab]`` tensor is kept between the passes.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                chunk_rows: int) -> torch.Tensor:
+        rows = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            logits = torch.nn.functional.linear(hidden[start : start + chunk_rows], weight, bias).float()
+            t = targets[start : start + chunk_rows]
+            rows[start : start + chunk_rows] = logits.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.chunk_rows = chunk_rows
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias and bias is not None else None
+        for start in range(0, hidden.shape[0], ctx.chunk_rows):
+            h = hidden[start : start + ctx.chunk_rows]
+            t = targets[start : start + ctx.chunk_rows]
+            # In the hidden states' dtype, as autocast ran the forward (backward runs outside autocast).
+            head_weight = weight.to(h.dtype)
+            logits = torch.nn.functional.linear(h, head_weight, None if bias is None else bias.to(h.dtype)).float()
+            # d(log p_t)/d(logits) = one_hot - softmax, times each row's upstream gradient.
+            grad = torch.softmax(logits, dim=-1).neg_()
+            grad.scatter_add_(1, t[:, None], torch.ones_like(grad[:, :1]))
+            grad.mul_(grad_rows[start : start + ctx.chunk_rows, None].float())
+            grad = grad.to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + ctx.chunk_rows] = grad @ head_weight
+            if grad_weight is not None:
+                grad_weight += grad.t() @ h
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+        )
+
+
+def sequence_log_probs(model: torch.nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor,
+                       cu_seqlens: torch.Tensor | None = None, num_loss_tokens: int | None = None,
+                       chunk_rows: int | None = None) -> torch.Tensor:
+    """Each packed sequence's summed log-probability of its labels and its label count, ``[2, n]`` fp32,
+    differentiable in the sums: ``model``'s LM head on ``hidden_states`` [B, S, H] at labelled positions only.
+
+    Sequences are those of ``cu_seqlens`` (without it, the B rows), as in ``sequence_losses``; a position's
+    log-probability belongs to the sequence of the label it predicts.
+    """
+    head = cast(torch.nn.Linear, output_embeddings(model))  # check_supported's condition
+    index, targets = loss_positions(labels, num_loss_tokens)
+    states = hidden_states[:, :-1].reshape(-1, hidden_states.shape[-1])[index]
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_LOGITS // head.weight.shape[0])
+    rows = cast(torch.Tensor, _LinearLogProbs.apply(states, head.weight, head.bias, targets, chunk_rows))
+    return sequence_losses(rows, index, labels.shape, cu_seqlens)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -200,7 +276,7 @@ def sequence_losses(token_losses: torch.Tensor, positions: torch.Tensor, labels_
         count = cu_seqlens.numel() - 1
     weights = torch.ones_like(token_losses) if counted is None else counted.to(token_losses.dtype)
     totals = torch.zeros(2, count, dtype=token_losses.dtype, device=token_losses.device)
-    return totals.index_add_(1, sequence, torch.stack((token_losses * weights, weights)))
+    return totals.index_add(1, sequence, torch.stack((token_losses * weights, weights)))
 
 
 def loss_position_loss(model: torch.nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor,
@@ -250,9 +326,10 @@ def _output_type() -> type:
 
     @dataclass
     class LossPositionOutput(CausalLMOutputWithPast):
-        """The loss-position head's output: no logits; ``sequence_losses`` [2, n] when asked for."""
+        """The loss-position head's output: no logits; ``sequence_losses`` or ``sequence_log_probs`` [2, n] when asked for."""
 
         sequence_losses: torch.Tensor | None = None
+        sequence_log_probs: torch.Tensor | None = None
 
     return LossPositionOutput
 
@@ -279,6 +356,7 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
         num_loss_tokens = kwargs.pop(NUM_LOSS_TOKENS, None)
         padded_rows = kwargs.pop(PADDED_LOSS_ROWS, None)
         per_sequence = bool(kwargs.pop(SEQUENCE_LOSSES, False))
+        log_probs = bool(kwargs.pop(SEQUENCE_LOG_PROBS, False))
         kwargs.pop(NUM_REAL_TOKENS, None)
         loss_weights = kwargs.pop(LOSS_WEIGHTS, None)
         kwargs.pop(LOSS_WEIGHT_SUM, None)
@@ -286,6 +364,10 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
             return full_forward(input_ids=input_ids, **kwargs)
         kwargs.pop("logits_to_keep", None)
         outputs = cast(torch.nn.Module, model.base_model)(input_ids=input_ids, **kwargs)
+        if log_probs:  # a preference loss's input: no token loss here
+            sums = sequence_log_probs(model, outputs[0], labels, kwargs.get("cu_seq_lens_q"), num_loss_tokens, chunk_rows)
+            return _output_type()(sequence_log_probs=sums, hidden_states=getattr(outputs, "hidden_states", None),
+                                  attentions=getattr(outputs, "attentions", None))
         loss, by_sequence = loss_position_loss(model, outputs[0], labels, num_items_in_batch, num_loss_tokens, chunk_rows,
                                                loss_weights, padded_rows, per_sequence, kwargs.get("cu_seq_lens_q"))
         return _output_type()(loss=loss, sequence_losses=by_sequence, hidden_states=getattr(outputs, "hidden_states", None),
@@ -295,3 +377,15 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     # nn.Module.__setattr__ is typed for tensors and modules only; a plain value is stored as it is.
     model.varpack_loss_head = True  # type: ignore[assignment]
     return model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` without gradients, in eval mode, with its own loss-position head when ``model`` has one
+    (a plain deep copy's head would still run the original's forward): a preference loss's reference model."""
+    import copy
+
+    frozen = copy.deepcopy(model)
+    if getattr(model, "varpack_loss_head", False):
+        del frozen.forward  # the instance attribute use_loss_position_head set, bound to the original
+        use_loss_position_head(frozen)
+    return frozen.requires_grad_(False).eval()
