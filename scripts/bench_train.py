@@ -37,8 +37,9 @@ at a time holds the card. The modes take turns, ``--repeats`` times. A repetitio
 and trains the warm-up steps (compiling the first time, prewarming and capturing every time), then
 times the timed steps as the loop runs, loading included. Throughput counts real (non-pad) tokens;
 the summary gives the median and range over the repetitions; peak memory is the largest of the
-repetitions', model and optimizer included; ``graphs_compiled_timed`` counts compilations inside
-the timed window (0 when warm).
+repetitions', model and optimizer included, and each repetition gives the peak of each of its phases
+(``peak_mem_gib_by_phase``: build, prewarm, first step, capture, the rest of the warm-up, timed
+steps); ``graphs_compiled_timed`` counts compilations inside the timed window (0 when warm).
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
