@@ -37,8 +37,9 @@ at a time holds the card. The modes take turns, ``--repeats`` times. A repetitio
 and trains the warm-up steps (compiling the first time, prewarming and capturing every time), then
 times the timed steps as the loop runs, loading included. Throughput counts real (non-pad) tokens;
 the summary gives the median and range over the repetitions; peak memory is the largest of the
-repetitions', model and optimizer included; ``graphs_compiled_timed`` counts compilations inside
-the timed window (0 when warm).
+repetitions', model and optimizer included, and each repetition gives the peak of each of its phases
+(``peak_mem_gib_by_phase``: build, prewarm, first step, capture, the rest of the warm-up, timed
+steps); ``graphs_compiled_timed`` counts compilations inside the timed window (0 when warm).
 
 Same data: the loader's first warm-up and timed batches of each step size form the two windows;
 the reference modes train on exactly the examples of each window (cut out of the batches by
@@ -55,7 +56,8 @@ writes the loss per step (per trained token, the same average in both) to ``--co
 instead of the random-init Llama.
 ``--lora-rank R`` trains LoRA adapters of rank R on every linear layer but the LM head (peft,
 ``target_modules="all-linear"``) in every mode, the base weights frozen; the FLOP formula counts
-the frozen weights' forward and input gradient only.
+the frozen weights' forward and input gradient only. ``--gradient-checkpointing`` recomputes each
+decoder layer in backward in every mode (the recomputation is not counted in the model FLOPs).
 
 Without CUDA it runs on the CPU (float32; references on ``sdpa``, varpack's modes on
 ``varpack_segments``), for a smoke test at tiny sizes. The last line printed is one JSON object.
@@ -90,6 +92,7 @@ from loaders import PackedIterableDataset  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.train.loss_head import use_loss_position_head  # noqa: E402
+from loaders.train.optim import make_adamw, optimizer_step  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import read_manifest  # noqa: E402
 from loaders.train.models import (  # noqa: E402
@@ -193,6 +196,9 @@ class BenchConfig:
     num_kv_heads: int = 8
     tie_word_embeddings: bool = False  # the LM head shares the embedding matrix (Llama 3.2 1B and 3B)
     lora_rank: int = 0  # > 0: every mode trains LoRA adapters of this rank on every linear layer but the LM head (peft)
+    # Every mode recomputes each decoder layer's activations in backward (transformers' gradient checkpointing,
+    # non-reentrant): what an 8B model needs to fit 32k tokens a step on one card.
+    gradient_checkpointing: bool = False
     rows_per_step: int = 2  # 0: no small-step cell
     budget_rows: int = 8  # 0: no large-step cell
     modes: str = DEFAULT_MODES
@@ -255,9 +261,13 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
         use_cache=False,
     )
     torch.manual_seed(config.seed)
-    with DEVICE:
-        model = LlamaForCausalLM(model_config)
-    model = model.to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its training dtype: an 8B model in float32 would be 32 GB more at its peak
+    try:
+        with DEVICE:
+            model = LlamaForCausalLM(model_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.config._attn_implementation = attn_implementation
     model.train()
     return model
@@ -434,22 +444,13 @@ def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: Gra
         loss = model(**batch, num_items_in_batch=num_items).loss
         loss.backward()
         total += loss.detach()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer_step(model.parameters(), optimizer, scheduler, MAX_GRAD_NORM)
     return total
 
 
 def make_optimizer(model, config: BenchConfig, mode: Mode):
-    """AdamW (fused on CUDA) over the trained weights; captured steps need it capturable, with the learning rate a
-    tensor the schedule fills."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    if mode.step_graph:
-        optimizer = torch.optim.AdamW(trained, lr=torch.tensor(config.lr, device=DEVICE), weight_decay=0.0,
-                                      fused=True, capturable=True)
-    else:
-        optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0, fused=CUDA)
+    """train.py's AdamW over the trained weights (``loaders.train.optim``), capturable for a step graph."""
+    optimizer = make_adamw(model.parameters(), config.lr, 0.0, DEVICE, mode.step_graph)
     return optimizer, linear_warmup(optimizer, config.warmup_lr_steps)
 
 
@@ -468,6 +469,8 @@ def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
         apply_liger_kernel_to_llama(model=model, **LIGER_PARTS[mode.liger])
     if mode.loss_head:
         use_loss_position_head(model)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora_rank:
         import peft
 
@@ -503,6 +506,15 @@ class ModeRun:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.graphed: GraphedStep | None = None
+        self.shapes_ahead: Iterator[Batch] | None = None
+        self.phase_peaks: dict[str, float] = {}
+
+    def _phase(self, name: str) -> None:
+        """The peak GiB allocated since the last phase ended, under ``name``; the next phase's peak starts from here."""
+        if CUDA:
+            synchronize()
+            self.phase_peaks[name] = peak_memory_gib()
+            torch.cuda.reset_peak_memory_stats()
 
     def _build(self) -> None:
         """A fresh model from the shared initial weights, its optimizer and, for a step-graph mode, its GraphedStep."""
@@ -516,27 +528,38 @@ class ModeRun:
             # start: from a pass over the same (seeded) batches in this process.
             batches = itertools.islice(packed_dataset(self.cell.source, self.config, self.cell.rows, self.mode.shapes),
                                        self.cell.warmup + self.cell.timed)
-            shapes = (packed_step(batch, self.mode).micro_batches[0] for batch in batches)
-            self.graphed = GraphedStep(self.model, self.optimizer, MAX_GRAD_NORM, shapes=shapes)
+            self.shapes_ahead = (packed_step(batch, self.mode).micro_batches[0] for batch in batches)
+            self.graphed = GraphedStep(self.model, self.optimizer, MAX_GRAD_NORM)
 
     def _free(self) -> float:
         """Drop the model, optimizer and graphs and return their memory to the card; the GiB still allocated after."""
-        self.model = self.optimizer = self.scheduler = self.graphed = None
+        self.model = self.optimizer = self.scheduler = self.graphed = self.shapes_ahead = None
         free_gpu()
         return torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0
 
     def _warm_up(self, steps: Iterator[Step]) -> float:
         """Build the mode and train the warm-up steps: compile (and prewarm, capture) what the run needs."""
         start = time.perf_counter()
+        self.phase_peaks = {}
         self._build()
         assert self.model is not None
+        self._phase("build")
         if self.mode.shapes == "buckets":
             first = next(steps)
             prewarm_buckets(self.model, first.micro_batches[0])
             steps = itertools.chain([first], steps)
-        for step in itertools.islice(steps, self.cell.warmup):
+            self._phase("prewarm")
+        for index, step in enumerate(itertools.islice(steps, self.cell.warmup)):
             self.train(step)
+            if index == 0:
+                self._phase("first_step")
+                if self.graphed is not None and self.shapes_ahead is not None:
+                    # Every shape of the run captured after the first step, which creates the optimizer's state.
+                    self.graphed.prepare(self.shapes_ahead)
+                    self.shapes_ahead = None
+                    self._phase("capture")
         synchronize()
+        self._phase("warmup")
         return time.perf_counter() - start
 
     def train(self, step: Step) -> torch.Tensor:
@@ -559,13 +582,15 @@ class ModeRun:
         synchronize()
         elapsed = time.perf_counter() - start
         del steps  # a packed loader's workers end here, after the timed window (the references' persist)
+        self._phase("timed")
         tokens_per_s = real / elapsed
         per_token = flops_per_token(self.model, self.config, self.cell.mean_square_length)
         result = {
             "mode": self.name,
             "repetition": self.repetitions,
             "tokens_per_s": tokens_per_s,
-            "peak_mem_gib": peak_memory_gib(),
+            "peak_mem_gib": max(self.phase_peaks.values()) if CUDA else peak_memory_gib(),
+            "peak_mem_gib_by_phase": self.phase_peaks,
             "real_tokens_per_step": real / self.cell.timed,
             "loss_tokens_per_step": trained / self.cell.timed,
             "step_ms": 1000 * elapsed / self.cell.timed,

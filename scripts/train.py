@@ -73,15 +73,15 @@ from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_posit
 from loaders.train import preference  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     check_trained_tokens,
-    compile_layers,
     count_on_device,
     linear_warmup,
     load_causal_lm,
     model_inputs,
     peak_memory_gib,
-    prewarm_buckets,
 )
+from loaders.train.optim import make_adamw, optimizer_step  # noqa: E402
 from loaders.train.source_loss import SourceLosses  # noqa: E402
+from loaders.train.speed import SpeedOptions  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
@@ -218,10 +218,16 @@ def announce_mixture(dataset: PackedIterableDataset) -> None:
         print(json.dumps({"mixture_plan": [asdict(source) for source in dataset.plan()]}), flush=True)
 
 
+def speed_options(config: TrainConfig) -> SpeedOptions:
+    """--compile, --full-logits, --activation-memory-budget and --step-graph, as both loops take them."""
+    return SpeedOptions(compile=config.compile, loss_head=not config.full_logits,
+                        activation_memory_budget=config.activation_memory_budget, step_graph=config.step_graph)
+
+
 def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     budget = {"tokens_per_batch": config.tokens_per_batch} if config.tokens_per_batch else {"batch_rows": config.batch_rows}
-    options = dict(shuffle=True, seed=config.seed, pad_to_fixed_shape=config.compile, bucket_shapes=config.compile,
-                   loss_reduction=config.loss_reduction, **budget)
+    options = dict(shuffle=True, seed=config.seed, loss_reduction=config.loss_reduction,
+                   **speed_options(config).dataset_options(), **budget)
     if config.mixture:
         return PackedMixture(**load_mixture_file(config.mixture), **options)
     return PackedIterableDataset(config.shards, **options)
@@ -445,17 +451,10 @@ def train_plain(config: TrainConfig) -> None:
     checkpoint = find_checkpoint(out, rank) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
     model.train()
-    if not config.full_logits:
-        use_loss_position_head(model)
+    speed = speed_options(config)
+    speed.apply(model)
     pairs = preference_setup(config, dataset, vocab_size, device)
-    if config.compile:
-        compile_layers(model, activation_memory_budget=config.activation_memory_budget)
-    if config.step_graph:  # a captured step reads the learning rate from a tensor the scheduler fills
-        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(config.lr, device=device),
-                                      weight_decay=config.weight_decay, fused=True, capturable=True)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                      fused=device.type == "cuda")
+    optimizer = make_adamw(model.parameters(), config.lr, config.weight_decay, device, config.step_graph)
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
     if checkpoint is not None:
@@ -482,9 +481,8 @@ def train_plain(config: TrainConfig) -> None:
             print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
-    if config.compile:
-        with autocast:
-            prewarm_buckets(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
+    with autocast:
+        speed.prewarm(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
     ranks = world_size()
     trained = model
     if ranks > 1:
@@ -568,10 +566,7 @@ def train_plain(config: TrainConfig) -> None:
                 loss.backward()
             step_loss += loss.detach()
             logger.add_batch(batch)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(model.parameters(), optimizer, scheduler, config.max_grad_norm)
         step += 1
         losses.append(step_loss)
         log_and_save(step)
@@ -611,10 +606,6 @@ def train_hf(config: TrainConfig) -> None:
     announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
-    if not config.full_logits:
-        use_loss_position_head(model)
-    if config.compile:
-        compile_layers(model, activation_memory_budget=config.activation_memory_budget)
     logger = Logger(out)
     sources = getattr(dataset, "names", [])
 
@@ -629,7 +620,7 @@ def train_hf(config: TrainConfig) -> None:
                 logger.write(record)
 
     if config.objective == "sft":
-        trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()])
+        trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()], speed=speed_options(config))
     else:
         from loaders.train.hf_trainer import PackedDPOTrainer
 

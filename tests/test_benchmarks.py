@@ -115,3 +115,23 @@ def test_bench_pipeline_reports_scaling_against_datasets_and_trl(tmp_path: Path)
     assert result["direct_full"]["examples"] == result["dask"]["examples"] == result["datasets_trl"]["examples"] == 300
     assert result["efficiency"] == result["workers"]["2"]["efficiency"]
     assert result["vs_datasets_trl"] == round(result["datasets_trl"]["wall_s"] / result["direct_full"]["wall_s"], 4)
+
+
+def test_bench_user_path_compares_both_documented_commands_with_the_benchmark(tmp_path: Path) -> None:
+    """bench_user_path.py on the CPU at a tiny size: train.py and PackedTrainer (train.py --trainer hf) run as
+    documented, each logged window against bench_train's mode on the same build and model, and the comparison is
+    made from the windows after the first."""
+    lengths = np.random.default_rng(0).integers(50, 1000, 120)
+    packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
+    result = run_bench("bench_user_path.py", [
+        "--shards", str(packed.path), "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
+        "--num-heads", "2", "--num-kv-heads", "1", "--batch-rows", "1", "--steps", "4", "--log-every", "2",
+        "--bench-mode", "ours_eager", "--bench-warmup-steps", "1", "--bench-timed-steps", "1", "--repeats", "1",
+        "--num-workers", "0", "--train-flags", "", "--trainer-flags", "",
+    ], tmp_path)
+    assert result["bench"]["mode"] == "ours_eager" and result["bench"]["tokens_per_s"] > 0
+    for name in ("train_py", "trainer"):
+        windows = result[name]["windows"]
+        assert [w["steps"] for w in windows] == [[1, 2], [3, 4]], name
+        assert result[f"{name}_vs_bench"] == pytest.approx(windows[1]["tokens_per_s"] / result["bench"]["tokens_per_s"])
+    assert "--trainer hf" in result["trainer"]["command"] and "--trainer" not in result["train_py"]["command"]

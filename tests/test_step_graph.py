@@ -146,6 +146,24 @@ def test_graphed_steps_train_like_eager_steps(tmp_path, compiled, prepared, auto
 
 @pytest.mark.gpu
 @needs_gpu
+def test_no_capture_runs_a_forward_while_gradients_are_held(tmp_path):
+    """A forward run while the previous capture's gradients are held has both the activations and a full copy of the
+    gradients at its peak (6 GiB more on a 3B model): each capture drops them before its warm-up step."""
+    batches = bucketed_batches(tmp_path, STEPS)
+    model = use_loss_position_head(gpu_llama())
+    held: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args: held.append(any(p.grad is not None for p in module.parameters())))
+    optimizer, scheduler = trainer(model)
+    step = GraphedStep(model, optimizer, max_grad_norm=1.0, shapes=iter(batches))
+    for batch in batches:
+        step(batch)
+        scheduler.step()
+    assert len(step.graphs) >= 2, "the batches should need more than one graph"
+    assert len(held) == 1 + 2 * len(step.graphs) and not any(held)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_train_script_captures_every_shape_before_the_second_step(tmp_path):
     """``train.py --compile --step-graph`` captures the graphs of every bucket shape of the run right after
     step 1 (the log's ``step_graphs`` holds from the first line on), so that no later step stops to capture."""

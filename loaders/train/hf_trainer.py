@@ -36,6 +36,11 @@ What the trainers add to the ones they subclass:
   on a PackedMixture, ``PackedTrainer``'s carry ``train_NAME_loss``: each source's mean token loss
   over all ranks since the last log (``loaders.train.source_loss``; the plain mean, whatever the
   loss weights), summed on the device without a sync per step.
+- ``PackedTrainer(..., speed=SpeedOptions(...))`` takes ``scripts/train.py``'s speed options
+  (``loaders.train.speed``): the loss-position head, compiled layers on bucketed shapes (every
+  bucket compiled on the first batch, before the first step) and the activation memory budget.
+  The whole-step CUDA graph is the plain loop's alone: the Trainer runs clipping, the optimizer
+  and the scheduler itself, outside any step a graph could hold.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
@@ -80,6 +85,7 @@ from loaders.train.evaluate import evaluate_sources, pooled_summary
 from loaders.train.loss import weighted_causal_lm_loss
 from loaders.train.loss_head import SEQUENCE_LOSSES
 from loaders.train.source_loss import SourceLosses
+from loaders.train.speed import SpeedOptions
 
 class EpochAfterEpoch(IterableDataset):
     """The dataset's batches, epoch after epoch, without end; ``set_epoch`` is called at each new epoch."""
@@ -113,6 +119,9 @@ class PackedTrainerMixin(_TrainerBase):
     _run_tokens: int
     # Each source's training loss, on a mixture (PackedTrainer's compute_loss adds to it).
     _source_losses: SourceLosses | None = None
+    # PackedTrainer's speed options; every bucket is compiled on the first training batch.
+    speed: SpeedOptions | None = None
+    _prewarmed: bool = False
 
     def _check_packed(self, train_dataset: Any, args: Any) -> PackedIterableDataset:
         if not isinstance(train_dataset, PackedIterableDataset):
@@ -172,6 +181,9 @@ class PackedTrainerMixin(_TrainerBase):
         return sum(batch_normalizer(b) for b in batches)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.speed is not None and not self._prewarmed:
+            self._prewarmed = True
+            self.speed.prewarm(model, self.model_inputs(model, inputs))
         self._real_tokens += inputs[NUM_REAL_TOKENS]
         self._run_tokens += inputs[NUM_REAL_TOKENS]
         self._run_sequences += num_sequences(inputs)
@@ -301,7 +313,17 @@ def _packed_trainer() -> type:
         """
 
         def __init__(self, model: Any = None, args: Any = None, *, train_dataset: PackedIterableDataset,
-                     **kwargs: Any) -> None:
+                     speed: SpeedOptions | None = None, **kwargs: Any) -> None:
+            if speed is not None:
+                if speed.step_graph:
+                    raise ValueError("PackedTrainer: step_graph is not offered: the Trainer runs clipping, the optimizer "
+                                     "and the scheduler itself, outside a step a CUDA graph could hold; use "
+                                     "scripts/train.py --step-graph (the plain loop), or leave it off")
+                speed.check_dataset(train_dataset, "PackedTrainer")
+                if model is None:
+                    raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
+                speed.apply(model)
+            self.speed = speed
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
             if isinstance(train_dataset, PackedMixture):

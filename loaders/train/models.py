@@ -77,8 +77,9 @@ def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
 
     Runs ``batch`` (on the model's device, counts consumed or removed), then the same batch with
     64 more empty sequences and twice the ``max_length`` (both still valid bounds), forward and
-    backward, and drops the gradients: dynamo sees both change and makes them dynamic, so no
-    later bucket compiles. The weights and the optimizer are untouched.
+    backward, dropping the gradients after each: dynamo sees both change and makes them dynamic, so
+    no later bucket compiles. The weights and the optimizer are untouched. No forward runs while
+    gradients are held, which would add a copy of them to the peak (6 GiB on a 3B model).
     """
     cu = batch["cu_seq_lens_q"]
     wider = torch.cat((cu, cu[-1:].expand(64)))
@@ -86,7 +87,7 @@ def prewarm_buckets(model: torch.nn.Module, batch: dict) -> None:
                "max_length_q": 2 * batch["max_length_q"], "max_length_k": 2 * batch["max_length_k"]}
     for inputs in (batch, variant):
         model(**inputs).loss.backward()
-    model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
 
 
 def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
