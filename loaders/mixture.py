@@ -217,6 +217,11 @@ class PackedMixture(PackedIterableDataset):
             return self._row_loss_tokens[source].astype(np.int64)
         return self._readers[source].row_tokens.astype(np.int64)
 
+    @property
+    def readers(self) -> tuple[BuildReader, ...]:
+        """Each source's reader, in the order of ``names``."""
+        return tuple(self._readers)
+
     def manifests(self) -> dict[str, Any]:
         """Each source's manifest, by name."""
         return {name: reader.manifest for name, reader in zip(self.names, self._readers)}
