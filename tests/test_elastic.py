@@ -247,3 +247,57 @@ def test_a_stateful_dataloader_state_resumes_under_other_workers_ranks_and_batch
     unread = np.setdiff1d(np.arange(reference.reader.num_rows), row_of_example[examples])
     order = reference.reader.epoch_rows(0)
     assert np.array_equal(np.sort(order[order.size - unread.size:]), unread), "a row inside the epoch was skipped"
+
+
+@pytest.mark.parametrize(("kind", "change", "named"), [
+    ("single", {"seed": 1}, "seed 0 -> 1"),
+    ("single", {"shuffle": False}, "shuffle True -> False"),
+    ("single", {"shuffle_buffer_rows": 7}, "shuffle_buffer_rows 20 -> 7"),
+    ("mixture", {"seed": 1}, "seed 0 -> 1"),
+    ("mixture", {"unit": "rows"}, "fingerprint '[0-9a-f]+' -> '[0-9a-f]+'; unit 'tokens' -> 'rows'"),
+])
+def test_a_state_of_another_build_seed_or_shuffle_is_refused_in_one_line(builds, kind, change, named):
+    saved = make(builds, kind, batch_rows=2, world_size=2, rank=1)
+    next(iter(saved))
+    with pytest.raises(ValueError, match=f"cannot be resumed: {named}$") as refused:
+        make(builds, kind, **{"batch_rows": 3, **change}).load_state_dict(saved.state_dict())
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"fingerprint .* -> "):
+        other = "b" if kind == "single" else "a"
+        PackedIterableDataset(builds[other].path, verify_checksum=False).load_state_dict(saved.state_dict())
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("rank", 2, r"rank 2 must be in \[0, 1\] \(world_size 2\)"),
+    ("rank", "0", r"rank '0' must be in \[0, 1\]"),
+    ("world_size", 0, "world_size 0 must be a positive integer"),
+    ("batch_rows", None, "batch_rows None must be a positive integer when tokens_per_batch is null"),
+    ("tokens_per_batch", 8, "batch_rows 2 must be a positive integer when tokens_per_batch is null, else null"),
+    ("start_row", 10**6, r"start_row 1000000 must be in \[0, "),
+])
+def test_a_state_whose_layout_or_rank_no_run_had_is_refused_naming_the_field(builds, field, value, message):
+    """Loaded directly into a dataset, a state's rank must lie within its world size, its batch budget be one a
+    reader takes, and its first row inside the epoch: these place the rows all ranks had read."""
+    saved = make(builds, "single", batch_rows=2, world_size=2, rank=1)
+    next(iter(saved))
+    with pytest.raises(ValueError, match=f"^loader state: {message}") as refused:
+        make(builds, "single", batch_rows=3).load_state_dict({**saved.state_dict(), field: value})
+    assert "\n" not in str(refused.value)
+
+
+def test_a_worker_state_of_another_layout_names_the_whole_loader_state(builds):
+    """A new loader that loads the old loader's state hands each worker its own state: under another layout
+    that cannot be placed, and the error says to load the whole state into the dataset instead (which works)."""
+    dataset = make(builds, "single", batch_rows=2, world_size=2, rank=0)
+    loader = StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    del batches
+    resumed = make(builds, "single", batch_rows=3)
+    misused = StatefulDataLoader(resumed, batch_size=None, num_workers=2)
+    misused.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"load the StatefulDataLoader's whole state into the dataset \(dataset"):
+        list(misused)
+    resumed.load_state_dict(state)
+    assert len(list(StatefulDataLoader(resumed, batch_size=None, num_workers=2))) == len(resumed)
