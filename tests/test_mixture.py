@@ -414,6 +414,25 @@ def test_the_rows_trained_keep_their_shares_across_epochs_and_each_stream_is_rea
         assert np.array_equal(read, stream[: read.size])
 
 
+@pytest.mark.parametrize("reduction", ["token", "sequence"])
+def test_each_shard_is_opened_once_to_start_and_read_an_epoch(builds, monkeypatch, reduction):
+    """The row index, the sequence loss's example targets and the batches read the shards opened once, for a
+    single build and a mixture of three."""
+    from loaders import dataset as dataset_module
+
+    opened: list[str] = []
+    real_open = dataset_module.open_build_shard
+    monkeypatch.setattr(dataset_module, "open_build_shard",
+                        lambda path, *args, **kwargs: opened.append(str(path)) or real_open(path, *args, **kwargs))
+    shards = sorted(str(p) for p in builds["flan"].path.glob("shard-*.arrow"))
+    for batch in PackedIterableDataset(builds["flan"].path, batch_rows=2, loss_reduction=reduction):
+        assert batch["num_loss_tokens"] > 0
+    assert sorted(opened) == shards
+    opened.clear()
+    data = mixture(builds, loss_reduction=reduction)
+    assert sorted(opened) == sorted(str(p) for build in builds.values() for p in build.path.glob("shard-*.arrow"))
+
+
 def test_fixed_shapes_and_sequence_loss_weights(builds):
     for buckets in (False, True):
         data = mixture(builds, pad_to_fixed_shape=True, bucket_shapes=buckets, loss_reduction="sequence")
