@@ -3,8 +3,10 @@
     mixture = PackedMixture({"flan": "shards/flan-...", "gsm8k": "shards/gsm8k-..."},
                             weights={"flan": 0.7, "gsm8k": 0.3}, unit="tokens", batch_rows=2, seed=0)
 
-Each build is read by its own ``PackedIterableDataset`` (one rank, its own shuffle): its rows
-form an endless stream, epoch after epoch of that build, each reshuffled from (seed, epoch).
+Each build is read by its own ``BuildReader`` (``loaders.dataset``: its shards, rows and
+shuffle), through public methods; the mixture shares ``LoaderOptions`` with
+``PackedIterableDataset``. A build's rows form an endless stream, epoch after epoch of that
+build, each reshuffled from (seed, epoch).
 ``loaders.blend`` interleaves the streams row by row, earliest eligible deadline first, so
 every prefix of the mixture holds each source's share of the unit (real tokens, loss tokens or
 rows) to within one row. The interleaved rows are then cut into batches and dealt to ranks and
@@ -135,8 +137,12 @@ class PackedMixture(PackedIterableDataset):
             tokens) or ``"rows"``.
         max_epochs: {name: the most epochs of that build the stream may read}; a source not
             named repeats without bound. A mixture epoch that needs more fails with a ValueError.
-        The rest are ``PackedIterableDataset``'s (``shuffle_buffer_rows`` applies to every build;
-        by default each build's own four shards). ``example_weights`` is per build and not taken.
+        options, and the rest as keyword arguments: ``PackedIterableDataset``'s ``LoaderOptions``
+            (``shuffle_buffer_rows`` applies to every build; by default each build's own four
+            shards). ``expected_fingerprint`` and ``example_weights`` are per build and not taken.
+
+    A state may be loaded under other weights, world size or batch size (``load_state_dict``):
+    the new weights' shares hold from that step on.
 
     Every batch also carries ``source_ids`` (int64 [n]): the source index (the order of
     ``sources``) of each real sequence of ``cu_seq_lens``; a fixed shape's pad sequences after

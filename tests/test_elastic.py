@@ -141,7 +141,7 @@ def tail_bound(run, dataset) -> tuple[str, int]:
     return "rows", layout["world_size"] * layout["batch_rows"]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=FIXTURES)
+@settings(max_examples=25, deadline=None, suppress_health_check=FIXTURES)
 @given(data=st.data())
 def test_a_single_build_resumed_on_other_ranks_and_batch_sizes_reads_every_row_once(builds, known, data):
     run = data.draw(resumes(builds, "single"))
@@ -193,7 +193,7 @@ def assert_shares_from_here(batches, weights, largest):
         assert np.abs(totals - weights * totals.sum()).max() < largest, "a source is a row off its new share"
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=FIXTURES)
+@settings(max_examples=15, deadline=None, suppress_health_check=FIXTURES)
 @given(data=st.data())
 def test_a_mixture_resumed_on_other_ranks_batch_sizes_and_weights_reads_each_stream_in_order(builds, known, data):
     run = data.draw(resumes(builds, "mixture"))

@@ -429,7 +429,8 @@ def test_each_shard_is_opened_once_to_start_and_read_an_epoch(builds, monkeypatc
         assert batch["num_loss_tokens"] > 0
     assert sorted(opened) == shards
     opened.clear()
-    data = mixture(builds, loss_reduction=reduction)
+    for batch in mixture(builds, loss_reduction=reduction):
+        assert batch["num_loss_tokens"] > 0
     assert sorted(opened) == sorted(str(p) for build in builds.values() for p in build.path.glob("shard-*.arrow"))
 
 
