@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -243,17 +242,14 @@ class PackedMixture(PackedIterableDataset):
         ]
 
     def _identity(self) -> dict[str, Any]:
-        """The single build's settings, with the mixture (builds in order, unit, caps) in place of one fingerprint.
-        The order counts: ties in the schedule go to the earlier source."""
-        mixture = {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)}
-        max_epochs = dict(zip(self.names, self.max_epochs.tolist()))
-        described = json.dumps([self.names, mixture, self.unit.value, max_epochs], sort_keys=True)
+        """The single build's settings, with the mixture (builds in order, unit, caps) in place of its fingerprint
+        (a state of a single build, which names one, is refused). The order counts: ties in the schedule go to
+        the earlier source."""
         return {
-            "fingerprint": hashlib.sha256(described.encode()).hexdigest()[:16],
             "sources": list(self.names),
-            "mixture": mixture,
+            "mixture": {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)},
             "unit": self.unit.value,
-            "max_epochs": max_epochs,
+            "max_epochs": dict(zip(self.names, self.max_epochs.tolist())),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer_rows": self.shuffle_buffer_rows,

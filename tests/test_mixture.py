@@ -414,6 +414,24 @@ def test_the_rows_trained_keep_their_shares_across_epochs_and_each_stream_is_rea
         assert np.array_equal(read, stream[: read.size])
 
 
+def test_a_build_and_a_mixture_take_one_set_of_options(builds):
+    """One LoaderOptions for both; keyword arguments replace its fields; an unknown or per-build option is named."""
+    from loaders.dataset import LoaderOptions
+
+    options = LoaderOptions(batch_rows=2, seed=3, shuffle_buffer_rows=12)
+    paths = {name: build.path for name, build in builds.items()}
+    assert_same_batches(list(PackedMixture(paths, weights=WEIGHTS, options=options)),
+                        list(mixture(builds, shuffle_buffer_rows=12)))
+    single = PackedIterableDataset(builds["flan"].path, options=options, batch_rows=4)
+    assert (single.batch_rows, single.seed, single.shuffle_buffer_rows) == (4, 3, 12)
+    with pytest.raises(TypeError, match="unknown loader option 'batch_size'"):
+        PackedIterableDataset(builds["flan"].path, batch_size=2)
+    with pytest.raises(TypeError, match="example_weights is per build, so a mixture does not take it"):
+        PackedMixture(paths, weights=WEIGHTS, example_weights=np.ones(3))
+    with pytest.raises(ValueError, match="give batch_rows or tokens_per_batch, not both"):
+        LoaderOptions(batch_rows=2, tokens_per_batch=4 * CAPACITY)
+
+
 @pytest.mark.parametrize("reduction", ["token", "sequence"])
 def test_each_shard_is_opened_once_to_start_and_read_an_epoch(builds, monkeypatch, reduction):
     """The row index, the sequence loss's example targets and the batches read the shards opened once, for a
