@@ -12,6 +12,7 @@ import dataclasses
 import multiprocessing
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -22,7 +23,15 @@ from loaders.collate import FixedShape, collate_rows, fixed_shape
 from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weighting
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
-from loaders.resume import Position, StaleStateError, check_position, from_state_dict, to_state_dict
+from loaders.resume import (
+    Position,
+    SavedState,
+    StaleStateError,
+    check_layout,
+    check_position,
+    from_state_dict,
+    to_state_dict,
+)
 from loaders.shard_reader import Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import checked_shards
@@ -56,6 +65,162 @@ def check_manifest(
         )
     if manifest.num_rows == 0:
         raise ManifestError(f"{source}: the build holds no rows, so there is nothing to train on; check the input data")
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The options of ``PackedIterableDataset`` and ``PackedMixture``: their keyword arguments, one to one.
+
+    Checked when made; see ``PackedIterableDataset`` for what each does. ``shuffle_buffer_rows``
+    None is each build's four shards of rows; ``rank`` and ``world_size`` None are
+    torch.distributed's (or 0 and 1).
+
+    >>> LoaderOptions(batch_rows=4, seed=1).tokens_per_batch is None
+    True
+    """
+
+    batch_rows: int = 1
+    tokens_per_batch: int | None = None
+    shuffle: bool = True
+    seed: int = 0
+    shuffle_buffer_rows: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    expected_tokenizer_hash: str | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    verify_checksum: bool = True
+    pad_to_fixed_shape: bool = False
+    bucket_shapes: bool = False
+    pad_token_id: int = 0
+    loss_reduction: str = "token"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.tokens_per_batch is None:
+            positive_int("batch_rows", self.batch_rows)
+        else:
+            if self.batch_rows != 1:
+                raise ValueError("give batch_rows or tokens_per_batch, not both")
+            positive_int("tokens_per_batch", self.tokens_per_batch)
+        if self.shuffle_buffer_rows is not None:
+            positive_int("shuffle_buffer_rows", self.shuffle_buffer_rows)
+        if self.bucket_shapes and not self.pad_to_fixed_shape:
+            raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
+
+    @classmethod
+    def of(cls, options: LoaderOptions | None, settings: dict[str, Any]) -> LoaderOptions:
+        """``options`` (or the defaults) with the keyword arguments ``settings`` in place; TypeError naming an unknown one."""
+        unknown = sorted(set(settings) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown loader option {unknown[0]!r}; the options are the fields of LoaderOptions")
+        return dataclasses.replace(options or cls(), **settings)
+
+
+class BuildReader:
+    """One build read alone: its manifest, its shards (each opened and checked once, then memory-mapped on
+    demand), the tokens and segments of every row, and the order in which each epoch reads its rows.
+
+    ``PackedIterableDataset`` batches one; ``PackedMixture`` blends several.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        options: LoaderOptions,
+        expected_fingerprint: str | None = None,
+        example_weights: np.ndarray | None = None,
+    ) -> None:
+        location = locate(source)
+        manifest = location.read_manifest()
+        check_manifest(manifest, location.source, expected_fingerprint, options.expected_tokenizer_hash)
+        self.manifest = manifest
+        self.source = location.source
+        self.capacity = manifest.capacity
+        self.shuffle, self.seed = bool(options.shuffle), int(options.seed)
+        self.shuffle_buffer_rows = options.shuffle_buffer_rows or DEFAULT_SHUFFLE_WINDOW_SHARDS * manifest.rows_per_shard
+        # Each shard's identity on disk when it was verified (or first opened): a reopen, here or in a worker, compares.
+        self._paths, self._identities = checked_shards(location, manifest, options.cache_dir, options.verify_checksum)
+        self._open_shards: OrderedDict[int, Shard] = OrderedDict()
+        shards = [self._open(index) for index in range(len(self._paths))]
+        self.row_tokens, self.row_segments = self._row_index(shards)
+        self.loss_weighting = make_loss_weighting(
+            options.loss_reduction, example_weights, manifest.num_example_ids, location.source,
+            shards if options.loss_reduction == LossReduction.SEQUENCE else (),
+        )
+        self.first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)
+        for index, shard in enumerate(shards[: self._max_open_shards()]):  # the first shards stay mapped
+            self._open_shards[index] = shard
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.first_row[-1])
+
+    def _row_index(self, shards: list[Shard]) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and segments of every row, checked against the manifest's token counts."""
+        tokens = [np.diff(shard.token_offsets).astype(np.int32) for shard in shards]
+        for path, info, counts in zip(self._paths, self.manifest.shards, tokens):
+            if int(counts.sum()) != info.tokens:
+                raise ManifestError(f"{path}: holds {int(counts.sum())} tokens, the manifest says {info.tokens}; rebuild it")
+        segments = [(np.diff(shard.cu_offsets) - 1).astype(np.int32) for shard in shards]
+        return np.concatenate(tokens), np.concatenate(segments)
+
+    def segments_histogram(self) -> dict[str, int]:
+        """The manifest's histogram {segments in a row: rows}, checked against the shards."""
+        counts, rows = np.unique(self.row_segments, return_counts=True)
+        actual = {str(c): int(r) for c, r in zip(counts.tolist(), rows.tolist())}
+        declared = {k: v for k, v in self.manifest.stats.segments_per_row.items() if v}
+        if actual != declared:
+            raise ManifestError(
+                f"{self.source}: the manifest's stats.segments_per_row disagrees with the shards, so the fixed "
+                "cu_seqlens length cannot be trusted; rebuild the manifest"
+            )
+        return declared
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """Row ids of the build in the order ``epoch`` reads them (``shuffle.epoch_row_order``)."""
+        return epoch_row_order(np.diff(self.first_row), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                               buffer_rows=self.shuffle_buffer_rows)
+
+    def _open(self, index: int) -> Shard:
+        """Open shard ``index``; one changed on disk since it was first opened is hashed again (refused unless whole)."""
+        shard = open_build_shard(self._paths[index], self.manifest, index, verified=self._identities[index])
+        self._identities[index] = shard.identity
+        return shard
+
+    def _max_open_shards(self) -> int:
+        """How many shards stay mapped: twice a shuffle window's, and two more."""
+        return 2 * -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard) + 2
+
+    def shard(self, index: int) -> Shard:
+        """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound.
+
+        Asked before every batch that reads from it: a shard truncated or rewritten since it was
+        mapped is opened (and checked) again, so a truncated shard is refused, naming it, instead of
+        killing the process with SIGBUS."""
+        shard = self._open_shards.get(index)
+        if shard is not None and not shard.unchanged():
+            del self._open_shards[index]
+            shard = None
+        if shard is None:
+            shard = self._open(index)
+            self._open_shards[index] = shard
+            while len(self._open_shards) > self._max_open_shards():
+                self._open_shards.popitem(last=False)
+        else:
+            self._open_shards.move_to_end(index)
+        return shard
+
+    def shard_rows(self, rows: np.ndarray) -> list[tuple[Shard, int]]:
+        """(shard, row in the shard) of each of the build's row ids."""
+        shard_of_row = np.searchsorted(self.first_row, rows, side="right") - 1
+        local = rows - self.first_row[shard_of_row]
+        shards = {s: self.shard(s) for s in dict.fromkeys(shard_of_row.tolist())}  # each checked once per batch
+        return [(shards[s], r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open memory maps stay behind; a worker reopens what it reads.
+        return {**self.__dict__, "_open_shards": OrderedDict()}
 
 
 class PackedIterableDataset(IterableDataset):
@@ -120,6 +285,9 @@ class PackedIterableDataset(IterableDataset):
     finishes its pass moves on to the next epoch by itself, so persistent workers (which never
     see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order.
 
+    Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
+    argument replaces that field), the one set of options ``PackedMixture`` shares.
+
     Resume: ``state_dict()`` / ``load_state_dict()`` hold (epoch, next batch). Iterating in
     the training process (``num_workers=0``: far more than a GPU consumes, and faster than
     workers, whose batches are copied between processes) the state is exact. With workers,
@@ -132,119 +300,70 @@ class PackedIterableDataset(IterableDataset):
     A resumed run reads what the uninterrupted run reads, from any point: a state saved after
     an epoch's loop ended resumes at the next epoch (see ``set_epoch``). A position outside
     the epoch is refused.
+
+    Elastic resume: a state saved by any rank of a run on N ranks (all at the same step) loads
+    into any rank of a run on M ranks, also with another ``batch_rows`` or ``tokens_per_batch``.
+    The state says how many of the epoch's rows all ranks had read; the new run cuts its list of
+    batches from the rows after them, so every row of the epoch is read once, but for the tail
+    that does not fill a batch on every rank. Another build, seed or shuffle is refused.
     """
 
     _epoch_named: int | None  # the latest set_epoch's argument
-    _plan_cache: tuple[int, EpochPlan] | None
-    _open_shards: OrderedDict[int, Shard]
+    _plan_cache: tuple[tuple[int, int], EpochPlan] | None
 
     def __init__(
         self,
         source: str | os.PathLike[str],
         *,
-        batch_rows: int = 1,
-        tokens_per_batch: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        shuffle_buffer_rows: int | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
+        options: LoaderOptions | None = None,
         expected_fingerprint: str | None = None,
-        expected_tokenizer_hash: str | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        verify_checksum: bool = True,
-        pad_to_fixed_shape: bool = False,
-        bucket_shapes: bool = False,
-        pad_token_id: int = 0,
-        loss_reduction: str = "token",
         example_weights: np.ndarray | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
-        location = locate(source)
-        manifest = location.read_manifest()
-        check_manifest(manifest, location.source, expected_fingerprint, expected_tokenizer_hash)
-        self.manifest = manifest
-        self.source = location.source
-        self.capacity = manifest.capacity
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        self.shuffle = bool(shuffle)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = int(seed)
-        if shuffle_buffer_rows is None:
-            shuffle_buffer_rows = DEFAULT_SHUFFLE_WINDOW_SHARDS * manifest.rows_per_shard
-        self.shuffle_buffer_rows = positive_int("shuffle_buffer_rows", shuffle_buffer_rows)
-        if tokens_per_batch is None:
-            self.batch_rows: int | None = positive_int("batch_rows", batch_rows)
-            self.tokens_per_batch: int | None = None
-        else:
-            if batch_rows != 1:
-                raise ValueError("give batch_rows or tokens_per_batch, not both")
-            self.batch_rows = None
-            self.tokens_per_batch = positive_int("tokens_per_batch", tokens_per_batch)
-            if self.tokens_per_batch < self.capacity:
-                raise ValueError(
-                    f"tokens_per_batch={self.tokens_per_batch} is smaller than one row (capacity {self.capacity} "
-                    f"tokens), so a full row would not fit; use at least {self.capacity}, or rebuild with a "
-                    "smaller max_len"
-                )
-        self.pad_token_id = int(pad_token_id)
-        if bucket_shapes and not pad_to_fixed_shape:
-            raise ValueError("bucket_shapes buckets the fixed shapes of pad_to_fixed_shape=True; set both")
-        self.bucket_shapes = bool(bucket_shapes)
-        # Each shard's identity on disk when it was verified (or first opened): a reopen, here or in a worker, compares.
-        self._paths, self._identities = checked_shards(location, manifest, cache_dir, verify_checksum)
-        self.loss_weighting = make_loss_weighting(
-            loss_reduction, example_weights, manifest.num_example_ids, location.source,
-            [self._open(index) for index in range(len(self._paths))]
-            if loss_reduction == LossReduction.SEQUENCE else (),
-        )
-        row_tokens, row_segments = self._read_row_index()
+        options = LoaderOptions.of(options, settings)
+        self.reader = BuildReader(source, options, expected_fingerprint, example_weights)
+        self.manifest = self.reader.manifest
+        self.source = self.reader.source
+        self.shuffle_buffer_rows = self.reader.shuffle_buffer_rows
+        self.loss_weighting = self.reader.loss_weighting
+        self._start(options, self.reader.row_tokens, self.reader.row_segments,
+                    self.reader.segments_histogram() if options.pad_to_fixed_shape else None)
+
+    # ---- set-up, shared with PackedMixture ------------------------------------------------------
+
+    def _start(self, options: LoaderOptions, row_tokens: np.ndarray, row_segments: np.ndarray,
+               segments_histogram: dict[str, int] | None) -> None:
+        """Set the batching options of the rows ``row_tokens`` (of ``self.manifest``'s capacity) and start at epoch 0."""
+        self.options = options
+        self.capacity = self.manifest.capacity
+        self.rank, self.world_size = resolve_rank(options.rank, options.world_size)
+        self.shuffle, self.seed = bool(options.shuffle), int(options.seed)
+        self.batch_rows: int | None = options.batch_rows if options.tokens_per_batch is None else None
+        self.tokens_per_batch: int | None = options.tokens_per_batch
+        if self.tokens_per_batch is not None and self.tokens_per_batch < self.capacity:
+            raise ValueError(
+                f"tokens_per_batch={self.tokens_per_batch} is smaller than one row (capacity {self.capacity} "
+                f"tokens), so a full row would not fit; use at least {self.capacity}, or rebuild with a smaller max_len"
+            )
+        self.pad_token_id = int(options.pad_token_id)
+        self.bucket_shapes = bool(options.bucket_shapes)
         self._row_tokens = row_tokens
         self._row_segments = row_segments
-        self._first_row = np.concatenate(([0], np.cumsum([s.rows for s in manifest.shards]))).astype(np.int64)
-        num_rows = int(self._first_row[-1])
-        if num_rows < self.world_size:
+        if row_tokens.size < self.world_size:
             raise ValueError(
-                f"world size {self.world_size} is larger than the {num_rows} rows of {location.source}: "
+                f"world size {self.world_size} is larger than the {row_tokens.size} rows of {self.source}: "
                 "some ranks would get no data; use fewer ranks or more data"
             )
-        self.fixed_shape: FixedShape | None = self._fixed_shape(row_segments) if pad_to_fixed_shape else None
-
+        self.fixed_shape: FixedShape | None = (
+            None if segments_histogram is None else self._batch_shape(segments_histogram))
         self._start_reading()
         if len(self) == 0:
             per_batch = f"{self.batch_rows} rows" if self.batch_rows else f"up to {self.tokens_per_batch} tokens"
             raise ValueError(
-                f"{location.source}: {num_rows} rows make fewer batches of {per_batch} than the world size "
+                f"{self.source}: {row_tokens.size} rows make fewer batches of {per_batch} than the world size "
                 f"{self.world_size}, so every rank would get none; use smaller batches or fewer ranks"
             )
-
-    # ---- set-up -------------------------------------------------------------------------
-
-    def _read_row_index(self) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and segments of every row, read (and checked) from each shard once."""
-        tokens, segments = [], []
-        for index, (path, info) in enumerate(zip(self._paths, self.manifest.shards)):
-            shard = self._open(index)
-            tokens.append(np.diff(shard.token_offsets).astype(np.int32))
-            segments.append((np.diff(shard.cu_offsets) - 1).astype(np.int32))
-            if int(tokens[-1].sum()) != info.tokens:
-                raise ManifestError(
-                    f"{path}: holds {int(tokens[-1].sum())} tokens, the manifest says {info.tokens}; rebuild it"
-                )
-        return np.concatenate(tokens), np.concatenate(segments)
-
-    def _fixed_shape(self, row_segments: np.ndarray) -> FixedShape:
-        """The one batch shape: tokens from the batch size, sequences from the manifest's histogram."""
-        counts, rows = np.unique(row_segments, return_counts=True)
-        actual = {str(c): int(r) for c, r in zip(counts.tolist(), rows.tolist())}
-        declared = {k: v for k, v in self.manifest.stats.segments_per_row.items() if v}
-        if actual != declared:
-            raise ManifestError(
-                f"{self.source}: the manifest's stats.segments_per_row disagrees with the shards, so the fixed "
-                "cu_seqlens length cannot be trusted; rebuild the manifest"
-            )
-        return self._batch_shape(declared)
 
     def _batch_shape(self, segments_per_row: dict[str, int]) -> FixedShape:
         """The fixed shape of this reader's batches, given the histogram of segments per row of its rows."""
@@ -259,82 +378,46 @@ class PackedIterableDataset(IterableDataset):
         )
 
     def _identity(self) -> dict[str, Any]:
-        """The settings that fix the epoch's list of batches; a state only resumes under the same."""
+        """The settings that fix the order of the epoch's rows; a state only resumes under the same."""
         return {
             "fingerprint": self.manifest.fingerprint,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer_rows": self.shuffle_buffer_rows,
-            "batch_rows": self.batch_rows,
-            "tokens_per_batch": self.tokens_per_batch,
-            "world_size": self.world_size,
         }
 
-    # ---- epochs, plans and shards ---------------------------------------------------------
+    def _layout(self) -> dict[str, Any]:
+        """How this reader cuts the rows into batches and deals them; a resume may change it (``LAYOUT_KEYS``)."""
+        return {"world_size": self.world_size, "batch_rows": self.batch_rows, "tokens_per_batch": self.tokens_per_batch,
+                "rank": self.rank}
 
-    def _plan(self, epoch: int) -> EpochPlan:
-        """This rank's batches of ``epoch`` (cached for the latest epoch)."""
-        if self._plan_cache is None or self._plan_cache[0] != epoch:
-            plan = plan_epoch(
-                self._epoch_rows(epoch),
-                self._row_tokens,
-                rank=self.rank,
-                world_size=self.world_size,
-                batch_rows=self.batch_rows or 1,
-                tokens_per_batch=self.tokens_per_batch,
-            )
-            self._plan_cache = (epoch, plan)
+    # ---- epochs, plans and batches -------------------------------------------------------------
+
+    def _plan(self, epoch: int, start_row: int = 0) -> EpochPlan:
+        """This rank's batches of ``epoch``, cut from its rows after the first ``start_row`` (cached for the latest)."""
+        if self._plan_cache is None or self._plan_cache[0] != (epoch, start_row):
+            self._plan_cache = ((epoch, start_row), self._plan_of(self._epoch_rows(epoch)[start_row:], self._layout()))
         return self._plan_cache[1]
 
+    def _plan_of(self, rows: np.ndarray, layout: dict[str, Any]) -> EpochPlan:
+        """The batches of rank ``layout["rank"]`` cut from ``rows`` under ``layout`` (this reader's, or a saved one)."""
+        return plan_epoch(rows, self._row_tokens, rank=layout["rank"], world_size=layout["world_size"],
+                          batch_rows=layout["batch_rows"] or 1, tokens_per_batch=layout["tokens_per_batch"])
+
     def _epoch_rows(self, epoch: int) -> np.ndarray:
-        """Global row ids in the order ``epoch`` reads them (``shuffle.epoch_row_order``)."""
-        return epoch_row_order(
-            np.diff(self._first_row), seed=self.seed, epoch=epoch, shuffle=self.shuffle, buffer_rows=self.shuffle_buffer_rows
-        )
-
-    def _open(self, index: int) -> Shard:
-        """Open shard ``index``; one changed on disk since it was first opened is hashed again (refused unless whole)."""
-        shard = open_build_shard(self._paths[index], self.manifest, index, verified=self._identities[index])
-        self._identities[index] = shard.identity
-        return shard
-
-    def _shard(self, index: int) -> Shard:
-        """Shard ``index``, memory-mapped on first use; the least recently used are closed past a bound.
-
-        Asked before every batch that reads from it: a shard truncated or rewritten since it was
-        mapped is opened (and checked) again, so a truncated shard is refused, naming it, instead of
-        killing the process with SIGBUS."""
-        shard = self._open_shards.get(index)
-        if shard is not None and not shard.unchanged():
-            del self._open_shards[index]
-            shard = None
-        if shard is None:
-            shard = self._open(index)
-            self._open_shards[index] = shard
-            window_shards = -(-self.shuffle_buffer_rows // self.manifest.rows_per_shard)
-            while len(self._open_shards) > 2 * window_shards + 2:
-                self._open_shards.popitem(last=False)
-        else:
-            self._open_shards.move_to_end(index)
-        return shard
+        """Row ids in the order ``epoch`` reads them."""
+        return self.reader.epoch_rows(epoch)
 
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
-        """The batch of the given global row ids."""
-        shard_rows = self._shard_rows(rows)
+        """The batch of the given row ids."""
+        shard_rows = self.reader.shard_rows(rows)
         batch = collate_rows(shard_rows, fixed=self.fixed_shape, pad_token_id=self.pad_token_id)
         if self.loss_weighting.is_plain_token_mean:
             return batch
         return add_loss_weights(batch, shard_rows, self.loss_weighting)
 
-    def _shard_rows(self, rows: np.ndarray) -> list[tuple[Shard, int]]:
-        """(shard, row in the shard) of each global row id."""
-        shard_of_row = np.searchsorted(self._first_row, rows, side="right") - 1
-        local = rows - self._first_row[shard_of_row]
-        shards = {s: self._shard(s) for s in dict.fromkeys(shard_of_row.tolist())}  # each checked once per batch
-        return [(shards[s], r) for s, r in zip(shard_of_row.tolist(), local.tolist())]
-
     def _start_reading(self) -> None:
-        """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no shard open."""
+        """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no plan cached."""
         self._position = Position(epoch=0)
         self._loaded = False
         # Set by a DataLoader worker that reads this dataset, in memory the training process shares: the
@@ -342,7 +425,6 @@ class PackedIterableDataset(IterableDataset):
         self._read_by_workers: Any = multiprocessing.RawValue("b", 0)
         self._epoch_named = None
         self._plan_cache = None
-        self._open_shards = OrderedDict()
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch; the current epoch keeps its position (so a resumed run may call it).
@@ -366,8 +448,9 @@ class PackedIterableDataset(IterableDataset):
         return self._position.epoch
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (for the current epoch: under a token budget it can vary by a few)."""
-        return len(self._plan(self._position.epoch))
+        """Batches per epoch on this rank (for the current epoch: under a token budget it can vary by a few; after
+        a resume under another layout, those of the rest of the epoch)."""
+        return len(self._plan(self._position.epoch, self._position.start_row))
 
     # ---- iteration and resume -----------------------------------------------------------------
 
@@ -378,18 +461,22 @@ class PackedIterableDataset(IterableDataset):
             self._read_by_workers.value = 1
         position = self._position
         if position.finished and self._loaded and self._epoch_named == position.epoch:
-            end = len(self._plan(position.epoch))
-            position = Position(position.epoch, pass_start=end, next_batch=end)  # the loop names the finished epoch
-        elif position.finished and (position.num_workers == 1 or not self._loaded):
+            # The loop names the finished epoch: this pass reads nothing, and stays where the epoch finished.
+            done = position.batches_read(len(self._plan(position.epoch, position.start_row)))
+            self._position = Position(position.epoch, position.start_row, done, done + worker_id, worker_id, num_workers,
+                                      finished=True)
+            self._loaded = False
+            return iter(())
+        if position.finished and (position.num_workers == 1 or not self._loaded):
             position = Position(epoch=position.epoch + 1)
         pass_start, first = position.first_batch(worker_id, num_workers)
         # Set the position now, not on the first next(): torchdata reads the state right after iter().
-        self._position = Position(position.epoch, pass_start, first, worker_id, num_workers)
+        self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
         self._loaded = False
-        return self._batches(position.epoch, first, num_workers)
+        return self._batches(position.epoch, position.start_row, first, num_workers)
 
-    def _batches(self, epoch: int, first: int, num_workers: int) -> Iterator[dict[str, torch.Tensor | int]]:
-        plan = self._plan(epoch)
+    def _batches(self, epoch: int, start_row: int, first: int, num_workers: int) -> Iterator[dict[str, torch.Tensor | int]]:
+        plan = self._plan(epoch, start_row)
         for position in range(first, len(plan), num_workers):
             batch = self._collate(plan.batch_rows(position))
             self._position = dataclasses.replace(self._position, next_batch=position + num_workers)
@@ -408,32 +495,78 @@ class PackedIterableDataset(IterableDataset):
                 "not the loader's; save torchdata's StatefulDataLoader.state_dict() instead (exact for any "
                 "num_workers), or read with num_workers=0"
             )
-        return to_state_dict(self._position, self._identity(), self.rank)
+        return to_state_dict(self._position, self._identity(), self._layout())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the position in ``state_dict``: this dataset's own, or a whole StatefulDataLoader state.
 
-        The next iteration seeks straight to the next batch; nothing before it is read again.
+        The next iteration seeks straight to the next batch; nothing before it is read again. A state
+        saved under another layout (world size, batch size) continues after the rows all ranks had read.
         """
-        position = from_state_dict(state_dict, self._identity())
+        saved = self._read_state(state_dict)
+        rows = self._epoch_rows(saved.position.epoch)
+        self._check_saved_position(saved, rows)
+        same = saved.layout == self._layout()
+        self._set_position(saved.position if same else self._elastic_position(saved, rows))
+
+    def _read_state(self, state_dict: dict[str, Any]) -> SavedState:
+        """The position and layout of ``state_dict``, its identity and layout checked; a rank's own state, or any
+        rank's of the same layout (all ranks stand at the same step)."""
+        saved = from_state_dict(state_dict, self._identity(), tuple(self._layout()))
+        check_layout(saved.layout, self.capacity)
+        position = saved.position
         if position.num_workers > 1 and get_worker_info() is None:
             raise ValueError(
                 f"this state is DataLoader worker {position.worker_id}'s alone; load the StatefulDataLoader's "
                 "whole state_dict instead (dataset.load_state_dict(loader.state_dict()))"
             )
-        check_position(position, len(self._plan(position.epoch)))
+        if {**saved.layout, "rank": self.rank} == self._layout():
+            return SavedState(position, self._layout())
+        return saved
+
+    def _check_saved_position(self, saved: SavedState, rows: np.ndarray) -> None:
+        """ValueError unless ``saved``'s position lies inside its epoch's ``rows`` as its layout cuts them."""
+        position = saved.position
+        if position.start_row > rows.size:
+            raise ValueError(f"loader state: start_row {position.start_row} must be in [0, {rows.size}] (epoch "
+                             f"{position.epoch} has {rows.size} rows); the state is corrupt or was edited")
+        check_position(position, len(self._plan_of(rows[position.start_row:], saved.layout)))
+
+    def _elastic_position(self, saved: SavedState, rows: np.ndarray) -> Position:
+        """A rank-level position of this reader's layout where ``saved`` (of another layout) stands in ``rows``.
+
+        The rows all ranks had read come first; this reader's batches are cut from the rest. A
+        finished epoch stays finished there: a loop that names it reads nothing more of it.
+        """
+        position = saved.position
+        if position.num_workers > 1:
+            raise ValueError(
+                f"this state is DataLoader worker {position.worker_id}'s, saved with world_size "
+                f"{saved.layout['world_size']}, batch_rows {saved.layout['batch_rows']} and tokens_per_batch "
+                f"{saved.layout['tokens_per_batch']}; to resume under other ones, load the StatefulDataLoader's whole "
+                "state into the dataset (dataset.load_state_dict(loader.state_dict())), not into the new loader"
+            )
+        return Position(position.epoch, self._rows_read(saved, rows), finished=position.finished)
+
+    def _rows_read(self, saved: SavedState, rows: np.ndarray) -> int:
+        """How many of the epoch's ``rows`` all ranks had read where the rank-level ``saved`` position stands."""
+        position = saved.position
+        plan = self._plan_of(rows[position.start_row:], saved.layout)
+        return position.start_row + plan.rows_read(position.batches_read(len(plan)))
+
+    def _set_position(self, position: Position) -> None:
+        """Read from ``position`` next (already checked against its epoch)."""
         self._position = position
         self._loaded = True
         if get_worker_info() is None and self._read_by_workers is not None:
             self._read_by_workers.value = 0  # the position is the loader's again
 
     def __getstate__(self) -> dict[str, Any]:
-        # Open memory maps and the cached plan stay behind; a worker reopens what it reads.
+        # The cached plan stays behind; a copy made otherwise than for a worker is a dataset of its own.
         state = self.__dict__.copy()
-        state["_open_shards"] = OrderedDict()
         state["_plan_cache"] = None
         if not _spawning_a_process():
-            state["_read_by_workers"] = None  # a copy made otherwise than for a worker is a dataset of its own
+            state["_read_by_workers"] = None
         return state
 
 

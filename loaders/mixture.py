@@ -3,8 +3,10 @@
     mixture = PackedMixture({"flan": "shards/flan-...", "gsm8k": "shards/gsm8k-..."},
                             weights={"flan": 0.7, "gsm8k": 0.3}, unit="tokens", batch_rows=2, seed=0)
 
-Each build is read by its own ``PackedIterableDataset`` (one rank, its own shuffle): its rows
-form an endless stream, epoch after epoch of that build, each reshuffled from (seed, epoch).
+Each build is read by its own ``BuildReader`` (``loaders.dataset``: its shards, rows and
+shuffle), through public methods; the mixture shares ``LoaderOptions`` with
+``PackedIterableDataset``. A build's rows form an endless stream, epoch after epoch of that
+build, each reshuffled from (seed, epoch).
 ``loaders.blend`` interleaves the streams row by row, earliest eligible deadline first, so
 every prefix of the mixture holds each source's share of the unit (real tokens, loss tokens or
 rows) to within one row. The interleaved rows are then cut into batches and dealt to ranks and
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -40,13 +41,13 @@ from typing import Any, NoReturn
 import fsspec
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset
 
 from loaders.blend import BlendState, blend, check_weights, integer_weights
 from loaders.collate import IGNORE_INDEX, SOURCE_IDS, collate_rows
-from loaders.dataset import PackedIterableDataset
+from loaders.dataset import BuildReader, LoaderOptions, PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
-from loaders.partition import max_rows_per_batch, plan_epoch, resolve_rank
-from loaders.resume import from_state_dict
+from loaders.partition import max_rows_per_batch
 from loaders.shard_reader import Shard
 from schemas import ManifestError, VarpackError, one_of, positive_int
 
@@ -81,7 +82,20 @@ class _StreamPosition:
     offset: int = 0
 
 
-_EpochStart = tuple[BlendState, tuple[_StreamPosition, ...]]
+@dataclass(frozen=True)
+class ScheduleStart:
+    """Where a mixture epoch's rows start: the schedule since the weights took effect, the units each source
+    had given before (``since``: all 0 until a resume changes the weights), and each source's stream position."""
+
+    blend: BlendState
+    since: tuple[int, ...]
+    streams: tuple[_StreamPosition, ...]
+
+    @classmethod
+    def first(cls, num_sources: int) -> ScheduleStart:
+        return cls(BlendState.start(num_sources), (0,) * num_sources, (_StreamPosition(),) * num_sources)
+
+
 SCHEDULE = "mixture_schedule"  # the state dict's key for where the state's mixture epoch starts
 MAX_COUNT = 1 << 53  # units or epochs a float counts exactly; no run reads as many
 
@@ -122,8 +136,12 @@ class PackedMixture(PackedIterableDataset):
             tokens) or ``"rows"``.
         max_epochs: {name: the most epochs of that build the stream may read}; a source not
             named repeats without bound. A mixture epoch that needs more fails with a ValueError.
-        The rest are ``PackedIterableDataset``'s (``shuffle_buffer_rows`` applies to every build;
-        by default each build's own four shards). ``example_weights`` is per build and not taken.
+        options, and the rest as keyword arguments: ``PackedIterableDataset``'s ``LoaderOptions``
+            (``shuffle_buffer_rows`` applies to every build; by default each build's own four
+            shards). ``expected_fingerprint`` and ``example_weights`` are per build and not taken.
+
+    A state may be loaded under other weights, world size or batch size (``load_state_dict``):
+    the new weights' shares hold from that step on.
 
     Every batch also carries ``source_ids`` (int64 [n]): the source index (the order of
     ``sources``) of each real sequence of ``cu_seq_lens``; a fixed shape's pad sequences after
@@ -137,67 +155,41 @@ class PackedMixture(PackedIterableDataset):
         weights: Mapping[str, float],
         unit: str = "tokens",
         max_epochs: Mapping[str, int] | None = None,
-        batch_rows: int = 1,
-        tokens_per_batch: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        shuffle_buffer_rows: int | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        expected_tokenizer_hash: str | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        verify_checksum: bool = True,
-        pad_to_fixed_shape: bool = False,
-        bucket_shapes: bool = False,
-        pad_token_id: int = 0,
-        loss_reduction: str = "token",
+        options: LoaderOptions | None = None,
+        **settings: Any,
     ) -> None:
+        IterableDataset.__init__(self)
         if not sources:
             raise ValueError("a mixture needs at least one source")
-        if tokens_per_batch is not None and batch_rows != 1:
-            raise ValueError("give batch_rows or tokens_per_batch, not both")
+        if "example_weights" in settings or "expected_fingerprint" in settings:
+            name = "example_weights" if "example_weights" in settings else "expected_fingerprint"
+            raise TypeError(f"{name} is per build, so a mixture does not take it")
+        options = LoaderOptions.of(options, settings)
         self.names = list(sources)
         for name, path in sources.items():
             _check_build(name, path)
         self.unit = one_of("unit", unit, MixtureUnit)
         self.weights = check_weights(weights, self.names)
         self.max_epochs = _check_max_epochs(max_epochs, self.names)
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        # Each build read alone, by one rank, in rows: it checks the options, the build and its shuffle.
-        self._readers: list[PackedIterableDataset] = []
+        self._readers: list[BuildReader] = []
         for name, path in sources.items():
             try:
-                self._readers.append(PackedIterableDataset(
-                    path, batch_rows=1, tokens_per_batch=tokens_per_batch, shuffle=shuffle, seed=seed,
-                    shuffle_buffer_rows=shuffle_buffer_rows, rank=0, world_size=1,
-                    expected_tokenizer_hash=expected_tokenizer_hash, cache_dir=cache_dir,
-                    verify_checksum=verify_checksum, pad_to_fixed_shape=pad_to_fixed_shape,
-                    bucket_shapes=bucket_shapes, pad_token_id=pad_token_id, loss_reduction=loss_reduction))
+                self._readers.append(BuildReader(path, options))
             except FileNotFoundError as err:
                 raise ManifestError(f"mixture source {name!r}: {path}: no such build ({err})") from None
             except ManifestError as err:  # the build's own error names its file; this names the source too
                 raise type(err)(f"mixture source {name!r}: {err}") from None
         _check_compatible(self.names, self._readers)
-        first = self._readers[0]
-        self.manifest = first.manifest  # the builds share its tokenizer and capacity; manifests() has each
+        self.manifest = self._readers[0].manifest  # the builds share its tokenizer and capacity; manifests() has each
         self.builds = {name: reader.source for name, reader in zip(self.names, self._readers)}
         self.source = "mixture of " + ", ".join(f"{name}={build}" for name, build in self.builds.items())
-        self.capacity = first.capacity
-        self.shuffle, self.seed = first.shuffle, first.seed
-        self.shuffle_buffer_rows = shuffle_buffer_rows or 0  # 0: each build's own default
-        self.tokens_per_batch = first.tokens_per_batch
-        self.batch_rows = positive_int("batch_rows", batch_rows) if tokens_per_batch is None else None
-        self.pad_token_id, self.bucket_shapes = first.pad_token_id, first.bucket_shapes
+        self.shuffle_buffer_rows = options.shuffle_buffer_rows or 0  # 0: each build's own default
 
-        self._source_first_row = np.concatenate(([0], np.cumsum([r.manifest.num_rows for r in self._readers])))
-        self._row_tokens = np.concatenate([r._row_tokens for r in self._readers])
-        self._row_segments = np.concatenate([r._row_segments for r in self._readers])
-        # Each global row's (source, shard of that build, row in the shard): a batch's rows are one lookup.
+        self._source_first_row = np.concatenate(([0], np.cumsum([r.num_rows for r in self._readers])))
+        # Each global row's (source, row of that build): a batch's rows are one lookup.
         self._row_place = np.stack((
             np.repeat(np.arange(len(self._readers)), np.diff(self._source_first_row)),
-            np.concatenate([np.repeat(np.arange(len(r.manifest.shards)), [s.rows for s in r.manifest.shards])
-                            for r in self._readers]),
-            np.concatenate([np.arange(s.rows) for r in self._readers for s in r.manifest.shards]),
+            np.concatenate([np.arange(r.num_rows) for r in self._readers]),
         ), axis=1)
         self._row_units = [self._units(i) for i in range(len(self._readers))]
         self._global_row_units = np.concatenate(self._row_units)  # indexed by global row id
@@ -206,28 +198,20 @@ class PackedMixture(PackedIterableDataset):
             if units.sum() == 0:
                 raise ValueError(f"mixture source {name!r} holds no {self.unit.value}, so no share of them can come "
                                  "from it; drop it or use another unit")
-        self.loss_weighting, self._id_offsets = _combined_weighting(loss_reduction, self._readers)
-        num_rows = int(self._source_first_row[-1])
-        if num_rows < self.world_size:
-            raise ValueError(f"world size {self.world_size} is larger than the {num_rows} rows of the {self.source}: "
-                             "some ranks would get no data; use fewer ranks or more data")
-        self.fixed_shape = self._batch_shape(_summed_histograms(self._readers)) if pad_to_fixed_shape else None
-        # Where each mixture epoch starts (the schedule's state and each source's stream position), by epoch.
-        self._epoch_starts: dict[int, _EpochStart] = {
-            0: (BlendState.start(len(self._readers)), (_StreamPosition(),) * len(self._readers))}
+        self.loss_weighting, self._id_offsets = _combined_weighting(options.loss_reduction, self._readers)
+        # Where each mixture epoch's rows start (the schedule's state and each source's stream position), by epoch.
+        self._epoch_starts: dict[int, ScheduleStart] = {0: ScheduleStart.first(len(self._readers))}
         self._latest_rows: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))  # the last epoch blended
-        self._start_reading()
-        if len(self) == 0:
-            per_batch = f"{self.batch_rows} rows" if self.batch_rows else f"up to {self.tokens_per_batch} tokens"
-            raise ValueError(f"the {self.source} makes fewer batches of {per_batch} than the world size "
-                             f"{self.world_size}, so every rank would get none; use smaller batches or fewer ranks")
+        histogram = _summed_histograms(self._readers) if options.pad_to_fixed_shape else None
+        self._start(options, np.concatenate([r.row_tokens for r in self._readers]),
+                    np.concatenate([r.row_segments for r in self._readers]), histogram)
 
     # ---- set-up -------------------------------------------------------------------------
 
     @functools.cached_property
     def _row_loss_tokens(self) -> list[np.ndarray]:
         """Each source's loss tokens per row (read when the unit or the plan needs them)."""
-        return [np.concatenate([row_loss_tokens(r._shard(i)) for i in range(len(r.manifest.shards))])
+        return [np.concatenate([row_loss_tokens(r.shard(i)) for i in range(len(r.manifest.shards))])
                 for r in self._readers]
 
     def _units(self, source: int) -> np.ndarray:
@@ -236,7 +220,12 @@ class PackedMixture(PackedIterableDataset):
             return np.ones(self._readers[source].manifest.num_rows, dtype=np.int64)
         if self.unit == MixtureUnit.LOSS_TOKENS:
             return self._row_loss_tokens[source].astype(np.int64)
-        return self._readers[source]._row_tokens.astype(np.int64)
+        return self._readers[source].row_tokens.astype(np.int64)
+
+    @property
+    def readers(self) -> tuple[BuildReader, ...]:
+        """Each source's reader, in the order of ``names``."""
+        return tuple(self._readers)
 
     def manifests(self) -> dict[str, Any]:
         """Each source's manifest, by name."""
@@ -253,26 +242,22 @@ class PackedMixture(PackedIterableDataset):
         ]
 
     def _identity(self) -> dict[str, Any]:
-        """The single build's settings, with the mixture (builds in order, weights, unit, caps) in place of one
-        fingerprint. The order counts: ties in the schedule go to the earlier source."""
-        mixture = {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)}
-        weights = dict(zip(self.names, self.weights.tolist()))
-        max_epochs = dict(zip(self.names, self.max_epochs.tolist()))
-        described = json.dumps([self.names, mixture, weights, self.unit.value, max_epochs], sort_keys=True)
+        """The single build's settings, with the mixture (builds in order, unit, caps) in place of its fingerprint
+        (a state of a single build, which names one, is refused). The order counts: ties in the schedule go to
+        the earlier source."""
         return {
-            "fingerprint": hashlib.sha256(described.encode()).hexdigest()[:16],
             "sources": list(self.names),
-            "mixture": mixture,
-            "weights": weights,
+            "mixture": {name: reader.manifest.fingerprint for name, reader in zip(self.names, self._readers)},
             "unit": self.unit.value,
-            "max_epochs": max_epochs,
+            "max_epochs": dict(zip(self.names, self.max_epochs.tolist())),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer_rows": self.shuffle_buffer_rows,
-            "batch_rows": self.batch_rows,
-            "tokens_per_batch": self.tokens_per_batch,
-            "world_size": self.world_size,
         }
+
+    def _layout(self) -> dict[str, Any]:
+        """A single build's layout, and the weights: a resume may change them, from its step on."""
+        return {**super()._layout(), "weights": dict(zip(self.names, self.weights.tolist()))}
 
     # ---- the schedule -------------------------------------------------------------------
 
@@ -283,36 +268,35 @@ class PackedMixture(PackedIterableDataset):
         """
         if self._latest_rows[0] != epoch:
             for known in range(max(e for e in self._epoch_starts if e <= epoch), epoch + 1):
-                rows, end = self._blend_epoch(known)
-                self._epoch_starts.setdefault(known + 1, end)
+                start = self._epoch_starts[known]
+                rows = self._blend(start, self.weights, known)
+                self._epoch_starts.setdefault(known + 1, self._trained_end(rows, start))
             self._latest_rows = (epoch, rows)
         return self._latest_rows[1]
 
-    def _epoch_start(self, epoch: int) -> _EpochStart:
-        """Where mixture epoch ``epoch`` starts: the schedule's state and each source's stream position."""
+    def _epoch_start(self, epoch: int) -> ScheduleStart:
+        """Where mixture epoch ``epoch``'s rows start: the schedule's state and each source's stream position."""
         if epoch not in self._epoch_starts:
             self._epoch_rows(epoch)
         return self._epoch_starts[epoch]
 
     def source_epochs(self, epoch: int) -> dict[str, float]:
         """How many epochs of each build the stream has trained by the end of mixture epoch ``epoch``: the repetition."""
-        positions = self._epoch_start(epoch + 1)[1]
-        return {name: p.epoch + p.offset / reader.manifest.num_rows
-                for name, reader, p in zip(self.names, self._readers, positions)}
+        streams = self._epoch_start(epoch + 1).streams
+        return {name: p.epoch + p.offset / reader.num_rows for name, reader, p in zip(self.names, self._readers, streams)}
 
-    def _blend_epoch(self, epoch: int) -> tuple[np.ndarray, tuple[BlendState, tuple[_StreamPosition, ...]]]:
-        """Mixture epoch ``epoch``'s rows, and the schedule's state and stream positions after it."""
-        state, start = self._epoch_starts[epoch]
-        until = (epoch + 1) * self.epoch_units
+    def _blend(self, start: ScheduleStart, weights: np.ndarray, epoch: int) -> np.ndarray:
+        """The rows of mixture epoch ``epoch`` from ``start`` on, blended at ``weights``."""
+        state = start.blend
+        until = (epoch + 1) * self.epoch_units - sum(start.since)  # in units taken since the weights took effect
         # A source is less than a row behind its share, and its last pick starts before ``until``.
         slack = 2 * max(float(u.max()) for u in self._row_units)
-        positions = list(start)
-        rows: list[np.ndarray] = []
+        positions = list(start.streams)
+        rows: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
         while state.total < until:
             # Each source's next rows, enough for its share of what is left (and repeats past its epoch).
-            supply = [self._supply(i, positions[i], w * (until - state.total) + slack)
-                      for i, w in enumerate(self.weights)]
-            picks, taken, state = blend([self._row_units[i][s] for i, s in enumerate(supply)], self.weights, state, until)
+            supply = [self._supply(i, positions[i], w * (until - state.total) + slack) for i, w in enumerate(weights)]
+            picks, taken, state = blend([self._row_units[i][s] for i, s in enumerate(supply)], weights, state, until)
             if not picks.size:  # the source due next may not repeat again
                 name = self.names[next(i for i, s in enumerate(supply) if not s.size)]
                 cap = self.max_epochs[self.names.index(name)]
@@ -325,10 +309,9 @@ class PackedMixture(PackedIterableDataset):
                 chosen[picks == i] = stream[: taken[i]] + self._source_first_row[i]
                 positions[i] = self._advance(i, positions[i], int(taken[i]))
             rows.append(chosen)
-        epoch_rows = np.concatenate(rows)
-        return epoch_rows, self._trained_end(epoch_rows, self._epoch_starts[epoch])
+        return np.concatenate(rows)
 
-    def _trained_end(self, rows: np.ndarray, start: _EpochStart) -> _EpochStart:
+    def _trained_end(self, rows: np.ndarray, start: ScheduleStart) -> ScheduleStart:
         """Where the schedule stands after the rows of an epoch that the ranks read, from its ``start``.
 
         The rows the batches leave over at the epoch's end (``EpochPlan.dropped_rows``) are not
@@ -336,15 +319,20 @@ class PackedMixture(PackedIterableDataset):
         trained, epoch after epoch, are one schedule, and every source's stream is read in order
         with no row skipped.
         """
-        plan = plan_epoch(rows, self._row_tokens, rank=0, world_size=self.world_size,
-                          batch_rows=self.batch_rows or 1, tokens_per_batch=self.tokens_per_batch)
-        kept = rows[: rows.size - plan.dropped_rows.size]
-        sources = self._row_place[kept, 0]
+        plan = self._plan_of(rows, {**self._layout(), "rank": 0})
+        return self._taken(start, rows[: plan.rows_read(len(plan))])
+
+    def _taken(self, start: ScheduleStart, rows: np.ndarray, weights_change: bool = False) -> ScheduleStart:
+        """The schedule after ``rows`` (global ids) are taken from ``start``; with ``weights_change``, the units
+        taken so far count as before the weights that follow, whose shares hold from here on."""
+        sources = self._row_place[rows, 0]
         picks = np.bincount(sources, minlength=len(self._readers))
-        units = np.bincount(sources, weights=self._global_row_units[kept], minlength=len(self._readers))
-        consumed = tuple(int(c) + int(u) for c, u in zip(start[0].consumed, units.astype(np.int64).tolist()))
-        state = BlendState(consumed, int(start[0].total) + int(self._global_row_units[kept].sum()))
-        return state, tuple(self._advance(i, p, int(n)) for i, (p, n) in enumerate(zip(start[1], picks.tolist())))
+        units = np.bincount(sources, weights=self._global_row_units[rows], minlength=len(self._readers)).astype(np.int64)
+        consumed = tuple(int(c) + int(u) for c, u in zip(start.blend.consumed, units.tolist()))
+        streams = tuple(self._advance(i, p, int(n)) for i, (p, n) in enumerate(zip(start.streams, picks.tolist())))
+        if weights_change:
+            return ScheduleStart(BlendState.start(len(consumed)), tuple(map(sum, zip(start.since, consumed))), streams)
+        return ScheduleStart(BlendState(consumed, sum(consumed)), start.since, streams)
 
     def _supply(self, source: int, position: _StreamPosition, units: float) -> np.ndarray:
         """Source ``source``'s next rows from ``position``: at least ``units`` units, or up to its epoch cap."""
@@ -354,52 +342,84 @@ class PackedMixture(PackedIterableDataset):
         held = 0.0
         epoch, offset = position.epoch, position.offset
         while held < units and not (cap and epoch >= cap):
-            parts.append(reader._epoch_rows(epoch)[offset:])
+            parts.append(reader.epoch_rows(epoch)[offset:])
             held += float(self._row_units[source][parts[-1]].sum())
             epoch, offset = epoch + 1, 0
         return np.concatenate(parts)
 
     def _advance(self, source: int, position: _StreamPosition, rows: int) -> _StreamPosition:
         """``position`` moved on by ``rows`` rows of the source's stream."""
-        per_epoch = self._readers[source].manifest.num_rows
+        per_epoch = self._readers[source].num_rows
         offset = position.offset + rows
         return _StreamPosition(position.epoch + offset // per_epoch, offset % per_epoch)
 
     # ---- resume ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``PackedIterableDataset``'s state, with where the schedule of its mixture epoch starts
+        """``PackedIterableDataset``'s state, with where the schedule of its mixture epoch's rows starts
         (``mixture_schedule``), so that a resume does not blend every epoch before it again."""
-        schedule, positions = self._epoch_start(self.epoch)
+        start = self._epoch_start(self.epoch)
+        consumed = [c + s for c, s in zip(start.blend.consumed, start.since)]
         return {**super().state_dict(), SCHEDULE: {
-            "total": int(schedule.total),
-            "consumed": {name: int(c) for name, c in zip(self.names, schedule.consumed)},
-            "source_epochs": {name: p.epoch for name, p in zip(self.names, positions)},
-            "source_offsets": {name: p.offset for name, p in zip(self.names, positions)}}}
+            "total": int(sum(consumed)),
+            "consumed": {name: int(c) for name, c in zip(self.names, consumed)},
+            "weights_since": {name: int(s) for name, s in zip(self.names, start.since)},
+            "source_epochs": {name: p.epoch for name, p in zip(self.names, start.streams)},
+            "source_offsets": {name: p.offset for name, p in zip(self.names, start.streams)}}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the position in ``state_dict`` (see ``PackedIterableDataset``), its epoch's schedule starting
-        where the state says, once that start is checked against the builds and the weights."""
-        epoch = from_state_dict(state_dict, self._identity()).epoch
-        start = self._saved_epoch_start(epoch, _reader_state(state_dict).get(SCHEDULE))
-        if self._epoch_starts.get(epoch, start) != start:
-            raise ValueError(f"loader state: {SCHEDULE} is not where mixture epoch {epoch} starts; the state is "
-                             "corrupt or was edited")
-        before = dict(self._epoch_starts), self._latest_rows, self._plan_cache
-        self._epoch_starts.setdefault(epoch, start)
+        where the state says, once that start is checked against the builds and the weights it was saved with.
+
+        Under another layout (world size, batch size, weights) the epoch's rows that all ranks had read
+        are taken from the schedule, and the rest of the epoch is blended from there, at the new weights.
+        """
+        saved = self._read_state(state_dict)
+        weights = self._saved_weights(saved.layout)
+        epoch = saved.position.epoch
+        start = self._saved_epoch_start(epoch, _reader_state(state_dict).get(SCHEDULE), weights, saved.layout)
+        rows = self._blend(start, weights, epoch)
+        self._check_saved_position(saved, rows)
+        position, following = saved.position, None
+        if saved.layout != self._layout():
+            elastic = self._elastic_position(saved, rows)
+            # The rows all ranks had read are taken; this epoch's rows start after them, at this reader's weights.
+            start = self._taken(start, rows[: elastic.start_row], weights_change=not np.array_equal(weights, self.weights))
+            position = dataclasses.replace(elastic, start_row=0)
+            following = start if position.finished else None
+        elif position.finished and position.num_workers == 1:  # the next epoch starts after the rows read
+            following = self._taken(start, rows[: self._rows_read(saved, rows)])
+        if self._epoch_starts.get(epoch) != start:
+            self._epoch_starts = {e: s for e, s in self._epoch_starts.items() if e < epoch}
+            self._epoch_starts[epoch] = start
+        if following is not None:
+            self._epoch_starts = {e: s for e, s in self._epoch_starts.items() if e <= epoch}
+            self._epoch_starts[epoch + 1] = following
+        self._latest_rows, self._plan_cache = (-1, np.zeros(0, dtype=np.int64)), None
+        if saved.layout == self._layout():  # the rows blended above are this epoch's: keep them
+            self._latest_rows = (epoch, rows)
+            self._epoch_starts.setdefault(epoch + 1, self._trained_end(rows, start))
+        self._set_position(position)
+
+    def _saved_weights(self, layout: dict[str, Any]) -> np.ndarray:
+        """The weights a state was saved with, in source order, as the run that saved it blended with them."""
+        saved: Any = layout.get("weights")
         try:
-            super().load_state_dict(state_dict)
-        except ValueError:
-            self._epoch_starts, self._latest_rows, self._plan_cache = before
-            raise
+            check_weights(saved, self.names)
+        except ValueError as err:
+            raise ValueError(f"loader state: weights: {err}; the state is corrupt or was edited") from None
+        assert isinstance(saved, Mapping)  # check_weights refuses anything else
+        return np.array([float(saved[name]) for name in self.names])
 
-    def _saved_epoch_start(self, epoch: int, saved: Any) -> _EpochStart:
-        """The start of mixture epoch ``epoch`` that a state saved; ValueError naming a field that cannot be one.
+    def _saved_epoch_start(self, epoch: int, saved: Any, weights: np.ndarray, layout: dict[str, Any]) -> ScheduleStart:
+        """Where the rows of mixture epoch ``epoch`` start, as a state saved it; ValueError naming a field that
+        cannot be such a start.
 
-        Checks what the schedule keeps at every prefix: the units taken in all end the epoch before
-        (less than a row past its last unit, less the rows its batches left over), each source is
-        within a row of its share, and each
-        source's stream position holds exactly the units it has taken, within its ``max_epochs``.
+        Checks what the schedule keeps at every prefix: the units taken in all lie within the
+        epoch (at its start, less the rows the batches of the epoch before left over, unless the
+        state was saved after a resume under another layout), each source is within a row of its
+        share of the units taken since the weights took effect, and each source's stream position
+        holds exactly the units taken from that build, within its ``max_epochs``.
         """
         largest = max(int(u.max()) for u in self._row_units)
         epoch_units = int(sum(int(u.sum()) for u in self._row_units))
@@ -416,45 +436,50 @@ class PackedMixture(PackedIterableDataset):
         if not isinstance(saved, dict):
             raise ValueError(f"loader state: {SCHEDULE} must be an object; the state is corrupt or was edited")
         fields = {}
-        for field in ("consumed", "source_epochs", "source_offsets"):
-            value = saved.get(field)
+        for field in ("consumed", "weights_since", "source_epochs", "source_offsets"):
+            value = saved.get(field, dict.fromkeys(self.names, 0) if field == "weights_since" else None)
             # Read by name in source order: a JSON round trip may sort the keys (save_loader_state does).
             if not (isinstance(value, dict) and sorted(value) == sorted(self.names)
                     and all(type(v) is int and 0 <= v < MAX_COUNT for v in value.values())):
                 refuse(field, f"be {{name: non-negative integer}} for the sources {', '.join(self.names)}")
             fields[field] = [value[name] for name in self.names]
-        consumed, total = fields["consumed"], saved.get("total")
+        consumed, since, total = fields["consumed"], fields["weights_since"], saved.get("total")
         # Epoch e - 1 blends to e * epoch_units (less than a row past it); the rows its batches leave over go back.
-        rows_per_batch = self.batch_rows or max_rows_per_batch(self._row_tokens, self.tokens_per_batch or 0)
-        low = max(0, epoch * epoch_units - self.world_size * rows_per_batch * largest)
-        if type(total) is not int or total != sum(consumed) or not low <= total < epoch * epoch_units + largest:
-            refuse("total", f"be the sum of consumed, where mixture epoch {epoch - 1} ends: in "
-                            f"[{low}, {epoch * epoch_units + largest})")
-        shares = integer_weights(self.weights)
+        rows_per_batch = layout["batch_rows"] or max_rows_per_batch(self._row_tokens, layout["tokens_per_batch"])
+        low = max(0, epoch * epoch_units - layout["world_size"] * rows_per_batch * largest)
+        high = (epoch + 1) * epoch_units + largest
+        if type(total) is not int or total != sum(consumed) or not low <= total < high:
+            refuse("total", f"be the sum of consumed, within mixture epoch {epoch}: in [{low}, {high})")
+        if any(s > c for s, c in zip(since, consumed)):
+            refuse("weights_since", "be at most consumed, source by source")
+        shares = integer_weights(weights)
         whole = sum(shares)
-        for c, m in zip(consumed, shares):
-            if abs(c * whole - m * total) >= largest * whole:
+        taken = [c - s for c, s in zip(consumed, since)]
+        for c, m in zip(taken, shares):
+            if abs(c * whole - m * sum(taken)) >= largest * whole:
                 refuse("consumed", "keep every source within a row of its share of total")
         positions = []
         for i, (reader, units, cap) in enumerate(zip(self._readers, self._row_units, self.max_epochs.tolist())):
             build_epoch, offset = fields["source_epochs"][i], fields["source_offsets"][i]
-            if offset >= reader.manifest.num_rows or (cap and (build_epoch, offset) > (cap, 0)):
-                refuse("source_offsets", f"stand within {self.names[i]!r}'s {reader.manifest.num_rows} rows and its "
-                                         f"max_epochs")
-            held = build_epoch * int(units.sum()) + int(units[reader._epoch_rows(build_epoch)[:offset]].sum())
+            if offset >= reader.num_rows or (cap and (build_epoch, offset) > (cap, 0)):
+                refuse("source_offsets", f"stand within {self.names[i]!r}'s {reader.num_rows} rows and its max_epochs")
+            held = build_epoch * int(units.sum()) + int(units[reader.epoch_rows(build_epoch)[:offset]].sum())
             if held != consumed[i]:
                 refuse(f"source_epochs and source_offsets of {self.names[i]!r}",
                        f"hold the {consumed[i]} {self.unit.value} it consumed")
             positions.append(_StreamPosition(build_epoch, offset))
-        return BlendState(tuple(consumed), total), tuple(positions)
+        return ScheduleStart(BlendState(tuple(taken), sum(taken)), tuple(since), tuple(positions))
 
     # ---- batches --------------------------------------------------------------------------
 
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor | int]:
         """The batch of the given global row ids, with the source of each sequence."""
-        place = self._row_place[rows]
-        source_of_row = place[:, 0]
-        shard_rows = [(self._readers[source]._shard(shard), row) for source, shard, row in place.tolist()]
+        source_of_row, build_row = self._row_place[rows, 0], self._row_place[rows, 1]
+        shard_rows: list[tuple[Shard, int]] = [None] * rows.size  # type: ignore[list-item]  # filled source by source
+        for source in np.unique(source_of_row).tolist():
+            at = np.flatnonzero(source_of_row == source)
+            for index, pair in zip(at.tolist(), self._readers[source].shard_rows(build_row[at])):
+                shard_rows[index] = pair
         batch = collate_rows(shard_rows, fixed=self.fixed_shape, pad_token_id=self.pad_token_id)
         batch[SOURCE_IDS] = torch.from_numpy(np.repeat(source_of_row, self._row_segments[rows]))
         if self.loss_weighting.is_plain_token_mean:
@@ -506,7 +531,7 @@ def _check_max_epochs(max_epochs: Any, names: list[str]) -> np.ndarray:
     return np.array([max_epochs.get(name) or 0 for name in names], dtype=np.int64)
 
 
-def _check_compatible(names: list[str], readers: list[PackedIterableDataset]) -> None:
+def _check_compatible(names: list[str], readers: list[BuildReader]) -> None:
     """ManifestError naming two builds that differ in tokenizer or row capacity."""
     first, base = names[0], readers[0]
     for name, reader in zip(names[1:], readers[1:]):
@@ -524,17 +549,16 @@ def _check_compatible(names: list[str], readers: list[PackedIterableDataset]) ->
             )
 
 
-def _summed_histograms(readers: list[PackedIterableDataset]) -> dict[str, int]:
-    """The builds' histograms of segments per row, added up."""
+def _summed_histograms(readers: list[BuildReader]) -> dict[str, int]:
+    """The builds' histograms of segments per row (each checked against its shards), added up."""
     total: dict[str, int] = {}
     for reader in readers:
-        for count, rows in reader.manifest.stats.segments_per_row.items():
-            if rows:
-                total[count] = total.get(count, 0) + rows
+        for count, rows in reader.segments_histogram().items():
+            total[count] = total.get(count, 0) + rows
     return total
 
 
-def _combined_weighting(reduction: str, readers: list[PackedIterableDataset]) -> tuple[LossWeighting, np.ndarray]:
+def _combined_weighting(reduction: str, readers: list[BuildReader]) -> tuple[LossWeighting, np.ndarray]:
     """One loss weighting over all builds, each build's example ids after the last's: (weighting, offset per build)."""
     if reduction != LossReduction.SEQUENCE:
         return LossWeighting(reduction), np.zeros(len(readers), dtype=np.int64)

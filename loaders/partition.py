@@ -4,7 +4,9 @@ The epoch is first cut into one global list of batches, independent of the numbe
 and workers. Global batch ``i`` goes to rank ``i % world_size``; a rank's ``j``-th batch goes
 to worker ``j % num_workers``. A DataLoader takes one batch from each worker in turn, so the
 batches reach the training loop in the rank's order whatever the number of workers, and the
-count of batches consumed is all a resume needs.
+count of batches consumed is all a resume needs. Every rank at the same step has read the first
+``batches * world_size`` batches (``EpochPlan.rows_read``): a resume on another number of ranks,
+or with another batch size, cuts its list from the rows after them.
 
 Every rank gets the same number of batches: the last ``num_batches % world_size`` global
 batches of an epoch are dropped (fewer than one batch per rank), and in row mode so are the
@@ -84,6 +86,10 @@ class EpochPlan:
         """Global row ids of the rank's batch at ``position``."""
         b = int(self.batch_ids[position])
         return self.rows[self.bounds[b] : self.bounds[b + 1]]
+
+    def rows_read(self, batches: int) -> int:
+        """Rows of ``rows`` that all ranks have read once each has read its first ``batches`` batches."""
+        return int(self.bounds[min(batches, len(self)) * self.world_size])
 
     @property
     def dropped_rows(self) -> np.ndarray:

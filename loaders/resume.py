@@ -1,10 +1,17 @@
 """The loader's position in an epoch, as the state dict a checkpoint stores and a resume seeks to.
 
-A position is (epoch, batch): the rank's next batch in the epoch's fixed list of batches
-(``partition.py``). A reader that is one of ``num_workers`` DataLoader workers records its own
-next batch; one that reads in the training process (``num_workers == 1``) records the rank's.
+A position is (epoch, first row, batch): the epoch's rows in their seeded order, of which all
+ranks together had read ``start_row`` when the current list of batches was cut from the rest
+(``partition.py``; 0 unless the run was resumed with another layout), and the rank's next batch
+in that list. A reader that is one of ``num_workers`` DataLoader workers records its own next
+batch; one that reads in the training process (``num_workers == 1``) records the rank's.
 Because the list of batches does not depend on the number of workers, a rank-level position
 resumes under any number of workers: worker ``w`` starts at ``batch + w``.
+
+Elastic resume: the state also records the layout it was saved under (world size and batch
+budget; a mixture's weights). Every rank stops at the same step, so any rank's position says how
+many of the epoch's rows all ranks had read: the rows of the first ``next_batch * world_size``
+batches of the list. A reader of another layout cuts its own list from the rows after those.
 
 torchdata's ``StatefulDataLoader`` keeps one state per worker; ``from_loader_state`` turns its
 whole state dict back into the rank's position (the batch the epoch started at, plus the
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 STATE_FORMAT = "varpack.loader_state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: start_row; a version 1 state starts at row 0
 
 
 class StaleStateError(RuntimeError):
@@ -31,11 +38,18 @@ class Position:
     """Where a reader stands: it yields the rank's batches ``next_batch``, ``next_batch + num_workers``, ..."""
 
     epoch: int
+    start_row: int = 0  # rows of the epoch's order all ranks had read before this list of batches
     pass_start: int = 0  # the rank's batch this pass over the epoch began at
     next_batch: int = 0
     worker_id: int = 0
     num_workers: int = 1
     finished: bool = False  # this reader has yielded its last batch of the epoch
+
+    def batches_read(self, num_batches: int) -> int:
+        """How many batches of the list every rank had read here (a rank-level position, or a finished one)."""
+        if self.finished and self.next_batch < num_batches:
+            return self.pass_start  # a pass that named an epoch finished before it
+        return min(self.next_batch, num_batches)
 
     def first_batch(self, worker_id: int, num_workers: int) -> tuple[int, int]:
         """(pass_start, first batch) for worker ``worker_id`` of ``num_workers`` resuming here."""
@@ -50,24 +64,34 @@ class Position:
         )
 
 
-def to_state_dict(position: Position, identity: dict[str, Any], rank: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SavedState:
+    """A loader state read back: the position, and the layout (world size, rank, batch budget; a mixture's weights)
+    it was saved under."""
+
+    position: Position
+    layout: dict[str, Any]
+
+
+def to_state_dict(position: Position, identity: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     """The state dict of ``position``: plain ints, strings and bools, safe for torch.save and JSON."""
-    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, "rank": rank, **dataclasses.asdict(position)}
+    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **layout, **dataclasses.asdict(position)}
 
 
-def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position:
-    """The position in a dataset state dict, or in a whole StatefulDataLoader state dict.
+def from_state_dict(state: dict[str, Any], identity: dict[str, Any], layout_keys: tuple[str, ...]) -> SavedState:
+    """The position in a dataset state dict, or in a whole StatefulDataLoader state dict, and its layout.
 
-    Raises ValueError when the state is of another kind, or was saved with settings that
-    make a different list of batches: any key of ``identity`` (the reader's build, seed, batch
-    size, world size; a mixture's builds, weights and unit) whose value differs.
+    Raises ValueError when the state is of another kind, or was saved with settings that make
+    another order of the epoch's rows: any key of ``identity`` (the reader's build, seed and
+    shuffle; a mixture's builds, unit and caps) whose value differs. The values of
+    ``layout_keys`` are returned as saved, for the reader to check.
     """
     if not isinstance(state, dict):
         raise ValueError(f"expected a state dict, got {type(state).__name__}")
     if "_snapshot" in state:
-        return _from_multiprocess_loader_state(state, identity)
+        return _from_multiprocess_loader_state(state, identity, layout_keys)
     if "_num_yielded" in state and "dataset_state" in state:
-        return from_state_dict(_dataset_state(state["dataset_state"]), identity)
+        return from_state_dict(_dataset_state(state["dataset_state"]), identity, layout_keys)
     if state.get("format") != STATE_FORMAT:
         raise ValueError("not a PackedIterableDataset or StatefulDataLoader state dict (no 'format' key)")
     version = state.get("version", 0)
@@ -79,15 +103,38 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any]) -> Position
     ]
     if changed:
         raise ValueError(
-            "the state was saved with settings that give a different list of batches, so it cannot be resumed: "
+            "the state was saved with settings that give another order of the epoch's rows, so it cannot be resumed: "
             + "; ".join(changed)
         )
-    position = Position(**{field.name: _position_field(state, field.name) for field in dataclasses.fields(Position)})
+    saved = {**({"start_row": 0} if version < 2 else {}), **state}
+    position = Position(**{field.name: _position_field(saved, field.name) for field in dataclasses.fields(Position)})
     _refuse_unless(position.epoch >= 0, "epoch", position.epoch, "a non-negative integer")
+    _refuse_unless(position.start_row >= 0, "start_row", position.start_row, "a non-negative integer")
     _refuse_unless(position.num_workers >= 1, "num_workers", position.num_workers, "at least 1")
     _refuse_unless(0 <= position.worker_id < position.num_workers, "worker_id", position.worker_id,
                    f"in [0, {position.num_workers - 1}] (num_workers {position.num_workers})")
-    return position
+    return SavedState(position, {key: state.get(key) for key in layout_keys})
+
+
+def check_layout(layout: dict[str, Any], capacity: int) -> None:
+    """ValueError naming the field of a saved layout (world size, rank, batch budget) no reader could have had."""
+    world_size: Any = layout.get("world_size")
+    rank: Any = layout.get("rank")
+    batch_rows: Any = layout.get("batch_rows")
+    tokens_per_batch: Any = layout.get("tokens_per_batch")
+    _refuse_unless(_is_int(world_size) and world_size >= 1, "world_size", world_size, "a positive integer")
+    _refuse_unless(_is_int(rank) and 0 <= rank < world_size, "rank", rank, f"in [0, {world_size - 1}] (world_size "
+                   f"{world_size})")
+    _refuse_unless((batch_rows is None) != (tokens_per_batch is None), "batch_rows", batch_rows,
+                   "a positive integer when tokens_per_batch is null, else null")
+    _refuse_unless(batch_rows is None or (_is_int(batch_rows) and batch_rows >= 1), "batch_rows", batch_rows,
+                   "a positive integer or null")
+    _refuse_unless(tokens_per_batch is None or (_is_int(tokens_per_batch) and tokens_per_batch >= capacity),
+                   "tokens_per_batch", tokens_per_batch, f"null or an integer of at least one row ({capacity} tokens)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_position(position: Position, num_batches: int) -> None:
@@ -106,8 +153,10 @@ def check_position(position: Position, num_batches: int) -> None:
         "next_batch", position.next_batch,
         f"in [{first}, {last}]{steps} (epoch {position.epoch} has {num_batches} batches on this rank)",
     )
-    # A reader is finished once it has yielded its last batch, so its next one lies past the end.
-    _refuse_unless(not position.finished or position.next_batch >= num_batches, "finished", position.finished,
+    # A reader is finished once it has yielded its last batch, so its next one lies past the end; or it named
+    # an epoch that was finished where its pass began (a resume under another layout), and read nothing.
+    _refuse_unless(not position.finished or position.next_batch >= num_batches
+                   or position.next_batch == position.pass_start + position.worker_id, "finished", position.finished,
                    f"false at next_batch {position.next_batch} (epoch {position.epoch} has {num_batches} batches on "
                    "this rank)")
 
@@ -136,7 +185,8 @@ def _dataset_state(state: Any) -> dict[str, Any]:
     return state
 
 
-def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, Any]) -> Position:
+def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, Any],
+                                    layout_keys: tuple[str, ...]) -> SavedState:
     """The rank's position from a multi-worker StatefulDataLoader state: the pass's start plus the batches yielded."""
     snapshot = state["_snapshot"]
     _refuse_unless(isinstance(snapshot, dict), "_snapshot", snapshot, "an object (a StatefulDataLoader's snapshot)")
@@ -146,14 +196,17 @@ def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, A
     for worker, saved in snapshots.items():
         _refuse_unless(isinstance(saved, dict) and "dataset_state" in saved, f"_snapshot._worker_snapshots[{worker!r}]",
                        saved, "an object with a dataset_state")
-    workers = [from_state_dict(_dataset_state(w["dataset_state"]), identity) for w in snapshots.values()]
-    first = workers[0]
-    if any((w.epoch, w.pass_start) != (first.epoch, first.pass_start) for w in workers):
+    saved = [from_state_dict(_dataset_state(w["dataset_state"]), identity, layout_keys) for w in snapshots.values()]
+    first = saved[0].position
+    if any((s.position.epoch, s.position.start_row, s.position.pass_start, s.layout)
+           != (first.epoch, first.start_row, first.pass_start, saved[0].layout) for s in saved):
         raise ValueError("the StatefulDataLoader's workers disagree on the epoch; the state is inconsistent")
     yielded = _position_field(snapshot, "_snapshot_step") + _position_field(state, "_steps_since_snapshot")
-    return Position(
+    position = Position(
         epoch=first.epoch,
+        start_row=first.start_row,
         pass_start=first.pass_start,
         next_batch=first.pass_start + yielded,
         finished=bool(state.get("_iterator_finished", False)),
     )
+    return SavedState(position, saved[0].layout)

@@ -120,3 +120,26 @@ def test_fixed_shape_bounds_hold_for_every_batch(row_tokens, budget, seed):
         batch = plan.batch_rows(j)
         assert batch.size <= most_rows
         assert row_segments[batch].sum() <= max_segments_per_batch(histogram, most_rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(epochs(), epochs(), st.data())
+def test_a_plan_cut_after_the_rows_all_ranks_read_reads_the_rest_once(e, after, data):
+    """N ranks read ``j`` batches each; M ranks of another batch budget cut their plan from the rows after those
+    (``EpochPlan.rows_read``): every row of the epoch once, but for the tail the new plan drops."""
+    rows = epoch_row_order(e["shard_rows"], seed=e["seed"], epoch=e["epoch"], shuffle=e["shuffle"], buffer_rows=e["buffer_rows"])
+    before = rank_plans(e)[0]
+    steps = data.draw(st.integers(0, len(before)))
+    read = rows[: before.rows_read(steps)]
+    rest = rows[read.size :]
+    plans = [plan_epoch(rest, e["row_tokens"], rank=r, world_size=after["world_size"], batch_rows=after["batch_rows"],
+                        tokens_per_batch=after["tokens_per_batch"]) for r in range(after["world_size"])]
+    seen = read.tolist() + [row for plan in plans for j in range(len(plan)) for row in plan.batch_rows(j).tolist()]
+    assert len(seen) == len(set(seen)), "a row was read twice"
+    assert sorted(seen) == sorted(rows[: len(seen)].tolist()), "a row inside the epoch was skipped"
+    tail = plans[0].dropped_rows
+    assert np.array_equal(np.sort(np.concatenate([np.array(seen, dtype=np.int64), tail])), np.sort(rows))
+    if after["tokens_per_batch"] is None:
+        assert tail.size < after["world_size"] * after["batch_rows"]
+    else:
+        assert e["row_tokens"][tail].sum() < after["world_size"] * after["tokens_per_batch"]

@@ -260,10 +260,9 @@ def test_resume_mid_epoch_at_a_source_epoch_boundary_and_in_a_later_epoch(builds
     assert_same_batches(list(resumed), expected[1])
 
 
-def test_a_state_of_another_mixture_or_other_weights_is_refused(builds):
+def test_a_state_of_another_mixture_is_refused(builds):
+    """Other builds, unit or a single build; other weights resume (tests/test_elastic.py)."""
     state = mixture(builds).state_dict()
-    with pytest.raises(ValueError, match="weights"):
-        mixture(builds, weights={"flan": 0.6, "gsm8k": 0.2, "chat": 0.2}).load_state_dict(state)
     with pytest.raises(ValueError, match="mixture"):
         PackedMixture({"flan": builds["flan"].path, "chat": builds["chat"].path}, weights={"flan": 1, "chat": 1},
                       batch_rows=2, seed=3).load_state_dict(state)
@@ -360,7 +359,7 @@ def shifted_schedules(data, state):
             if offset >= reader.manifest.num_rows:
                 epoch, offset = epoch + 1, 0
             edit["source_epochs"][name], edit["source_offsets"][name] = epoch, offset
-            edit["consumed"][name] = epoch * int(units.sum()) + int(units[reader._epoch_rows(epoch)[:offset]].sum())
+            edit["consumed"][name] = epoch * int(units.sum()) + int(units[reader.epoch_rows(epoch)[:offset]].sum())
         edit["total"] = sum(edit["consumed"].values())
         yield forged
 
@@ -411,8 +410,46 @@ def test_the_rows_trained_keep_their_shares_across_epochs_and_each_stream_is_rea
     for source, data in enumerate(ranks[0]._readers):
         read = rows[sources == source] - ranks[0]._source_first_row[source]
         per_epoch = data.manifest.num_rows
-        stream = np.concatenate([data._epoch_rows(e) for e in range(read.size // per_epoch + 1)])
+        stream = np.concatenate([data.epoch_rows(e) for e in range(read.size // per_epoch + 1)])
         assert np.array_equal(read, stream[: read.size])
+
+
+def test_a_build_and_a_mixture_take_one_set_of_options(builds):
+    """One LoaderOptions for both; keyword arguments replace its fields; an unknown or per-build option is named."""
+    from loaders.dataset import LoaderOptions
+
+    options = LoaderOptions(batch_rows=2, seed=3, shuffle_buffer_rows=12)
+    paths = {name: build.path for name, build in builds.items()}
+    assert_same_batches(list(PackedMixture(paths, weights=WEIGHTS, options=options)),
+                        list(mixture(builds, shuffle_buffer_rows=12)))
+    single = PackedIterableDataset(builds["flan"].path, options=options, batch_rows=4)
+    assert (single.batch_rows, single.seed, single.shuffle_buffer_rows) == (4, 3, 12)
+    with pytest.raises(TypeError, match="unknown loader option 'batch_size'"):
+        PackedIterableDataset(builds["flan"].path, batch_size=2)
+    with pytest.raises(TypeError, match="example_weights is per build, so a mixture does not take it"):
+        PackedMixture(paths, weights=WEIGHTS, example_weights=np.ones(3))
+    with pytest.raises(ValueError, match="give batch_rows or tokens_per_batch, not both"):
+        LoaderOptions(batch_rows=2, tokens_per_batch=4 * CAPACITY)
+
+
+@pytest.mark.parametrize("reduction", ["token", "sequence"])
+def test_each_shard_is_opened_once_to_start_and_read_an_epoch(builds, monkeypatch, reduction):
+    """The row index, the sequence loss's example targets and the batches read the shards opened once, for a
+    single build and a mixture of three."""
+    from loaders import dataset as dataset_module
+
+    opened: list[str] = []
+    real_open = dataset_module.open_build_shard
+    monkeypatch.setattr(dataset_module, "open_build_shard",
+                        lambda path, *args, **kwargs: opened.append(str(path)) or real_open(path, *args, **kwargs))
+    shards = sorted(str(p) for p in builds["flan"].path.glob("shard-*.arrow"))
+    for batch in PackedIterableDataset(builds["flan"].path, batch_rows=2, loss_reduction=reduction):
+        assert batch["num_loss_tokens"] > 0
+    assert sorted(opened) == shards
+    opened.clear()
+    for batch in mixture(builds, loss_reduction=reduction):
+        assert batch["num_loss_tokens"] > 0
+    assert sorted(opened) == sorted(str(p) for build in builds.values() for p in build.path.glob("shard-*.arrow"))
 
 
 def test_fixed_shapes_and_sequence_loss_weights(builds):

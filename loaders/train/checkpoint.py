@@ -52,7 +52,11 @@ def save_loader_state(directory: str | os.PathLike[str], rank: int, state: dict[
 
 
 def load_loader_state(directory: str | os.PathLike[str], rank: int) -> dict[str, Any]:
-    """``rank``'s loader state from a checkpoint directory; CheckpointError names the file and what to do."""
+    """``rank``'s loader state from a checkpoint directory; CheckpointError names the file and what to do.
+
+    A checkpoint saved by fewer processes holds no state for ``rank``: it gets rank ``rank % saved``'s, since
+    every rank stood at the same step and any rank's state resumes any rank (an elastic resume)."""
+    rank %= saved_world_size(Path(directory), rank + 1)  # a rank of the run that saved it
     path = Path(directory) / loader_state_name(rank)
     if not path.is_file():
         legacy = path.with_suffix(".pt")
@@ -127,20 +131,10 @@ def checkpoints(out: str | os.PathLike[str]) -> list[Path]:
 
 
 def latest_checkpoint(out: str | os.PathLike[str], world_size: int = 1) -> Path | None:
-    """The newest complete checkpoint in ``out`` (see the module docstring), or None.
-
-    Raises CheckpointError when it was saved by another number of processes than ``world_size``: each rank's
-    loader position belongs to one world size, and resuming on another is not supported.
-    """
+    """The newest complete checkpoint in ``out`` (see the module docstring), or None. It may have been saved by
+    another number of processes than ``world_size``: the loader resumes on any (``load_loader_state``)."""
     complete = _complete_checkpoints(out, world_size)
-    if not complete:
-        return None
-    saved = saved_world_size(complete[-1], world_size)
-    if saved != world_size:
-        raise CheckpointError(f"{complete[-1]}: saved by {saved} process{'es' if saved > 1 else ''}, and this run has "
-                              f"{world_size}; resume it with {saved} (resuming on another number of processes is not "
-                              "supported), or start a new --out")
-    return complete[-1]
+    return complete[-1] if complete else None
 
 
 def _complete_checkpoints(out: str | os.PathLike[str], world_size: int) -> list[Path]:
