@@ -27,6 +27,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.encode.examples import EncodedBatch
 from pipeline.encode.token_check import CheckCounts
+from schemas.arrow_file import open_arrow_file
 
 SPILL_PREFIX = ".spill-"
 CLUSTER_SPILL_PREFIX = "varpack-spill-"
@@ -105,12 +106,7 @@ def _write(table: pa.Table, path: str) -> None:
 
 def read_spilled(path: str) -> tuple[np.ndarray, np.ndarray]:
     """``(tokens, loss_mask)`` of a spill file: memory-mapped, zero copy, when it is local."""
-    if storage.is_url(path):
-        with storage.open_read(path) as f:
-            source = pa.BufferReader(f.read())
-    else:
-        source = pa.memory_map(path, "r")
-    table = pa.ipc.open_file(source).read_all()
+    table = open_arrow_file(path).read_all()
     return table.column("tokens").chunk(0).to_numpy(), table.column("loss_mask").chunk(0).to_numpy()
 
 
