@@ -133,7 +133,10 @@ def retried(url: str, operation: Callable[[], T], what: str = "read") -> T:
         try:
             return operation()
         except _PERMANENT as err:
-            raise _permanent_error(url, err, what) from err
+            explained = _permanent_error(url, err, what)
+            if explained is None:
+                raise
+            raise explained from err
         except _credential_errors() as err:
             raise StorageError(
                 f"{url}: no credentials for the store ({_reason(err)}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
@@ -167,21 +170,24 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _permanent_error(url: str, err: OSError, what: str) -> OSError | StorageError:
-    """The error that reports ``err``: a missing bucket and refused credentials become StorageErrors naming the fix;
-    another missing file stays a FileNotFoundError for the caller to explain."""
-    code = _error_code(err)
-    if code == "NoSuchBucket":
-        bucket = url.split("://", 1)[1].split("/", 1)[0]
-        return StorageError(
-            f"{url}: the bucket {bucket!r} does not exist; create it (aws s3 mb s3://{bucket}) or fix the URL, then run again"
-        )
+def _permanent_error(url: str, err: OSError, what: str) -> StorageError | None:
+    """The StorageError naming the fix of a missing bucket or refused credentials behind ``err``; None for another
+    error (a missing file stays a FileNotFoundError for the caller to explain)."""
+    if _error_code(err) == "NoSuchBucket":
+        return _missing_bucket(url)
     if isinstance(err, PermissionError):
         return StorageError(
             f"{url}: could not be {what}: the store refused the credentials ({_reason(err)}); set AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY (or the profile in AWS_PROFILE) to a key allowed to use it, then run again"
         )
-    return err
+    return None
+
+
+def _missing_bucket(url: str) -> StorageError:
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    return StorageError(
+        f"{url}: the bucket {bucket!r} does not exist; create it (aws s3 mb s3://{bucket}) or fix the URL, then run again"
+    )
 
 
 def _error_code(err: BaseException) -> str | None:
@@ -311,10 +317,7 @@ def check_writable(url: str) -> None:
     if url.split("://", 1)[0].lower() not in _BUCKETED or not bucket:
         return
 
-    def probe() -> None:
-        try:
-            fs.ls(bucket, detail=False)
-        except FileNotFoundError as err:
-            raise _permanent_error(url, err, "written") from err
-
-    retried(url, probe, "written")
+    try:
+        retried(url, lambda: fs.ls(bucket, detail=False), "written")
+    except FileNotFoundError as err:
+        raise _missing_bucket(url) from err
