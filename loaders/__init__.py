@@ -1,6 +1,6 @@
 """The read side: packed shards -> FlashAttention-2 varlen batches.
 
-Imports only torch, pyarrow, numpy and fsspec (which ships with torch), so it loads on a GPU
+Imports only torch, pyarrow and numpy (fsspec, for a build at a URL), so it loads on a GPU
 machine without Beam, datasets or tokenizers.
 """
 

@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 from loaders.remote import locate
 from loaders.shard_reader import check_build_shard
 from schemas import Manifest, ShardError, validate_table
+from schemas.arrow_file import open_arrow_file
 
 
 def _local_shards(
@@ -51,8 +52,8 @@ def arrow_dataset(build: str | os.PathLike[str], verify_checksum: bool = False, 
 
 def _memory_mapped(path: str) -> pa.Table:
     try:
-        return pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-    except (pa.ArrowException, OSError) as err:
+        return open_arrow_file(path).read_all()
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(path, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
 
 

@@ -38,7 +38,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
-import fsspec
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
@@ -49,7 +48,7 @@ from loaders.dataset import BuildReader, LoaderOptions, PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
 from loaders.partition import max_rows_per_batch
 from loaders.shard_reader import Shard
-from schemas import ManifestError, VarpackError, one_of, positive_int
+from schemas import ManifestError, VarpackError, one_of, positive_int, storage
 
 
 class MixtureUnit(StrEnum):
@@ -503,17 +502,11 @@ def _check_build(name: str, build: Any) -> None:
     if not isinstance(build, str) or not build or "\0" in build:
         raise ValueError(f"sources[{name!r}] must be a build directory, manifest or URL (a non-empty string without "
                          f"NUL), got {reprlib.repr(build)}")
-    if "://" in build:
-        protocol = build.split("://", 1)[0]
+    if storage.is_url(build):
         try:
-            fsspec.get_filesystem_class(protocol)
-        except ValueError:
-            raise ValueError(f"sources[{name!r}] is {build}: no installed filesystem opens {protocol}:// URLs; use a "
-                             "local path or a URL fsspec knows (s3://, gs://, https://, ...)") from None
-        except ImportError as err:
-            fix = "pip install aiohttp" if protocol in ("http", "https") else "install the package it names"
-            raise ValueError(f"sources[{name!r}] is {build}: opening {protocol}:// URLs needs a package that is not "
-                             f"installed ({err}); {fix}") from None
+            storage.filesystem(build)
+        except storage.StorageError as err:
+            raise ValueError(f"sources[{name!r}] is {err}") from None
 
 
 def _check_max_epochs(max_epochs: Any, names: list[str]) -> np.ndarray:
@@ -615,7 +608,7 @@ def load_mixture_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         _check_max_epochs(max_epochs, list(data["sources"]))
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    sources = {name: str(path.parent / build) if "://" not in build else build for name, build in data["sources"].items()}
+    sources = {name: str(path.parent / build) if not storage.is_url(build) else build for name, build in data["sources"].items()}
     return {"sources": sources, "weights": data["weights"], "unit": unit, "max_epochs": max_epochs}
 
 

@@ -1,4 +1,4 @@
-"""Where a build lives: a local directory, or any fsspec URL whose shards are cached locally.
+"""Where a build lives: a local directory, or a URL (``schemas.storage``) whose shards are cached locally.
 
 A local path (or ``file://`` URL) is read in place. Any other URL (``s3://``, ``gs://``,
 ``memory://``, ...) is copied shard by shard into ``<cache_dir>/<fingerprint>-<shards_digest>/``,
@@ -9,6 +9,8 @@ fingerprint alone, so another build that claims the same fingerprint with other 
 gets this one's copies, nor they its.
 Every copy is verified against the manifest before it is renamed into place, so a reader
 never sees a partial or corrupt file, and concurrent ranks copying the same shard are safe.
+A copy cut off (the store stopped, the connection dropped) is started again with a pause
+that doubles each time, then ends in a one-line StorageError; it never leaves a file behind.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from loaders.shard_reader import check_open_shard, check_shard_file
 from schemas import (
@@ -35,30 +33,26 @@ from schemas import (
     cache_dir,
     read_manifest,
 )
+from schemas import storage
 from schemas.io import atomic_file, make_own_dir, make_own_subdirs
 from schemas.manifest import shards_digest
-
-COPY_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
 class BuildLocation:
-    """A build's manifest and shard directory on some filesystem."""
+    """A build's manifest and shard directory: local paths, or URLs."""
 
     source: str  # as the user gave it, for messages
-    fs: fsspec.AbstractFileSystem
-    root: str  # the directory shard paths are relative to, in ``fs``'s terms
+    root: str  # the directory shard paths are relative to
     manifest_path: str
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return not storage.is_url(self.root)
 
     def read_manifest(self) -> Manifest:
         """Load and validate the manifest."""
-        if self.is_local:
-            return read_manifest(self.manifest_path)
-        return read_manifest(self.fs.unstrip_protocol(self.manifest_path), lambda _: self.fs.cat_file(self.manifest_path))
+        return read_manifest(self.manifest_path)
 
     def local_shards(
         self, manifest: Manifest, cache_root: str | os.PathLike[str] | None, verify_checksum: bool
@@ -87,12 +81,10 @@ class BuildLocation:
                 return path
             except ShardError:
                 pass  # a stale or damaged copy: fetch it again below
-        url = self.fs.unstrip_protocol(posixpath.join(self.root, shard.path))
+        url = storage.join(self.root, shard.path)
         with atomic_file(path) as copy:
             try:
-                with self.fs.open(posixpath.join(self.root, shard.path), "rb") as source:
-                    shutil.copyfileobj(source, copy, COPY_CHUNK)
-                copy.flush()
+                storage.download(url, copy)
             except FileNotFoundError as err:
                 raise ShardError(url, "shard file is missing at the source; rebuild the shards or fix the URL") from err
             try:
@@ -116,27 +108,27 @@ def locate(source: str | os.PathLike[str]) -> BuildLocation:
     for its build when it holds one, with a warning; with several, ManifestError lists them.
     """
     text = os.fspath(source)
-    fs, path = fsspec.core.url_to_fs(text)
-    if isinstance(fs, LocalFileSystem):
-        local = Path(path)
+    path = storage.local_path(text)
+    if not storage.is_url(path):
+        local = Path(path).absolute()
         if not local.is_dir():
-            return BuildLocation(text, fs, str(local.parent), str(local))
+            return BuildLocation(text, str(local.parent), str(local))
         path = str(local)
     else:
         path = path.rstrip("/")
         if path.endswith(".json"):
-            return BuildLocation(text, fs, posixpath.dirname(path), path)
-    build = _only_build(fs, path, text)
+            return BuildLocation(text, storage.parent(path), path)
+    build = _only_build(path, text)
     if build != path:
-        text = fs.unstrip_protocol(build) if not isinstance(fs, LocalFileSystem) else build
-    return BuildLocation(text, fs, build, posixpath.join(build, MANIFEST_NAME))
+        text = build
+    return BuildLocation(text, build, posixpath.join(build, MANIFEST_NAME))
 
 
-def _only_build(fs: fsspec.AbstractFileSystem, directory: str, source: str) -> str:
+def _only_build(directory: str, source: str) -> str:
     """``directory`` itself, or the one build it holds when it has no manifest of its own."""
-    if fs.exists(posixpath.join(directory, MANIFEST_NAME)):
+    if storage.exists(posixpath.join(directory, MANIFEST_NAME)):
         return directory
-    builds = sorted(posixpath.dirname(m) for m in fs.glob(posixpath.join(directory, "*", MANIFEST_NAME)))
+    builds = sorted(storage.parent(m) for m in storage.glob(posixpath.join(directory, "*", MANIFEST_NAME)))
     if not builds:
         return directory
     names = [posixpath.join(source.rstrip("/"), posixpath.basename(b)) for b in builds]

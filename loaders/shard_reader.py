@@ -10,7 +10,6 @@ replaced or rewritten since is hashed again, and refused unless it still matches
 
 from __future__ import annotations
 
-import mmap
 import os
 import weakref
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas import Manifest, ShardError, ShardInfo, list_parts, stream_sha256, validate_table
+from schemas.arrow_file import arrow_source, map_file
 from schemas.io import open_regular
 from schemas.shard_identity import file_identity_problem, identity_problem
 from schemas.verified import disk_identity
@@ -172,8 +172,7 @@ def _map_shard(
     _check_file(file, name, expected, verify_checksum or changed, " (it was changed on disk since it was verified)" if changed else "")
     try:
         # Mapped through the descriptor just checked, so the map is of that file, whatever is renamed onto its path.
-        mapped = pa.py_buffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
-        reader = pa.ipc.open_file(pa.BufferReader(mapped))
+        reader = pa.ipc.open_file(map_file(file))
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(name, f"is not a readable Arrow IPC file ({err}); rebuild it") from err
     if disk_identity(os.fstat(file.fileno())) != identity:
@@ -233,4 +232,4 @@ def check_build_shard(path: Path, manifest: Manifest, index: int, verify_checksu
     """``check_shard_file`` for shard ``index`` of ``manifest``'s list, and its identity, read from the
     file's footer alone."""
     check_shard_file(path, manifest.shards[index], verify_checksum)
-    _raise_problem(path, file_identity_problem(pa.memory_map(str(path), "r"), manifest, index))
+    _raise_problem(path, file_identity_problem(arrow_source(str(path)), manifest, index))

@@ -1,74 +1,52 @@
-"""Files on the local disk or on any filesystem Apache Beam supports (``gs://``, ``s3://``, ...).
+"""Files on the local disk or at any URL fsspec knows (``s3://``, ``gs://``, ``hf://``, ...).
 
-Local paths use the standard library; URLs go through Beam's ``FileSystems``, imported only
-when a URL is met, so checking a local build for reuse never loads Beam. Hub files
-(``hf://``), which Beam cannot read, are read through fsspec (``huggingface_hub.HfFileSystem``).
+Local paths use the standard library, with the checks a shared directory needs (no link
+followed, no FIFO waited on); URLs go through ``schemas.storage``, the one remote layer both
+sides share, with its retries and one-line errors.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob as globlib
 import os
-import shutil
 import tempfile
-import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 from pipeline.errors import ConfigError
 from schemas import io as schemas_io
+from schemas import storage as remote
 from schemas.io import UPLOAD_MARK, atomic_output, open_own, write_error
-
-HUB_SCHEME = "hf://"
-
 
 
 def local_path(path: str) -> str:
-    """The local path a ``file:`` URL names (RFC 8089: no host or ``localhost``, an absolute path); any other path as it is.
-
-    >>> [local_path(url) for url in ("file:///data/x", "file://localhost/data/x", "file:/data/a%20b", "data/x")]
-    ['/data/x', '/data/x', '/data/a b', 'data/x']
-
-    Raises ConfigError for a file URL that names another host or a relative path (``file://data/x``).
-    """
-    if path[:5].lower() != "file:":
-        return path
-    url = urllib.parse.urlsplit(path)
-    if url.netloc not in ("", "localhost") or not url.path.startswith("/") or url.query or url.fragment:
-        raise ConfigError(
-            f"{path}: not a local file URL; write file:///ABS/PATH (or file://localhost/ABS/PATH), or the path itself"
-        )
-    return urllib.parse.unquote(url.path)
+    """``schemas.storage.local_path``: the local path a ``file:`` URL names; ConfigError for one of another host or
+    a relative path."""
+    try:
+        return remote.local_path(path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
-def is_url(path: str) -> bool:
-    """Whether ``path`` names a remote file (``scheme://...``) rather than a local one."""
-    return "://" in path
-
-
-def _filesystems():
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems
+is_url = remote.is_url
 
 
 def join(base: str, *parts: str) -> str:
     """``base`` and ``parts`` joined with the separator of base's filesystem."""
     if is_url(base):
-        return "/".join([base.rstrip("/"), *parts])
+        return remote.join(base, *parts)
     return os.path.join(base, *parts)
 
 
 def basename(path: str) -> str:
     """The last component of ``path``."""
-    return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path.rstrip(os.sep))
+    return remote.basename(path) if is_url(path) else os.path.basename(path.rstrip(os.sep))
 
 
 def exists(path: str) -> bool:
     """Whether a file or directory exists at ``path``."""
-    return _filesystems().exists(path) if is_url(path) else os.path.exists(path)
+    return remote.exists(path) if is_url(path) else os.path.exists(path)
 
 
 def is_dir(path: str) -> bool:
@@ -79,39 +57,28 @@ def is_dir(path: str) -> bool:
 
 
 def open_read(path: str) -> IO[bytes]:
-    """A binary file object for reading ``path`` (seekable for local files and Beam's URLs); locally a regular file
-    only, else an OSError naming it."""
-    if path.startswith(HUB_SCHEME):
-        import fsspec
-
-        return fsspec.open(path, "rb").open()
+    """A seekable binary file object for reading ``path``; locally a regular file only, else an OSError naming it."""
     if is_url(path):
-        from apache_beam.io.filesystem import CompressionTypes
-
-        return _filesystems().open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+        return remote.open_read(path)
     return schemas_io.open_regular(path)  # a FIFO planted at the name is refused, not waited on for ever
 
 
 def size(path: str) -> int:
     """The size of a file in bytes."""
     if is_url(path):
-        return _filesystems().match([path])[0].metadata_list[0].size_in_bytes
+        return remote.size(path)
     return os.path.getsize(path)
 
 
 def glob(pattern: str) -> list[str]:
     """Files matching a glob pattern, sorted."""
-    if is_url(pattern):
-        return sorted(m.path for m in _filesystems().match([pattern])[0].metadata_list)
-    return sorted(p for p in globlib.glob(pattern, recursive=True) if os.path.isfile(p))
+    return remote.glob(pattern)
 
 
 def list_files(directory: str) -> list[str]:
     """The names (not paths) of the files directly inside ``directory``, sorted; [] if it does not exist."""
     if is_url(directory):
-        prefix = directory.rstrip("/") + "/"
-        matched = _filesystems().match([prefix + "*"])[0].metadata_list
-        return sorted(m.path[len(prefix) :] for m in matched if "/" not in m.path[len(prefix) :])
+        return remote.list_files(directory)
     if not os.path.isdir(directory):
         return []
     return sorted(entry.name for entry in os.scandir(directory) if not entry.is_dir())
@@ -141,9 +108,7 @@ def remove(paths: list[str]) -> None:
     if not paths:
         return
     if is_url(paths[0]):
-        present = [p for p in paths if _filesystems().exists(p)]
-        if present:
-            _filesystems().delete(present)
+        remote.remove(paths)
         return
     for path in paths:
         Path(path).unlink(missing_ok=True)
@@ -169,6 +134,23 @@ def output(dest: str) -> Iterator[Path]:
         tmp = Path(tmp_dir) / basename(dest)
         yield tmp
         publish(str(tmp), dest)
+
+
+@contextlib.contextmanager
+def output_first(dest: str) -> Iterator[Path]:
+    """``output`` of a file that the first writer alone publishes: at a URL it is uploaded only where none is
+    yet, in one conditional request, so of several runs finishing at once exactly one writes it and the others
+    leave it as it is. Locally ``output`` (the build's lock keeps runs apart there)."""
+    if not is_url(dest):
+        with output(dest) as tmp:
+            yield tmp
+        return
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir) / basename(dest)
+        yield tmp
+        with contextlib.suppress(FileExistsError):  # another run's came first
+            if not remote.exists(dest):  # for the stores that ignore the condition, the window is kept short
+                remote.upload(str(tmp), dest, exclusive=True)
 
 
 def write_scratch(path: str, write: Callable[[str], None]) -> None:
@@ -200,8 +182,10 @@ def _make_private_dir(directory: str) -> None:
 def make_own_dir(directory: str) -> None:
     """Make a local ``directory`` varpack writes and deletes files in (a build directory in a shared ``--out``), or check
     the one there: a real directory of this user's that no other user can write into, so that nobody else can plant a
-    link in it or swap a file varpack made there for one; else LinkError naming it. A no-op at a URL."""
+    link in it or swap a file varpack made there for one; else LinkError naming it. At a URL, a StorageError naming
+    the fix when its bucket is missing or refuses the credentials."""
     if is_url(directory):
+        remote.check_writable(directory)
         return
     try:
         schemas_io.make_own_dir(directory)
@@ -216,12 +200,9 @@ def check_own_dir(directory: str, private: bool = False) -> None:
 
 
 def publish(local_path: str, dest: str) -> None:
-    """Move a finished local file to the URL ``dest``: upload it under a temporary name, then rename it."""
-    from apache_beam.io.filesystem import CompressionTypes
-
-    parent, name = dest.rsplit("/", 1)
-    staging = f"{parent}/.{name}{UPLOAD_MARK}"
-    with open(local_path, "rb") as src, _filesystems().create(staging, compression_type=CompressionTypes.UNCOMPRESSED) as dst:
-        shutil.copyfileobj(src, dst, 8 << 20)
-    _filesystems().rename([staging], [dest])
+    """Move a finished local file to the URL ``dest``: upload it under a temporary name, then rename it, so that
+    ``dest`` never holds part of it where a store's upload is not whole or nothing."""
+    staging = remote.join(remote.parent(dest), f".{remote.basename(dest)}{UPLOAD_MARK}")
+    remote.upload(local_path, staging)
+    remote.rename(staging, dest)
     os.unlink(local_path)

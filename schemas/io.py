@@ -5,7 +5,7 @@ fsynced, renamed onto the target, and then the directory is fsynced, so after a 
 power cut a reader finds either the old file or the whole new one, and a manifest never names
 a shard whose rename was not yet durable. Both sides import this module: the write side for
 shards, rejected rows and the manifest, the read side for the manifest and its cache of remote
-shards. It imports only the standard library (and fsspec, for a manifest at a URL).
+shards. It imports only the standard library (and, for a manifest at a URL, ``schemas.storage``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from schemas import storage
 from schemas.errors import LinkError, ManifestError, WriteError
 from schemas.manifest import MANIFEST_NAME, Manifest, validate_manifest
 
@@ -264,11 +265,11 @@ def write_manifest(
     """Validate the manifest and write it into ``directory`` atomically; its presence marks a complete build.
 
     ``output`` gives a local path whose content becomes the file (default: ``atomic_output``);
-    the write side passes its own, which also writes the filesystems Apache Beam knows.
+    the write side passes its own, which also writes at a URL.
     Returns the manifest's path.
     """
     directory = os.fspath(directory)
-    path = f"{directory.rstrip('/')}/{MANIFEST_NAME}" if "://" in directory else os.path.join(directory, MANIFEST_NAME)
+    path = storage.join(directory, MANIFEST_NAME) if storage.is_url(directory) else os.path.join(directory, MANIFEST_NAME)
     validate_manifest(manifest.to_dict(), path)
     if output is None:
         atomic_write(path, manifest.to_json())
@@ -278,27 +279,23 @@ def write_manifest(
     return path
 
 
-def _read_local_or_fsspec(path: str) -> bytes:
-    if "://" not in path:
-        with open_regular(path) as file:
-            return file.read()
-    import fsspec
-
-    with fsspec.open(path, "rb") as f:
-        return f.read()
+def _read_local_or_remote(path: str) -> bytes:
+    if storage.is_url(path):
+        return storage.read_bytes(path)
+    with open_regular(path) as file:
+        return file.read()
 
 
 def read_manifest(path: str | os.PathLike[str], read: Callable[[str], bytes] | None = None) -> Manifest:
     """Load and validate a manifest: a file, a shard directory holding one, or a URL.
 
-    ``read`` returns a file's bytes (default: the local disk, or fsspec for a URL); the write
-    side passes its own, which reads the filesystems Apache Beam knows.
+    ``read`` returns a file's bytes (default: the local disk, or ``schemas.storage`` for a URL).
     """
     path = os.fspath(path)
-    if "://" not in path and os.path.isdir(path):
+    if not storage.is_url(path) and os.path.isdir(path):
         path = os.path.join(path, MANIFEST_NAME)
     try:
-        text = (read or _read_local_or_fsspec)(path).decode("utf-8")
+        text = (read or _read_local_or_remote)(path).decode("utf-8")
     except FileNotFoundError as err:
         raise ManifestError(f"{path}: no manifest; the build is missing or was interrupted, run the pipeline again") from err
     except (OSError, UnicodeDecodeError) as err:

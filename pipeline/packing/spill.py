@@ -27,6 +27,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.encode.examples import EncodedBatch
 from pipeline.encode.token_check import CheckCounts
+from schemas.arrow_file import open_arrow_file
 
 SPILL_PREFIX = ".spill-"
 CLUSTER_SPILL_PREFIX = "varpack-spill-"
@@ -109,12 +110,7 @@ def _write(table: pa.Table, path: str) -> None:
 def read_spilled(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(tokens, loss_mask, roles)`` of a spill file (roles: None but for preference pairs): memory-mapped, zero
     copy, when it is local."""
-    if storage.is_url(path):
-        with storage.open_read(path) as f:
-            source = pa.BufferReader(f.read())
-    else:
-        source = pa.memory_map(path, "r")
-    table = pa.ipc.open_file(source).read_all()
+    table = open_arrow_file(path).read_all()
     roles = table.column("roles").chunk(0).to_numpy() if "roles" in table.column_names else None
     return table.column("tokens").chunk(0).to_numpy(), table.column("loss_mask").chunk(0).to_numpy(), roles
 

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.errors import InputError
+from schemas.arrow_file import arrow_source
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 # Byte size of one JSON-lines read task, and the most rows of one Arrow read task.
@@ -286,11 +287,7 @@ def _task_not_objects(task: FileTask) -> np.ndarray:
 
 def _read_arrow(path: str) -> pa.Table:
     """An Arrow IPC file or stream (the format ``datasets`` caches), memory-mapped when local."""
-    if storage.is_url(path):
-        with storage.open_read(path) as f:
-            source = pa.BufferReader(f.read())
-    else:
-        source = pa.memory_map(path, "r")
+    source = arrow_source(path)
     try:
         return pa.ipc.open_file(source).read_all()
     except pa.ArrowInvalid:

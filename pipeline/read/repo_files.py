@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import fsspec
 import yaml
 
 from pipeline import storage
@@ -43,10 +42,9 @@ class SplitFiles:
     other_splits: tuple[str, ...] = ()  # the data files of the other splits, not read
 
 
-def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+def _read_text(path: str) -> str | None:
     try:
-        with fs.open(path, "rb") as f:
-            return f.read().decode("utf-8", errors="replace")
+        return storage.read_bytes(path).decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
 
@@ -110,9 +108,8 @@ def split_files(base: str, split: str) -> SplitFiles:
     """
     from datasets.data_files import EmptyDatasetError, get_data_patterns
 
-    fs, root = fsspec.core.url_to_fs(base)
-    scripts = tuple(sorted(storage.basename(p) for p in fs.glob(f"{root.rstrip('/')}/*.py")))
-    patterns = _config_patterns(_read_text(fs, f"{root.rstrip('/')}/{README}"))
+    scripts = tuple(sorted(storage.basename(p) for p in storage.glob(storage.join(base, "*.py"))))
+    patterns = _config_patterns(_read_text(storage.join(base, README)))
     by_name = patterns is None
     if patterns is None:
         try:

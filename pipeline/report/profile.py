@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 
 from dataclasses import dataclass
 
@@ -11,18 +10,14 @@ import pyarrow as pa
 
 from pipeline import storage
 from schemas import Manifest, ShardError, ShardInfo, list_parts, validate_table
+from schemas.arrow_file import open_arrow_file
 
 
 def read_shard_table(build_dir: str, info: ShardInfo, capacity: int) -> pa.Table:
     """One shard of the build as an Arrow table (memory-mapped when local), checked against the row schema."""
     path = storage.join(build_dir, info.path)
     try:
-        if storage.is_url(path):
-            with storage.open_read(path) as f:
-                table = pa.ipc.open_file(pa.py_buffer(f.read())).read_all()
-        else:
-            with storage.open_read(path) as f:  # mapped through the file opened, a regular one
-                table = pa.ipc.open_file(pa.py_buffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))).read_all()
+        table = open_arrow_file(path).read_all()
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardError(path, f"is missing or not a readable Arrow IPC file ({err}); rebuild the build") from err
     validate_table(table, capacity, path)

@@ -28,7 +28,6 @@ from pipeline.errors import OutputDirError
 from pipeline.packing.algorithms import PackingPlan, pack
 from pipeline.packing.rows import build_rows
 from schemas import (
-    MANIFEST_NAME,
     PREFERENCE_ROW_SCHEMA,
     ROW_SCHEMA,
     BuildInputs,
@@ -117,10 +116,9 @@ def finish_build(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         rejected=rejected if rejected is not None else RejectedRows(),
     )
-    if storage.is_url(out_dir) and storage.exists(storage.join(out_dir, MANIFEST_NAME)):
-        return manifest  # another attempt at this URL published the build first, and the first manifest wins
-    # Locally written through the descriptor of its temporary file (schemas.io.atomic_file); at a URL uploaded.
-    write_manifest(manifest, out_dir, storage.output if storage.is_url(out_dir) else None)
+    # Locally written through the descriptor of its temporary file (schemas.io.atomic_file); at a URL uploaded
+    # where no manifest is yet, so the first attempt at this URL to finish publishes the build and the others leave it.
+    write_manifest(manifest, out_dir, storage.output_first if storage.is_url(out_dir) else None)
     return manifest
 
 
