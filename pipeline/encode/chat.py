@@ -99,6 +99,8 @@ def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
     if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra or empty_allowed):
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
     if speaker.strip().lower() == "function_call":
+        if not content.strip():  # an empty call, read as an empty assistant turn: dropped with its exchange
+            return {"role": role, "content": ""}
         return {"role": role, "content": "", "tool_calls": [{"type": "function", "function": _function(content, number)}]}
     return {"role": role, "content": content, **extra}
 
@@ -465,8 +467,19 @@ def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[st
 
 
 def as_read(value: Any) -> Any:
-    """A chat row's value without the null fields reading gave every message (``role`` and
-    ``content`` in a ShareGPT turn): the row as the source holds it, for ``rejected.jsonl``."""
+    """A chat row's value as the source holds it, for ``rejected.jsonl``: each message without the null fields
+    reading gave every message (``role`` and ``content`` in a ShareGPT turn), but with a null text of its own
+    (``"value": null``), which may be why the row was rejected.
+
+    >>> as_read([{"from": "gpt", "value": None, "role": None, "content": None, "tool_calls": None}])
+    [{'from': 'gpt', 'value': None}]
+    """
     if not isinstance(value, list):
         return value
-    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+    return [_message_as_read(m) if isinstance(m, dict) else m for m in value]
+
+
+def _message_as_read(message: dict[str, Any]) -> dict[str, Any]:
+    """One message without the null fields it was not written with: its own text field stays, null or not."""
+    own = next((text for speaker, text in zip(SPEAKER_KEYS, TEXT_KEYS) if message.get(speaker) is not None), None)
+    return {k: v for k, v in message.items() if v is not None or k == own}
