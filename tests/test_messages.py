@@ -421,3 +421,41 @@ def tokenizer_and_template():
     from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
 
     return plan.tokenizer, MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+
+
+def test_a_turn_of_weight_0_is_not_trained_on_and_another_weight_is_a_bad_row(tmp_path, capsys):
+    """axolotl's ShareGPT ``weight``: an assistant turn of weight 0 stays in the tokens as context, untrained and
+    counted; weight 1 (or none) is trained on; 0.5, or weight 1 on a user turn, is a bad row naming the turn."""
+    rows = [
+        sharegpt_turns(("human", "Hi"), ("gpt", "Bad answer"), ("human", "Again"), ("gpt", "Good answer")),
+        sharegpt_turns(("human", "Hi"), ("gpt", "Fine")),
+        sharegpt_turns(("human", "Hi"), ("gpt", "Fine")),
+        sharegpt_turns(("human", "Hi"), ("gpt", "Fine")),
+    ]
+    rows[0][1]["weight"], rows[0][3]["weight"], rows[1][0]["weight"] = 0, 1, 0
+    rows[2][1]["weight"], rows[3][0]["weight"] = 0.5, 1
+    path = tmp_path / "weights.jsonl"
+    path.write_text("".join(json.dumps({"conversations": value}) + "\n" for value in rows))
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
+    out = tmp_path / "out"
+    args = ["--dataset", str(path), "--chat-template", template, "--out", str(out), "--no-progress", "--no-report"]
+    assert main(args) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"varpack: error: {path} line 3: 'conversations': turn 2 (assistant) has weight 0.5; a weight is 0 (an assistant "
+        "turn not trained on) or 1"
+    )
+    assert main([*args, "--on-bad-row", "skip", "--max-bad-rows", "2"]) == 0
+    assert "turns         3 user, 3 assistant (1 of weight 0, not trained on)" in capsys.readouterr().out
+    (build_dir,) = out.iterdir()
+    assert read_manifest(build_dir).stats.chat_turns["assistant"] == {"read": 3, "used": 3, "untrained": 1}
+    rejected = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
+    assert [(r["where"], r["reason"]) for r in rejected] == [(f"{path} line 3", "bad_weight"), (f"{path} line 4", "bad_weight")]
+    backend = plan_build(PackConfig(dataset=str(path), chat_template=template)).tokenizer.backend()
+    examples = read_examples(build_dir)
+    assert {k: backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False) for k, (tokens, mask) in examples.items()} == {
+        0: "assistant: Good answer</s>", 1: "assistant: Fine</s>"
+    }
+    assert "Bad answer" in backend.decode(examples[0][0].tolist())
+    with pytest.raises(RowProblem, match="every assistant turn has weight 0") as refused:
+        conversation([{**rows[1][0], "weight": None}, {**rows[1][1], "weight": 0}])
+    assert refused.value.reason == Reason.NO_ASSISTANT_TURN

@@ -397,8 +397,8 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
 
 
 # Rows of every kind whose encoding the encoding rules decide: dangling, empty and unanswered ShareGPT turns,
-# function calls (one null), a system turn, tool calls and reasoning in {role, content} messages, a conversation
-# truncated mid-way, a bad row, and prompt/response and text rows (one long enough to be split).
+# function calls (one null), a system turn, tool calls and reasoning in {role, content} messages, a turn of
+# weight 0, conversations truncated mid-way, a bad row, and prompt/response and text rows (one long enough to be split).
 RULES_SAMPLE = {
     "conversations": [
         [{"from": "gpt", "value": "...and so on."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
@@ -409,7 +409,7 @@ RULES_SAMPLE = {
          {"from": "function_call", "value": None}, {"from": "observation", "value": "4"}, {"from": "gpt", "value": "4"},
          {"from": "human", "value": "Thanks " * 30}, {"from": "gpt", "value": "Welcome " * 30}],
         [{"role": "user", "content": "Weather?"},
-         {"role": "assistant", "content": None, "reasoning_content": "Look it up.",
+         {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "weight": 0,
           "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
          {"role": "tool", "content": "Sunny"}, {"role": "assistant", "content": "Sunny <|EOT|> in Oslo."}],
         [{"from": "gpt", "value": "orphan"}],
@@ -425,7 +425,7 @@ RULES_TEMPLATE = (
 # Each ENCODING_RULES version with the fingerprint of the fixed build inputs of RULES_SAMPLE's formats and the
 # digest of what RULES_SAMPLE encodes to under it. A change of the encoding adds a line; no line is ever edited.
 ENCODINGS = {
-    1: ("0816de77956985cc", "8ecb04969008f75e"),
+    1: ("0816de77956985cc", "e684781de079d472"),
 }
 
 

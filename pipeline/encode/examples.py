@@ -139,6 +139,29 @@ def _turn_starts(messages: list[dict[str, Any]], text: str, spans: list[tuple[in
     return starts
 
 
+def _trained_spans(
+    spans: list[tuple[int, int]], trained: tuple[bool, ...], generation_tags: bool, rows: BatchRows, row: int
+) -> list[tuple[int, int]]:
+    """The assistant ``spans`` of the turns trained on (``trained``, one per assistant turn): with
+    ``{% generation %}`` one span per turn; without, those ``_assistant_spans`` found (the first turns up to
+    the characters kept) and the last turn's.
+
+    >>> _trained_spans([(0, 5), (9, 12), (20, 25)], (True, False, True, False), False, BatchRows("t"), 0)
+    [(0, 5)]
+    """
+    if all(trained):
+        return spans
+    if generation_tags:
+        if len(spans) != len(trained):
+            raise InputError(
+                f"{rows.name(row)}: the chat template marks {len(spans)} {{% generation %}} blocks for {len(trained)} "
+                "assistant turns, so the turns of weight 0 cannot be left untrained; mark one block per assistant turn"
+            )
+        return [span for span, on in zip(spans, trained) if on]
+    flags = [*trained[: len(spans) - 1], trained[-1]]
+    return [span for span, on in zip(spans, flags) if on]
+
+
 def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
     """The token ids that go before and after one example (e.g. ``[1]`` and ``[2]`` for Mistral)."""
     return list(tokenizer.prefix_ids), list(tokenizer.suffix_ids)
@@ -509,7 +532,8 @@ class Encoder:
             else:
                 # A token is trained on when any of its characters lies inside an assistant span (a
                 # token can hold the template's last character and the answer's first: Mistral's "]{").
-                bounds = np.array([span for span in assistant if span[1] > span[0]], dtype=np.int64).ravel()
+                trained = _trained_spans(assistant, chat.trained_turns(), generation_tags, rows, row)
+                bounds = np.array([span for span in trained if span[1] > span[0]], dtype=np.int64).ravel()
                 first = np.searchsorted(bounds, offsets[:, 0], side="right")
                 mask = ((first % 2 == 1) | (np.searchsorted(bounds, offsets[:, 1], side="left") > first)).astype(np.uint8)
             if self.overflow == Overflow.TRUNCATE and not mask[: self.max_len].any():
