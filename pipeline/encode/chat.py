@@ -9,7 +9,9 @@ no assistant turn. A ``tool`` turn (a tool's output) follows an assistant turn o
 turn, and the assistant speaks again after it. ShareGPT's function calling turns (glaive,
 LLaMA-Factory) become tool calls: a ``function_call`` turn, whose value is a JSON object with
 ``name`` and ``arguments``, is an assistant turn with ``tool_calls``, as chat templates take
-them, and an ``observation`` turn is a ``tool`` turn. A ``{role, content}`` message keeps its
+them (a null or empty one is an empty assistant turn), and an ``observation`` turn is a ``tool`` turn.
+A turn's ``weight`` (axolotl's ShareGPT convention) of 0 keeps an assistant turn untrained
+(``Conversation.trained``); any other weight but 1 is a bad row. A ``{role, content}`` message keeps its
 other fields (``tool_calls``, whose ``content`` may be null, ``tool_call_id``, ``name``,
 ``reasoning_content``) for the chat template; ``written`` finds which of them a template writes.
 
