@@ -9,7 +9,7 @@ import pytest
 from pipeline.encode.examples import Encoder
 from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.read.formats import ExampleFormat
-from pipeline.read.kinds import ChatMessages, PlainText, PromptResponse, PromptResponseAsChat
+from pipeline.read.kinds import ENCODING_RULES, ChatMessages, PlainText, PromptResponse, PromptResponseAsChat
 from pipeline.read.readers import BatchRows
 from schemas import ExampleKind, LossMasking
 
@@ -65,7 +65,7 @@ PR, MESSAGES, TEXT = ExampleKind.PROMPT_RESPONSE, ExampleKind.CHAT, ExampleKind.
 def test_each_kind_keeps_the_layout_its_fingerprints_were_made_with(example_format, kind, template, loss_masking):
     """The template string and loss masking go into every build's fingerprint: changing one silently rebuilds everything."""
     assert type(example_format.example_kind) is kind
-    assert (example_format.template, example_format.loss_masking) == (template, loss_masking)
+    assert (example_format.template, example_format.loss_masking) == (f"varpack.encoding_rules.v{ENCODING_RULES} {template}", loss_masking)
 
 
 @pytest.mark.parametrize(

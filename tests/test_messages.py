@@ -313,8 +313,7 @@ def split_conversations(draw):
             answer = [("function_call", json.dumps({"name": "add", "arguments": {"a": k}})), ("observation", f"{k}"), *answer]
         turns += [("human", f"question {k}"), *answer]
     emptied = draw(st.sets(st.integers(0, max(len(turns) - 1, 0)), max_size=3))
-    return [(speaker, draw(EMPTY_VALUES) if k in emptied and speaker != "function_call" else text)
-            for k, (speaker, text) in enumerate(turns)]
+    return [(speaker, draw(EMPTY_VALUES) if k in emptied else text) for k, (speaker, text) in enumerate(turns)]
 
 
 def expected_exchanges(turns: list[tuple[str, str | None]]) -> list[tuple[str, str]]:
@@ -355,3 +354,108 @@ def test_empty_turns_in_any_role_and_place_drop_exactly_the_exchanges_that_hold_
             conversation(value, drop_dangling_turns=False)
     else:
         assert conversation(value, drop_dangling_turns=False) == chat
+
+
+def test_an_empty_or_null_function_call_turn_is_dropped_with_its_exchange(tmp_path, capsys):
+    """A ShareGPT ``function_call`` turn holding null or nothing is an empty assistant turn: its exchange is
+    dropped and counted, the build goes on; ``--keep-dangling-turns`` refuses it as an empty turn."""
+    call = json.dumps({"name": "add", "arguments": {"a": 1}})
+    for empty in (None, "", "  "):
+        value = sharegpt_turns(("human", "Add 1"), ("function_call", empty), ("observation", "2"), ("gpt", "2"),
+                               ("human", "Thanks"), ("gpt", "Welcome"), ("human", "Again"), ("function_call", call),
+                               ("observation", "3"), ("gpt", "3"))
+        chat = conversation(value)
+        assert [m["content"] for m in chat.messages] == ["Thanks", "Welcome", "Again", "", "3", "3"]
+        assert chat.dropped == ("unanswered_user", "empty_assistant", "rest_of_empty_answer", "rest_of_empty_answer")
+        with pytest.raises(RowProblem, match=r"^turn 2 \(assistant\) is empty$"):
+            conversation(value, drop_dangling_turns=False)
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps({"conversations": value}) + "\n")
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}"
+                "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+    assert main(["--dataset", str(path), "--chat-template", template, "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert "1 empty assistant turn" in capsys.readouterr().out
+
+
+def test_a_rejected_chat_row_keeps_the_null_texts_the_source_holds(tmp_path):
+    """rejected.jsonl holds a chat row as the source wrote it: a turn's ``"value": null`` stays; the fields
+    reading gave every message (``role`` and ``content`` of a ShareGPT turn) do not appear."""
+    rows = [sharegpt_turns(("human", "Hi"), ("gpt", "Hello")), sharegpt_turns(("human", None), ("gpt", "Lost"))]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"conversations": value}) + "\n" for value in rows))
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
+    out = tmp_path / "out"
+    assert main(["--dataset", str(path), "--chat-template", template, "--out", str(out), "--on-bad-row", "skip",
+                 "--max-bad-rows", "1", "--no-progress", "--no-report"]) == 0
+    (build_dir,) = out.iterdir()
+    (record,) = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
+    assert record["reason"] == "empty_turn" and record["row"] == {"conversations": rows[1]}
+
+
+def test_a_user_turn_none_of_whose_text_is_kept_is_not_counted_as_used(tokenizer_and_template):
+    """Truncation that keeps the template's ``[INST]`` of a user turn but none of its text leaves it unused."""
+    from pipeline.encode.examples import Encoder
+    from pipeline.read.formats import ExampleFormat
+    from pipeline.read.readers import MESSAGES_TYPE, BatchRows
+    from schemas import ExampleKind
+
+    tokenizer, template = tokenizer_and_template
+    conv = sharegpt_turns(("human", "Hi"), ("gpt", "Hello there."), ("human", "Tell me a long story about dragons please."),
+                          ("gpt", "No."))
+    messages = [{"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in conv]
+    fmt = ExampleFormat(ExampleKind.CHAT, ("conversations",), chat_template=template)
+    text, _ = Encoder(tokenizer, fmt, 4096, "truncate")._apply_template(messages)
+    encoding = tokenizer.backend().encode(text, add_special_tokens=False)
+    end = text.index("</s>") + len("</s>")
+    max_len = next(i for i, (start, _) in enumerate(encoding.offsets) if start >= end) + 1  # one template token past </s>
+    assert encoding.offsets[max_len][0] <= text.index(conv[2]["value"])
+    table = pa.table({"conversations": pa.array([conv], MESSAGES_TYPE)})
+    for length, used in ((max_len, 1), (len(encoding.ids), 2)):
+        batch = Encoder(tokenizer, fmt, length, "truncate").encode(table, BatchRows("t", 0))
+        assert (batch.turns["user.read"], batch.turns["user.used"]) == (2, used), length
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_template():
+    plan = plan_build(PackConfig(dataset="synthetic-flan"))
+    from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+
+    return plan.tokenizer, MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
+
+
+def test_a_turn_of_weight_0_is_not_trained_on_and_another_weight_is_a_bad_row(tmp_path, capsys):
+    """axolotl's ShareGPT ``weight``: an assistant turn of weight 0 stays in the tokens as context, untrained and
+    counted; weight 1 (or none) is trained on; 0.5, or weight 1 on a user turn, is a bad row naming the turn."""
+    rows = [
+        sharegpt_turns(("human", "Hi"), ("gpt", "Bad answer"), ("human", "Again"), ("gpt", "Good answer")),
+        sharegpt_turns(("human", "Hi"), ("gpt", "Fine")),
+        sharegpt_turns(("human", "Hi"), ("gpt", "Fine")),
+        sharegpt_turns(("human", "Hi"), ("gpt", "Fine")),
+    ]
+    rows[0][1]["weight"], rows[0][3]["weight"], rows[1][0]["weight"] = 0, 1, 0
+    rows[2][1]["weight"], rows[3][0]["weight"] = 0.5, 1
+    path = tmp_path / "weights.jsonl"
+    path.write_text("".join(json.dumps({"conversations": value}) + "\n" for value in rows))
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + eos_token }}{% endfor %}"
+    out = tmp_path / "out"
+    args = ["--dataset", str(path), "--chat-template", template, "--out", str(out), "--no-progress", "--no-report"]
+    assert main(args) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"varpack: error: {path} line 3: 'conversations': turn 2 (assistant) has weight 0.5; a weight is 0 (an assistant "
+        "turn not trained on) or 1"
+    )
+    assert main([*args, "--on-bad-row", "skip", "--max-bad-rows", "2"]) == 0
+    assert "turns         3 user, 3 assistant (1 of weight 0, not trained on)" in capsys.readouterr().out
+    (build_dir,) = out.iterdir()
+    assert read_manifest(build_dir).stats.chat_turns["assistant"] == {"read": 3, "used": 3, "untrained": 1}
+    rejected = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
+    assert [(r["where"], r["reason"]) for r in rejected] == [(f"{path} line 3", "bad_weight"), (f"{path} line 4", "bad_weight")]
+    backend = plan_build(PackConfig(dataset=str(path), chat_template=template)).tokenizer.backend()
+    examples = read_examples(build_dir)
+    assert {k: backend.decode(tokens[mask == 1].tolist(), skip_special_tokens=False) for k, (tokens, mask) in examples.items()} == {
+        0: "assistant: Good answer</s>", 1: "assistant: Fine</s>"
+    }
+    assert "Bad answer" in backend.decode(examples[0][0].tolist())
+    with pytest.raises(RowProblem, match="every assistant turn has weight 0") as refused:
+        conversation([{**rows[1][0], "weight": None}, {**rows[1][1], "weight": 0}])
+    assert refused.value.reason == Reason.NO_ASSISTANT_TURN

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import numpy as np
@@ -393,6 +394,85 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
     write_jsonl(data / "train.jsonl", [record, {**record, "prompt": "Q"}])
     assert plan_build(base).fingerprint != fingerprint
     assert plan_build(base).out_dir == str(tmp_path / "out" / f"data-{plan_build(base).fingerprint}")
+
+
+# Rows of every kind whose encoding the encoding rules decide: dangling, empty and unanswered ShareGPT turns,
+# function calls (one null), a system turn, tool calls and reasoning in {role, content} messages, a turn of
+# weight 0, conversations truncated mid-way, a bad row, and prompt/response and text rows (one long enough to be split).
+RULES_SAMPLE = {
+    "conversations": [
+        [{"from": "gpt", "value": "...and so on."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+         {"from": "human", "value": ""}, {"from": "gpt", "value": "Lost."}, {"from": "human", "value": "Bye"}],
+        [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Add 1 and 2"},
+         {"from": "function_call", "value": json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})},
+         {"from": "observation", "value": "3"}, {"from": "gpt", "value": "3"}, {"from": "human", "value": "And 2 and 2?"},
+         {"from": "function_call", "value": None}, {"from": "observation", "value": "4"}, {"from": "gpt", "value": "4"},
+         {"from": "human", "value": "Thanks " * 30}, {"from": "gpt", "value": "Welcome " * 30}],
+        [{"role": "user", "content": "Weather?"},
+         {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "weight": 0,
+          "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+         {"role": "tool", "content": "Sunny"}, {"role": "assistant", "content": "Sunny <|EOT|> in Oslo."}],
+        [{"from": "gpt", "value": "orphan"}],
+    ],
+    "prompt_response": [("What is 2 + 2?", "4"), ("Say hi", " hi\n"), ("Long " * 40, "Short")],
+    "text": ["One line.", "Two\nlines.", "word " * 150],
+}
+RULES_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.reasoning_content %} ({{ m.reasoning_content }}){% endif %}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# Each ENCODING_RULES version with the fingerprint of the fixed build inputs of RULES_SAMPLE's formats and the
+# digest of what RULES_SAMPLE encodes to under it. A change of the encoding adds a line; no line is ever edited.
+ENCODINGS = {
+    1: ("0816de77956985cc", "e684781de079d472"),
+}
+
+
+def rules_sample_encoding(tokenizer) -> tuple[str, str]:
+    """The fingerprint RULES_SAMPLE's formats give fixed build inputs, and the sha256 of its encoding (tokens,
+    loss masks, each example's row and each bad row's reason) in each format."""
+    from pipeline.read.readers import MESSAGES_TYPE
+    from schemas import BuildInputs, DatasetInputs, compute_fingerprint
+
+    cases = [
+        (ExampleFormat(ExampleKind.CHAT, ("c",), chat_template=RULES_TEMPLATE), 48, "truncate",
+         pa.table({"c": pa.array(RULES_SAMPLE["conversations"], MESSAGES_TYPE)})),
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("p", "r")), 32, "split",
+         pa.table({"p": [p for p, _ in RULES_SAMPLE["prompt_response"]], "r": [r for _, r in RULES_SAMPLE["prompt_response"]]})),
+        (ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("p", "r"), chat_template=RULES_TEMPLATE, as_chat=True), 32, "truncate",
+         pa.table({"p": [p for p, _ in RULES_SAMPLE["prompt_response"]], "r": [r for _, r in RULES_SAMPLE["prompt_response"]]})),
+        (ExampleFormat(ExampleKind.TEXT, ("t",)), 64, "split", pa.table({"t": RULES_SAMPLE["text"]})),
+    ]
+    fingerprints, encoded = [], hashlib.sha256()
+    for fmt, max_len, overflow, table in cases:
+        inputs = BuildInputs(DatasetInputs("sample", "train", "0"), tokenizer.inputs(), fmt.template, fmt.loss_masking,
+                             max_len, overflow, "best_fit_decreasing", 0, "0")
+        fingerprints.append(compute_fingerprint(inputs))
+        batch = Encoder(tokenizer, fmt, max_len, overflow, "skip").encode(table, BatchRows("t", 0))
+        for part in (batch.tokens.astype(np.int64), batch.loss_mask, batch.lengths, batch.example_rows):
+            encoded.update(np.ascontiguousarray(part).tobytes())
+        encoded.update(json.dumps([(bad.where, bad.reason) for bad in batch.rejected]).encode())
+    return hashlib.sha256(" ".join(fingerprints).encode()).hexdigest()[:16], encoded.hexdigest()[:16]
+
+
+def test_a_change_of_the_encoded_tokens_needs_a_new_encoding_rules_version(tokenizer, monkeypatch):
+    """A build is reused by its fingerprint, so the rules that encode rows are in it (``ENCODING_RULES``): fixed
+    rows of every kind encode to the digest pinned for the current version, and the fingerprint of fixed inputs
+    is the one pinned with it. A change of the encoding without a new version fails here, as does a new version
+    that keeps the fingerprint."""
+    from pipeline.read import kinds
+
+    fingerprint, encoding = rules_sample_encoding(tokenizer)
+    assert ENCODINGS.get(kinds.ENCODING_RULES, (None, None))[1] == encoding, (
+        f"RULES_SAMPLE encodes to {encoding} now: bump ENCODING_RULES in pipeline/read/kinds.py and pin "
+        f"{kinds.ENCODING_RULES + 1}: (fingerprint, {encoding!r}) in ENCODINGS"
+    )
+    assert ENCODINGS[kinds.ENCODING_RULES][0] == fingerprint
+    assert kinds.ENCODING_RULES == max(ENCODINGS) and len({e for _, e in ENCODINGS.values()}) == len(ENCODINGS)
+    monkeypatch.setattr(kinds, "ENCODING_RULES", kinds.ENCODING_RULES + 1)
+    bumped_fingerprint, bumped_encoding = rules_sample_encoding(tokenizer)
+    assert bumped_encoding == encoding and bumped_fingerprint != fingerprint
 
 
 def test_config_errors():

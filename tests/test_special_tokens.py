@@ -197,3 +197,41 @@ def test_special_token_text_in_every_data_column_is_an_error_under_strict(tmp_pa
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"varpack: error: {data} line 1: the data text holds '</s>'")
     assert main(args) == 0
     assert read_manifest(plan_out(tmp_path)).stats.special_token_text == {"</s>": {"examples": 1, "first_row": f"{data} line 1"}}
+
+
+DEEPSEEK_GGUF = Path(__file__).parent / "data" / "llama-cpp-vocab" / "ggml-vocab-deepseek-coder.gguf"
+
+
+@pytest.mark.parametrize(
+    ("record", "options"),
+    [
+        ({"conversations": [{"from": "human", "value": "Finish this<|EOT|> and <｜fim▁hole｜> please"},
+                            {"from": "gpt", "value": "Done."}]},
+         ["--chat-template", "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}"
+                             "{{ eos_token }}{% endif %}\n{% endfor %}"]),
+        ({"prompt": "Finish this<|EOT|> and <｜fim▁hole｜> please", "response": "Done."}, []),
+    ],
+    ids=["chat", "prompt-response"],
+)
+def test_text_of_added_control_tokens_not_flagged_special_is_counted_and_refused_under_strict(tmp_path, capsys, record, options):
+    """DeepSeek-coder's GGUF holds ``<|EOT|>`` and ``<｜fim▁hole｜>`` as user-defined tokens, not flagged special
+    but matched whole: data text holding them is packed as those control tokens, so it is counted and named
+    like a special token's text; its added letters (``õ``) are text."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(record, ensure_ascii=False) + "\n")
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--tokenizer", str(DEEPSEEK_GGUF), "--max-len", "128",
+            "--no-progress", "--no-report", *options]
+    assert main([*args, "--strict"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"varpack: error: {data} line 1: the data text holds '<|EOT|>', the text of a special token, and is "
+        "tokenized as that token, not as text; remove it from the data, or leave out --strict"
+    )
+    assert not list((tmp_path / "out").glob("*/manifest.json"))
+    assert main(args) == 0
+    first = {"examples": 1, "first_row": f"{data} line 1"}
+    assert read_manifest(plan_out(tmp_path)).stats.special_token_text == {"<｜fim▁hole｜>": first, "<|EOT|>": first}
+    backend = load_tokenizer(str(DEEPSEEK_GGUF)).backend()
+    assert not backend.get_added_tokens_decoder()[backend.token_to_id("<|EOT|>")].special
+    assert len(backend.encode("<|EOT|>", add_special_tokens=False).ids) == 1
+    (out_dir,) = (tmp_path / "out").iterdir()
+    assert "õ" not in read_manifest(out_dir).stats.special_token_text

@@ -41,6 +41,7 @@ class Reason(StrEnum):
     ONLY_DANGLING_TURNS = "only_dangling_turns"
     NO_CHAT_TURNS = "no_chat_turns"
     BAD_TOOL_CALL = "bad_tool_call"
+    BAD_WEIGHT = "bad_weight"
     ENDS_WITH_USER = "ends_with_user"
     TEMPLATE_REJECTED = "template_rejected"
     NO_TOKENS = "no_tokens"

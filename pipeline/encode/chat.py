@@ -9,7 +9,9 @@ no assistant turn. A ``tool`` turn (a tool's output) follows an assistant turn o
 turn, and the assistant speaks again after it. ShareGPT's function calling turns (glaive,
 LLaMA-Factory) become tool calls: a ``function_call`` turn, whose value is a JSON object with
 ``name`` and ``arguments``, is an assistant turn with ``tool_calls``, as chat templates take
-them, and an ``observation`` turn is a ``tool`` turn. A ``{role, content}`` message keeps its
+them (a null or empty one is an empty assistant turn), and an ``observation`` turn is a ``tool`` turn.
+A turn's ``weight`` (axolotl's ShareGPT convention) of 0 keeps an assistant turn untrained
+(``Conversation.trained``); any other weight but 1 is a bad row. A ``{role, content}`` message keeps its
 other fields (``tool_calls``, whose ``content`` may be null, ``tool_call_id``, ``name``,
 ``reasoning_content``) for the chat template; ``written`` finds which of them a template writes.
 
@@ -65,12 +67,20 @@ class Conversation:
     messages: list[dict[str, Any]]
     read: list[dict[str, Any]]  # every turn of the row, dropped ones included
     dropped: tuple[str, ...] = ()  # the kind (one of DROPPED) of each turn dropped
+    # Whether each assistant turn of ``messages``, in order, is trained on (False: ``weight`` 0); () when all are.
+    trained: tuple[bool, ...] = ()
+
+    def trained_turns(self) -> tuple[bool, ...]:
+        """Whether each assistant turn of ``messages`` is trained on."""
+        return self.trained or (True,) * sum(m["role"] == "assistant" for m in self.messages)
 
 
 # The keys that hold a turn's speaker and text; every other non-null key of a message (``tool_calls``,
-# ``reasoning_content``, ``tool_call_id``, ``name``) is passed to the chat template as it is.
+# ``reasoning_content``, ``tool_call_id``, ``name``) but its ``weight`` is passed to the chat template as it is.
 SPEAKER_KEYS = ("role", "from")
 TEXT_KEYS = ("content", "value")
+# A turn's weight, as axolotl's ShareGPT strategies read it: 0, an assistant turn not trained on; 1 (or none), trained.
+WEIGHT_KEY = "weight"
 
 
 def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
@@ -89,7 +99,10 @@ def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
             "chatgpt, system; model means assistant)",
         )
     # Null fields are fields the row does not have (reading gives every message all of them); so is an empty call list.
-    extra = {k: v for k, v in message.items() if k not in SPEAKER_KEYS + TEXT_KEYS and v is not None and v != []}
+    extra = {
+        k: v for k, v in message.items() if k not in (*SPEAKER_KEYS, *TEXT_KEYS, WEIGHT_KEY) and v is not None and v != []
+    }
+    weight = _weight(message.get(WEIGHT_KEY), number, role)
     if "tool_calls" in extra:
         _check_tool_calls(extra["tool_calls"], number, role)
         extra["tool_calls"] = [_with_arguments_object(call) for call in extra["tool_calls"]]
@@ -99,8 +112,25 @@ def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
     if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra or empty_allowed):
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
     if speaker.strip().lower() == "function_call":
-        return {"role": role, "content": "", "tool_calls": [{"type": "function", "function": _function(content, number)}]}
-    return {"role": role, "content": content, **extra}
+        extra = {}
+        if content.strip():  # an empty call is an empty assistant turn, dropped with its exchange
+            extra = {"tool_calls": [{"type": "function", "function": _function(content, number)}]}
+        content = ""
+    return {"role": role, "content": content, **extra, **weight}
+
+
+def _weight(weight: Any, number: int, role: str) -> dict[str, int]:
+    """``{"weight": 0}`` for an assistant turn not trained on, else ``{}``; a weight other than 0 or 1, or
+    weight 1 on a turn that is not the assistant's, is a bad row."""
+    if weight is None or (weight == 0 and role != "assistant"):
+        return {}
+    if weight not in (0, 1) or (weight == 1 and role != "assistant"):
+        raise RowProblem(
+            Reason.BAD_WEIGHT,
+            f"turn {number} ({role}) has weight {weight!r}; a weight is 0 (an assistant turn not trained on) or 1 "
+            "(an assistant turn trained on), and only assistant turns are trained on",
+        )
+    return {WEIGHT_KEY: 0} if weight == 0 else {}
 
 
 def _check_tool_calls(calls: Any, number: int, role: str) -> None:
@@ -356,7 +386,13 @@ def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Convers
         messages, dropped = _without_untrainable_turns(read)
         _check_something_left(read, messages, dropped)
     _check_order(messages, dropped)
-    return Conversation(messages, read, tuple(dropped))
+    trained = tuple(WEIGHT_KEY not in m for m in messages if m["role"] == "assistant")
+    if not any(trained):
+        raise RowProblem(Reason.NO_ASSISTANT_TURN, "every assistant turn has weight 0, so nothing to train on")
+    if all(trained):
+        return Conversation(messages, read, tuple(dropped))
+    messages = [{k: v for k, v in m.items() if k != WEIGHT_KEY} for m in messages]
+    return Conversation(messages, read, tuple(dropped), trained)
 
 
 def _probe(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -431,12 +467,13 @@ def count_turns(
 ) -> Counter[str]:
     """The counts one conversation adds to a build's, for each of ``chat.messages``: its turns by role as
     ``ROLE.read``, ``ROLE.used`` (its text is in the example's tokens, ``in_tokens``), ``ROLE.left_out``
-    (the chat template does not write it) and ``ROLE.unwritten.FIELD`` (a field such as
+    (the chat template does not write it), ``assistant.untrained`` (weight 0) and ``ROLE.unwritten.FIELD`` (a field such as
     ``reasoning_content`` the template does not write), ``system.merged``, and its dropped dangling turns."""
     counts = Counter(f"{m['role']}.read" for m in chat.read)
     counts.update(f"{m['role']}.used" for m, reached in zip(chat.messages, in_tokens) if reached)
     counts.update(f"{m['role']}.left_out" for m, wrote in zip(chat.messages, turns_written) if not wrote)
     counts.update(f"{m['role']}.unwritten.{name}" for m, names in zip(chat.messages, fields_unwritten) for name in names)
+    counts["assistant.untrained"] += chat.trained_turns().count(False)
     counts["system.merged"] += system_merged
     counts.update(f"dropped.{kind}" for kind in chat.dropped)
     counts["dropped.conversations"] += bool(chat.dropped)
@@ -457,7 +494,7 @@ def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[st
     for role in ROLE_ORDER:
         if counts[f"{role}.read"]:
             roles[role] = {"read": counts[f"{role}.read"], "used": counts[f"{role}.used"]}
-            kinds = tuple(f"{role}.{kind}" for kind in ("merged", "left_out", "unwritten."))
+            kinds = tuple(f"{role}.{kind}" for kind in ("merged", "left_out", "untrained", "unwritten."))
             extra = sorted(k.removeprefix(f"{role}.") for k in counts if k.startswith(kinds) and counts[k])
             roles[role].update({name: counts[f"{role}.{name}"] for name in extra})
     dropped = {kind: counts[f"dropped.{kind}"] for kind in DROPPED if counts[f"dropped.{kind}"]}
@@ -465,8 +502,19 @@ def turn_stats(counts: Counter[str]) -> tuple[dict[str, dict[str, int]], dict[st
 
 
 def as_read(value: Any) -> Any:
-    """A chat row's value without the null fields reading gave every message (``role`` and
-    ``content`` in a ShareGPT turn): the row as the source holds it, for ``rejected.jsonl``."""
+    """A chat row's value as the source holds it, for ``rejected.jsonl``: each message without the null fields
+    reading gave every message (``role`` and ``content`` in a ShareGPT turn), but with a null text of its own
+    (``"value": null``), which may be why the row was rejected.
+
+    >>> as_read([{"from": "gpt", "value": None, "role": None, "content": None, "tool_calls": None}])
+    [{'from': 'gpt', 'value': None}]
+    """
     if not isinstance(value, list):
         return value
-    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+    return [_message_as_read(m) if isinstance(m, dict) else m for m in value]
+
+
+def _message_as_read(message: dict[str, Any]) -> dict[str, Any]:
+    """One message without the null fields it was not written with: its own text field stays, null or not."""
+    own = next((text for speaker, text in zip(SPEAKER_KEYS, TEXT_KEYS) if message.get(speaker) is not None), None)
+    return {k: v for k, v in message.items() if v is not None or k == own}

@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 
 from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow, Reason, RowProblem
 from pipeline.encode.chat import Conversation, as_read, conversation, count_turns, data_text, tool_call_names, written
-from pipeline.encode.tokenizer import LoadedTokenizer, _special_tokens
+from pipeline.encode.tokenizer import LoadedTokenizer, control_tokens
 from pipeline.errors import ConfigError, InputError
 from pipeline.ranges import gather_index
 from pipeline.read.formats import ExampleFormat
@@ -113,6 +113,53 @@ class EncodedBatch:
             self.lengths[keep], self.tokens[index], self.loss_mask[index], self.example_rows[keep], self.rejected,
             self.untrained, self.turns, self.prompt_cut, self.special_text, None if self.roles is None else self.roles[index],
         )
+
+
+def _turn_starts(messages: list[dict[str, Any]], text: str, spans: list[tuple[int, int]], kept: int) -> list[int]:
+    """Where each of ``messages`` starts in ``text``, the chat rendered: an assistant turn at its span
+    (``spans``, those past character ``kept`` left out), any other turn where its own text is found after
+    the turn before it, or, when the template writes it otherwise, where the turn before it ends.
+
+    >>> text = "[INST] Hi [/INST] Hello</s>[INST] Tell me more [/INST] No</s>"
+    >>> messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+    ...             {"role": "user", "content": "Tell me more"}, {"role": "assistant", "content": "No"}]
+    >>> _turn_starts(messages, text, [(18, 27), (55, 61)], len(text))
+    [7, 18, 34, 55]
+    """
+    assistant, starts, after = iter(spans), [], 0
+    for message in messages:
+        if message["role"] == "assistant":
+            start, after = next(assistant, (kept, kept))
+        else:
+            own = message["content"].strip()
+            found = text.find(own, after) if own else -1
+            start = after if found < 0 else found
+            after = start + len(own) if found >= 0 else after
+        starts.append(start)
+    return starts
+
+
+def _trained_spans(
+    spans: list[tuple[int, int]], trained: tuple[bool, ...], generation_tags: bool, rows: BatchRows, row: int
+) -> list[tuple[int, int]]:
+    """The assistant ``spans`` of the turns trained on (``trained``, one per assistant turn): with
+    ``{% generation %}`` one span per turn; without, those ``_assistant_spans`` found (the first turns up to
+    the characters kept) and the last turn's.
+
+    >>> _trained_spans([(0, 5), (9, 12), (20, 25)], (True, False, True, False), False, BatchRows("t"), 0)
+    [(0, 5)]
+    """
+    if all(trained):
+        return spans
+    if generation_tags:
+        if len(spans) != len(trained):
+            raise InputError(
+                f"{rows.name(row)}: the chat template marks {len(spans)} {{% generation %}} blocks for {len(trained)} "
+                "assistant turns, so the turns of weight 0 cannot be left untrained; mark one block per assistant turn"
+            )
+        return [span for span, on in zip(spans, trained) if on]
+    flags = [*trained[: len(spans) - 1], trained[-1]]
+    return [span for span, on in zip(spans, flags) if on]
 
 
 def special_affixes(tokenizer: LoadedTokenizer) -> tuple[list[int], list[int]]:
@@ -295,7 +342,7 @@ class Encoder:
         self.kind = example_format.example_kind
         self.merges_system = example_format.is_chat and not self._writes("system", PROBE_SYSTEM)
         self.writes_tool_calls = example_format.is_chat and self._writes("tool_calls", "probe_function_name")
-        specials = sorted(_special_tokens(self.backend), key=len, reverse=True)
+        specials = sorted(control_tokens(self.backend), key=len, reverse=True)
         self.specials_pattern = "|".join(re.escape(token) for token in specials)
 
     def encode(self, table: pa.Table, rows: BatchRows) -> EncodedBatch:
@@ -485,12 +532,13 @@ class Encoder:
             else:
                 # A token is trained on when any of its characters lies inside an assistant span (a
                 # token can hold the template's last character and the answer's first: Mistral's "]{").
-                bounds = np.array([span for span in assistant if span[1] > span[0]], dtype=np.int64).ravel()
+                trained = _trained_spans(assistant, chat.trained_turns(), generation_tags, rows, row)
+                bounds = np.array([span for span in trained if span[1] > span[0]], dtype=np.int64).ravel()
                 first = np.searchsorted(bounds, offsets[:, 0], side="right")
                 mask = ((first % 2 == 1) | (np.searchsorted(bounds, offsets[:, 1], side="left") > first)).astype(np.uint8)
             if self.overflow == Overflow.TRUNCATE and not mask[: self.max_len].any():
                 kept = 0  # dropped with nothing to train on (_drop_untrained)
-            turns += self._count_turns(chat, messages, assistant, kept, rows, row)
+            turns += self._count_turns(chat, messages, text, assistant, kept, rows, row)
             masks.append(mask)
         loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
         special_text: dict[str, tuple[int, str]] = {}
@@ -500,11 +548,12 @@ class Encoder:
         return EncodedBatch(lengths, tokens, loss_mask, turns=turns, special_text=special_text), problems
 
     def _count_turns(
-        self, chat: Conversation, messages: list[dict[str, Any]], spans: list[tuple[int, int]], kept: int, rows: BatchRows,
-        row: int,
+        self, chat: Conversation, messages: list[dict[str, Any]], text: str, spans: list[tuple[int, int]], kept: int,
+        rows: BatchRows, row: int,
     ) -> Counter[str]:
         """``chat``'s turns counted by role as read, used (in the tokens kept: written by the template and
-        starting before character ``kept``), left out by the template, and merged, the fields the template
+        starting before character ``kept`` of ``text``, the rendered chat: an assistant turn at its span
+        ``spans``, another turn where its own text is), left out by the template, and merged, the fields the template
         does not write, and its dropped dangling turns; under ``--strict`` a turn or a field the template
         leaves out is an error naming the row."""
         try:
@@ -513,14 +562,7 @@ class Encoder:
             text = self._text(messages)
             turns_written = [all(p in text for p in [m["content"].strip(), *tool_call_names(m)]) for m in messages]
             unwritten = [[] for _ in messages]
-        # Where each turn starts: an assistant turn at its span, the others where the assistant turn before them ends.
-        starts, ends = iter(spans), 0
-        in_tokens = []
-        for message, wrote in zip(messages, turns_written):
-            start = ends
-            if message["role"] == "assistant":
-                start, ends = next(starts, (kept, kept))
-            in_tokens.append(wrote and start < kept)
+        in_tokens = [wrote and start < kept for wrote, start in zip(turns_written, _turn_starts(messages, text, spans, kept))]
         merged = self.merges_system and chat.messages[0]["role"] == "system"
         if merged:  # the system turn is written, and kept, with the first user turn
             turns_written, in_tokens = [turns_written[0], *turns_written], [in_tokens[0], *in_tokens]

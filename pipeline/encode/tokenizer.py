@@ -215,6 +215,21 @@ def _special_tokens(backend: Any) -> list[str]:
     return [decoder[i].content for i in sorted(decoder) if decoder[i].special]
 
 
+# An added token's text that reads as a control marker: <|EOT|>, <｜fim▁hole｜>, <pad>, [PAD32000]; not an added
+# word, letter or run of spaces.
+_CONTROL_TEXT = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")
+
+
+def control_tokens(backend: Any) -> list[str]:
+    """The contents of the added tokens that tokenize text holding them as one control token: the special
+    ones, and those not flagged special that read as markers (DeepSeek-coder's GGUF ``<|EOT|>``), since
+    the tokenizer matches every added token whole, special or not, in id order."""
+    decoder = backend.get_added_tokens_decoder()
+    return [
+        decoder[i].content for i in sorted(decoder) if decoder[i].special or _CONTROL_TEXT.fullmatch(decoder[i].content)
+    ]
+
+
 def _named(specials: list[str], added: tuple[int, ...], names: tuple[str, ...], backend: Any) -> str | None:
     """The token the post-processor adds (``added``), else the first special token with a usual name."""
     if added:

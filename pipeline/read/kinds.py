@@ -34,6 +34,12 @@ from schemas import ExampleKind, LossMasking, Overflow
 # How a prompt and its response are joined into one example, unless --prompt-template says otherwise.
 DEFAULT_PROMPT_TEMPLATE = "{prompt}\n\n{response}"
 
+# The version of the rules that turn source rows into tokens and loss masks (pipeline/read, pipeline/encode:
+# which rows and turns are kept, how they are rendered and masked), part of every build's fingerprint, so a
+# build made under other rules is never reused. Bump it with any change to what a fixed input encodes to:
+# tests/test_pipeline_units.py::test_a_change_of_the_encoded_tokens_needs_a_new_encoding_rules_version fails until then.
+ENCODING_RULES = 1
+
 Encoded = TypeVar("Encoded", covariant=True)
 
 
@@ -99,8 +105,9 @@ class ExampleFormat:
 
     @property
     def template(self) -> str:
-        """How the tokens are laid out, for the fingerprint (the chat template in full for chat data)."""
-        return self.example_kind.template
+        """How the tokens are laid out, for the fingerprint (the chat template in full for chat data), under
+        which version of the encoding rules (``ENCODING_RULES``)."""
+        return f"varpack.encoding_rules.v{ENCODING_RULES} {self.example_kind.template}"
 
     @property
     def loss_masking(self) -> LossMasking:

@@ -51,6 +51,7 @@ MESSAGES_TYPE = pa.list_(pa.struct([
     *((name, pa.string()) for name in MESSAGE_FIELDS),
     ("reasoning_content", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string()),
     ("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+    ("weight", pa.float64()),  # a ShareGPT turn's weight, as axolotl reads it: 0 is not trained on
 ]))
 _BLANK = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
 _LEADING_BLANKS = re.compile(rb"[ \t\n\r\x0b\x0c]*")

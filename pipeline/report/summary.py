@@ -214,6 +214,8 @@ def describe_turns(stats: PackingStats) -> str:
     >>> describe_turns(PackingStats(chat_turns={"system": {"read": 2, "used": 2, "merged": 2},
     ...                                         "user": {"read": 3, "used": 3}, "assistant": {"read": 4, "used": 3}}))
     '2 system (merged into the first user turn), 3 user, 3 of 4 assistant'
+    >>> describe_turns(PackingStats(chat_turns={"assistant": {"read": 4, "used": 4, "untrained": 1}}))
+    '4 assistant (1 of weight 0, not trained on)'
     """
     parts = []
     for role, counts in sorted(stats.chat_turns.items(), key=lambda item: ROLE_ORDER.index(item[0])):
@@ -222,6 +224,8 @@ def describe_turns(stats: PackingStats) -> str:
         merged = counts.get("merged", 0)
         if merged:
             part += f" ({'' if merged == read else f'{merged:,} '}merged into the first user turn)"
+        if counts.get("untrained"):
+            part += f" ({counts['untrained']:,} of weight 0, not trained on)"
         parts.append(part)
     return ", ".join(parts)
 
