@@ -32,6 +32,7 @@ example boundary (NeMo #14437).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -73,6 +74,10 @@ FAULTS = {
     "cross_attention": "the row runs as one sequence, so packed examples attend to each other",
     "late_position_restart": "position ids restart one token after each example's first (Megatron-LM #5243)",
     "boundary_label": "each example's first token is a label of the last token before it (NeMo #14437)",
+    "late_boundary": "every example boundary inside a row one token late, as from an off-by-one in the collator",
+    "token_weights": "under --loss-reduction sequence, every target weighs 1: the per-example weights lost",
+    "nan_gradient": "one parameter's gradient NaN (not the first parameter's)",
+    "hung_rank": "the last rank stops before its first collective, as one stuck reading the build would",
 }
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -310,8 +315,9 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
                 if time.monotonic() >= deadline:
                     hung = [str(rank) for rank, process in enumerate(context.processes) if process.is_alive()]
                     raise RankCheckError(
-                        f"rank {', '.join(hung)} of {check.ranks} did not finish within --timeout {check.timeout:g} s "
-                        "(stuck reading the build or in a collective?); every rank was killed")
+                        f"rank{'s' if len(hung) > 1 else ''} {', '.join(hung)} of {check.ranks} still running at "
+                        f"--timeout {check.timeout:g} s (one stuck, say reading the build, and the others waiting "
+                        "for it in a collective); every rank was killed")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             said = sorted(scratch.glob("error-rank*.txt"))
             line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
@@ -360,7 +366,10 @@ def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple
     if not check.full_logits:
         use_loss_position_head(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    batches = [inject(check.fault, batch) for batch in rank_batches(check, rank)]
+    if check.fault == "hung_rank" and rank == check.ranks - 1:
+        time.sleep(10 * check.timeout)
+    source = late_boundary_batches if check.fault == "late_boundary" else rank_batches
+    batches = [inject(check.fault, batch) for batch in source(check, rank)]
     normalizers = micro_batch_normalizers(check.fault, [batch_normalizer(b) for b in batches], device)
     step_loss = torch.zeros((), device=device)
     for i, (batch, normalizer) in enumerate(zip(batches, normalizers)):
@@ -378,7 +387,29 @@ def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple
         step_loss += loss.detach()
     dist.all_reduce(step_loss)  # as train.py logs it: each rank's share summed, over the ranks
     gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    if check.fault == "nan_gradient":
+        name = list(gradients)[len(gradients) // 2]
+        gradients[name] = torch.full_like(gradients[name], math.nan)
     return float(step_loss / world_size()), gradients
+
+
+def late_boundary_batches(check: RankCheck, rank: int) -> list[dict]:
+    """``rank_batches`` collated from rows whose interior example boundaries are each one token late (a fault)."""
+    from loaders.collate import collate_rows
+    from loaders.dataset import BuildReader, LoaderOptions
+
+    def late(shard: Any) -> Any:
+        interior = np.ones(shard.cu_seqlens.size, dtype=np.int32)
+        interior[shard.cu_offsets[:-1]] = interior[shard.cu_offsets[1:] - 1] = 0
+        return dataclasses.replace(shard, cu_seqlens=shard.cu_seqlens + interior)
+
+    reader = BuildReader(check.shards, LoaderOptions(shuffle=False))
+    batches = []
+    for j in range(check.grad_accum):
+        first = (rank + j * check.ranks) * check.batch_rows
+        rows = reader.shard_rows(np.arange(first, first + check.batch_rows))
+        batches.append(collate_rows([(late(shard), row) for shard, row in rows]))
+    return batches
 
 
 def micro_batch_normalizers(fault: str | None, counts: list[float], device: torch.device) -> list[torch.Tensor]:
@@ -394,13 +425,16 @@ def micro_batch_normalizers(fault: str | None, counts: list[float], device: torc
 
 def inject(fault: str | None, batch: dict) -> dict:
     """``batch`` with an injected fault of its inputs (``cross_attention``, ``late_position_restart``,
-    ``boundary_label``); as it is otherwise."""
+    ``boundary_label``, ``token_weights``); as it is otherwise."""
     if fault == "cross_attention":
         tokens = batch["input_ids"].shape[1]
         return {**{k: v for k, v in batch.items() if k not in BOUNDARY_KEYS},
                 "position_ids": torch.arange(tokens).unsqueeze(0)}
     if fault == "late_position_restart":
         return {**batch, "position_ids": torch.cat([batch["position_ids"][:, :1], batch["position_ids"][:, :-1]], 1)}
+    if fault == "token_weights" and LOSS_WEIGHTS in batch:
+        weights = (batch["labels"] != IGNORE_INDEX).to(torch.float32)
+        return {**batch, LOSS_WEIGHTS: weights, LOSS_WEIGHT_SUM: float(batch[NUM_LOSS_TOKENS])}
     if fault == "boundary_label":
         starts = torch.tensor(_sequences(batch))[1:, 0]
         labels, unlabelled = batch["labels"].clone(), batch["labels"][0, starts] == IGNORE_INDEX
