@@ -20,7 +20,8 @@ you train with. ``check_isolation(model, batch)`` is the same check on a model a
 checks data-parallel training instead: K processes with G packed micro-batches each compute one
 optimizer step's gradients as ``scripts/train.py`` does, and one process the same examples
 unpacked, one at a time; it prints the largest relative gradient error and the loss difference,
-and exits 1 past ``--tolerance`` (``loaders.train.rank_check``).
+and exits 1 past ``--tolerance``, 2 on bad input, a failed rank or one still running at ``--timeout``
+(``loaders.train.rank_check``).
 
 Imports only torch at module import; transformers is imported to load the model.
 """
@@ -37,7 +38,14 @@ import torch
 
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, LossReduction
 from loaders.train.models import load_causal_lm, model_inputs
-from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS, RankCheck, check_ranks
+from loaders.train.rank_check import (
+    DEFAULT_TIMEOUT,
+    DEFAULT_TOLERANCE,
+    FAULTS,
+    RankCheck,
+    RankCheckInterrupted,
+    check_ranks,
+)
 
 # Largest |packed - alone| logit gap allowed, relative to the largest logit: about what a few
 # layers of rounding give in each dtype, far below what a leak across examples gives.
@@ -193,19 +201,23 @@ def make_parser(prog: str = "python -m loaders.check") -> argparse.ArgumentParse
     ranks.add_argument("--ranks", type=int, default=0, help="processes of the data-parallel check: gloo on CPU, NCCL with "
                        "one GPU each (default: 0, the isolation check instead)")
     ranks.add_argument("--grad-accum", type=int, default=2, help="micro-batches per rank in the step (default: 2)")
-    ranks.add_argument("--loss-reduction", default="token", choices=tuple(LossReduction),
+    ranks.add_argument("--loss-reduction", default="token", choices=[r.value for r in LossReduction],
                        help="token or sequence, as train.py takes it (default: token)")
     ranks.add_argument("--full-logits", action="store_true",
                        help="the model's own loss over every token, not the loss-position head (default: off)")
     ranks.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                        help=f"largest relative gradient error and loss difference accepted, in float32 "
                             f"(default: {DEFAULT_TOLERANCE:g})")
+    ranks.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                       help="seconds the whole check may take; a rank still running then is killed with the others "
+                            f"and the check exits 2 (default: {DEFAULT_TIMEOUT:g})")
     ranks.add_argument("--inject-fault", default=None, choices=tuple(FAULTS), help=argparse.SUPPRESS)
     return parser
 
 
 def main_ranks(args: argparse.Namespace) -> int:
-    """``--ranks K``: the data-parallel check; returns the exit status: 0 equal, 1 not, 2 bad input."""
+    """``--ranks K``: the data-parallel check; returns the exit status: 0 equal, 1 not, 2 bad input, a failed
+    rank or the time limit, 128 + the signal on SIGTERM or SIGINT."""
     from schemas import VarpackError
 
     try:
@@ -213,8 +225,12 @@ def main_ranks(args: argparse.Namespace) -> int:
 
         disable_progress_bar()  # the verdict is the one line printed
         check = RankCheck(args.model, args.shards, args.ranks, args.grad_accum, args.batch_rows, args.attn,
-                          args.loss_reduction, args.full_logits, args.device, args.tolerance, args.inject_fault)
+                          args.loss_reduction, args.full_logits, args.device, args.tolerance, args.inject_fault,
+                          args.timeout)
         report = check_ranks(check)
+    except RankCheckInterrupted as err:
+        print(f"varpack check: {err}", file=sys.stderr)
+        return 128 + err.signum
     except (VarpackError, ValueError, RuntimeError) as err:
         print(f"varpack check: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
         return 2
@@ -230,7 +246,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loaders.check") -
     given = [name for name, value in vars(args).items() if value != parser.get_default(name)]
     isolation_only = [name for name in given if name in ("dtype", "examples", "no_cache", "attention_mask")]
     ranks_only = [name for name in given if name in ("grad_accum", "loss_reduction", "full_logits", "tolerance",
-                                                     "inject_fault")]
+                                                     "timeout", "inject_fault")]
     if args.ranks and isolation_only:
         parser.error(f"--{isolation_only[0].replace('_', '-')} applies to the isolation check, not with --ranks "
                      "(the data-parallel check runs in float32 without a cache or attention mask)")

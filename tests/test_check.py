@@ -12,7 +12,13 @@ on each data-parallel bug injected on purpose.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +27,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.check import check_isolation, main
-from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS
+from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS, RankCheck, step_examples
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,21 +139,100 @@ def test_two_ranks_of_two_micro_batches_equal_one_process(capsys, shards, tiny_m
     assert gradient_error(line) < DEFAULT_TOLERANCE / 10
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_each_data_parallel_bug_fails_the_check(capsys, shards, tiny_model_dir, fault):
+@pytest.mark.parametrize("fault,reduction", [
+    *((fault, "token") for fault in FAULTS if fault not in ("token_weights", "nan_gradient", "hung_rank")),
+    ("token_weights", "sequence"),
+])
+def test_each_data_parallel_bug_fails_the_check(capsys, shards, tiny_model_dir, fault, reduction):
     """Each bug class injected on purpose: a per-rank or per-micro-batch mean, DDP's average not undone, packed
-    examples attending to each other, position ids restarting a token late, a label across a boundary."""
+    examples attending to each other, position ids restarting a token late, a label across a boundary, every
+    boundary a token late, per-example weights lost under the sequence reduction. The reference reads the
+    examples from the build's rows, so a collator or weighting bug shared by every batch is caught too."""
     status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments",
-                       "--ranks", "2", "--grad-accum", "2", "--inject-fault", fault)
+                       "--ranks", "2", "--grad-accum", "2", "--loss-reduction", reduction, "--inject-fault", fault)
     assert status == 1 and "\n" not in line, line
     assert line.startswith("varpack check: FAILED: data-parallel gradients differ from one process's"), line
     assert gradient_error(line) > 10 * DEFAULT_TOLERANCE, line
+
+
+def test_the_reference_reads_the_build_not_the_collator(shards, monkeypatch):
+    """The reference's examples come from the shard rows: a collator that moves every boundary changes the
+    batches but not them. Each is one segment of the build's first rows, labels -100 on its first token and
+    where the loss mask is 0; under the sequence reduction each target weighs 1 / its example's targets."""
+    import loaders.dataset
+
+    def broken(*args, **kwargs):
+        raise AssertionError("the reference collated a batch")
+
+    monkeypatch.setattr(loaders.dataset, "collate_rows", broken)
+    check = RankCheck("unused", str(shards), ranks=2, grad_accum=2, batch_rows=2, loss_reduction="sequence")
+    examples = step_examples(check)
+    reader = loaders.dataset.BuildReader(str(shards), loaders.dataset.LoaderOptions(shuffle=False))
+    rows = [shard.row(i) for shard, i in reader.shard_rows(np.arange(8))]
+    assert [e.input_ids.tolist() for e in examples] == [
+        row["input_ids"][a:b].tolist() for row in rows for a, b in zip(row["cu_seqlens"][:-1], row["cu_seqlens"][1:])]
+    for example in examples:  # the build splits no example here, so its targets are its own
+        targets = int((example.targets != -100).sum())
+        assert example.weights.tolist() == [1 / targets if t != -100 else 0.0 for t in example.targets.tolist()]
+    first = rows[0]
+    a, b = int(first["cu_seqlens"][0]), int(first["cu_seqlens"][1])
+    mask = first["loss_mask"][a + 1 : b].astype(bool)
+    assert examples[0].targets.tolist() == np.where(mask, first["input_ids"][a + 1 : b], -100).tolist()
+
+
+def test_a_nan_gradient_fails_the_check(capsys, shards, tiny_model_dir):
+    """A NaN in any parameter's gradient, not only the first's, fails the check (NaN never compares greater)."""
+    status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments",
+                       "--ranks", "2", "--grad-accum", "1", "--inject-fault", "nan_gradient")
+    assert status == 1 and "\n" not in line, line
+    assert "largest relative gradient error nan" in line, line
+
+
+def test_a_hung_rank_ends_the_check_at_its_timeout(capsys, shards, tiny_model_dir):
+    """A rank that never reaches its collective: the check kills every rank at --timeout and says so in one line."""
+    started = time.monotonic()
+    status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments",
+                       "--ranks", "2", "--grad-accum", "1", "--timeout", "20", "--inject-fault", "hung_rank")
+    assert status == 2 and "\n" not in line, line
+    assert line.startswith("varpack check: error: ranks 0, 1 of 2 still running at --timeout 20 s"), line
+    assert time.monotonic() - started < 40
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_check_stops_its_ranks(shards, tiny_model_dir, signum):
+    """SIGTERM or SIGINT to a running check: one line, exit 128 + the signal, no traceback, no rank left behind."""
+    command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
+               "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--inject-fault", "hung_rank"]
+    check = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(session(check.pid)) < 3 and time.monotonic() < deadline:  # the check and its two ranks
+            time.sleep(0.5)
+        time.sleep(2)
+        check.send_signal(signum)
+        _, err = check.communicate(timeout=60)
+        assert check.returncode == 128 + signum, err
+        assert err.strip() == f"varpack check: interrupted by {signum.name}; its ranks were stopped", err
+        deadline = time.monotonic() + 10
+        while session(check.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not session(check.pid)
+    finally:
+        if session(check.pid):
+            os.killpg(check.pid, signal.SIGKILL)
+
+
+def session(sid: int) -> list[str]:
+    """The processes of session ``sid``."""
+    return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
 
 
 @pytest.mark.parametrize("args,error", [
     (["--grad-accum", "1000"], "rank 0 of 2 gets 6 batches of 2 rows, fewer than --grad-accum 1000"),
     (["--tolerance", "0"], "--tolerance is 0.0; give a positive number"),
     (["--ranks", "-1"], "--ranks is -1; give a positive integer"),
+    (["--timeout", "0"], "--timeout is 0.0; give a positive number of seconds"),
 ])
 def test_the_data_parallel_check_refuses_bad_input_in_one_line(capsys, shards, tiny_model_dir, args, error):
     status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--ranks", "2", *args)
@@ -158,8 +243,16 @@ def test_the_data_parallel_check_refuses_bad_input_in_one_line(capsys, shards, t
 @pytest.mark.parametrize("args,error", [
     (["--ranks", "2", "--attention-mask"], "--attention-mask applies to the isolation check, not with --ranks"),
     (["--grad-accum", "4"], "--grad-accum applies to the data-parallel check: add --ranks K"),
+    (["--timeout", "60"], "--timeout applies to the data-parallel check: add --ranks K"),
 ])
 def test_an_option_of_the_other_check_is_refused_not_ignored(capsys, args, error):
     with pytest.raises(SystemExit) as exit_:
         main(["--model", "m", "--shards", "s", *args])
     assert exit_.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_a_bad_loss_reduction_lists_the_values(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "m", "--shards", "s", "--ranks", "2", "--loss-reduction", "mean"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'mean' (choose from 'token', 'sequence')" in err, err

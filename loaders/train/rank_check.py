@@ -6,11 +6,19 @@ K processes (gloo on CPU, NCCL with one GPU each) load the model and take one op
 gradients as ``scripts/train.py`` computes them: G packed micro-batches each from the build,
 DDP with gradient synchronisation on the last micro-batch, every micro-batch's summed loss
 divided by ``step_normalizer`` (the step's global loss tokens, or loss weight, over the world
-size). One process then takes the same examples unpacked, one at a time (a batch of one
-unpadded example each, default position ids), sums their losses with the same per-token weights
-and divides by the same global count. The two must agree: the largest relative gradient error
-over the parameters (``|g - g_ref| / |g_ref|`` per tensor) and the loss difference (relative to
-the loss) must both be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
+size). Meanwhile this process takes the same examples unpacked, one at a time, read straight
+from the build's shard rows, not from the loader's batches: the step's rows are the build's
+first ``ranks * grad_accum * batch_rows`` in storage order. Each example is a batch of its own
+tokens with positions 0..n-1; its labels are -100 where the loss mask is 0 and on its first
+token; each target weighs 1 (``token``), or 1 / the example's targets over the whole build
+(``sequence``). The summed losses are divided by the sum of those weights. The two must agree:
+the largest relative gradient error over the parameters (``|g - g_ref| / |g_ref|`` per tensor,
+NaN or infinite anywhere is a failure) and the loss difference (relative to the loss) must both
+be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
+
+The whole check has ``timeout`` seconds (``DEFAULT_TIMEOUT``): a rank still running then is
+killed with the others, and the check fails in one line. SIGTERM or SIGINT to the check ends its
+ranks too.
 
 It catches each data-parallel bug of this kind seen in other trainers (``FAULTS`` injects each,
 to test the check itself): a loss averaged per rank (transformers #34191, TRL #3538) or per
@@ -24,23 +32,31 @@ example boundary (NeMo #14437).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
-from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
+from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, LossReduction, batch_normalizer
 from loaders.train.attention import attn_implementation_for
 from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size
 from loaders.train.models import load_causal_lm, model_inputs
@@ -48,6 +64,8 @@ from loaders.train.models import load_causal_lm, model_inputs
 # Largest relative gradient error and loss difference accepted, in float32: packed and one-at-a-time runs round
 # differently (about 1e-6 here), while each fault moves the gradients by a share of the batches' imbalance (>1e-2).
 DEFAULT_TOLERANCE = 1e-3
+# Seconds the whole check may take before its ranks are killed: a tiny model takes under a minute on CPU.
+DEFAULT_TIMEOUT = 600.0
 # Bugs the check exists to catch, injected on purpose (``fault=``) to show that it does.
 FAULTS = {
     "per_rank": "each rank divides by its own loss tokens, so DDP averages per-rank means (transformers #34191)",
@@ -56,12 +74,33 @@ FAULTS = {
     "cross_attention": "the row runs as one sequence, so packed examples attend to each other",
     "late_position_restart": "position ids restart one token after each example's first (Megatron-LM #5243)",
     "boundary_label": "each example's first token is a label of the last token before it (NeMo #14437)",
+    "late_boundary": "every example boundary inside a row one token late, as from an off-by-one in the collator",
+    "token_weights": "under --loss-reduction sequence, every target weighs 1: the per-example weights lost",
+    "nan_gradient": "one parameter's gradient NaN (not the first parameter's)",
+    "hung_rank": "the last rank stops before its first collective, as one stuck reading the build would",
 }
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 class RankCheckError(ValueError):
-    """The check could not run (bad input, or a rank that failed): one line naming what to change."""
+    """The check could not run (bad input, or a rank that failed or timed out): one line naming what to change."""
+
+
+class RankCheckInterrupted(RankCheckError):
+    """SIGTERM or SIGINT reached the check: its ranks were killed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; its ranks were stopped")
+        self.signum = signum
+
+
+@dataclass(frozen=True)
+class Example:
+    """One example (or a chunk of a split one) as the reference trains it: tokens, targets and their weights."""
+
+    input_ids: torch.Tensor  # int64 [n]
+    targets: torch.Tensor  # int64 [n - 1]: the label of each next token, -100 where untrained
+    weights: torch.Tensor  # float64 [n - 1]: 0 where targets are -100
 
 
 @dataclass(frozen=True)
@@ -79,6 +118,7 @@ class RankCheck:
     device: str = "auto"  # cuda (one GPU a rank, NCCL), cpu (gloo), or auto: cuda when there is a GPU for every rank
     tolerance: float = DEFAULT_TOLERANCE
     fault: str | None = None  # a key of FAULTS
+    timeout: float = DEFAULT_TIMEOUT  # seconds for the whole check
 
     def __post_init__(self) -> None:
         for name in ("ranks", "grad_accum", "batch_rows"):
@@ -86,6 +126,11 @@ class RankCheck:
                 raise RankCheckError(f"--{name.replace('_', '-')} is {getattr(self, name)}; give a positive integer")
         if not self.tolerance > 0:
             raise RankCheckError(f"--tolerance is {self.tolerance}; give a positive number")
+        if not 0 < self.timeout < math.inf:
+            raise RankCheckError(f"--timeout is {self.timeout}; give a positive number of seconds")
+        if self.loss_reduction not in tuple(LossReduction):
+            raise RankCheckError(f"--loss-reduction is {self.loss_reduction!r}; give one of "
+                                 f"{', '.join(r.value for r in LossReduction)}")
         if self.fault is not None and self.fault not in FAULTS:
             raise RankCheckError(f"fault {self.fault!r} is not one of {', '.join(FAULTS)}")
 
@@ -128,28 +173,34 @@ class RankReport:
 
 
 def check_ranks(check: RankCheck) -> RankReport:
-    """Run the check: K spawned ranks compute the step's packed gradients, this process the reference."""
-    # auto: NCCL when every rank can have a GPU of its own, else gloo on CPU.
-    cuda = check.device == "cuda" or (check.device == "auto" and torch.cuda.device_count() >= check.ranks)
-    if cuda and torch.cuda.device_count() < check.ranks:
-        raise RankCheckError(f"--ranks {check.ranks} needs a GPU each, and {torch.cuda.device_count()} are visible; "
-                             "use fewer ranks or --device cpu")
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    # The reference model and the batches first: a bad --model, --attn or build is refused before any rank starts.
-    attn_implementation_for(check.attn)
-    model = load_causal_lm(check.model, "sdpa", torch.float32)  # eval mode, as the ranks': no dropout
-    cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
-    batches = [rank_batches(check, rank) for rank in range(check.ranks)]
-    with tempfile.TemporaryDirectory(prefix="varpack-check-") as scratch:
-        spawn_ranks(check, "nccl" if cuda else "gloo", Path(scratch))
-        packed = torch.load(Path(scratch) / "gradients.pt", weights_only=True)
-    reference_loss, reference, examples, normalizer = reference_gradients(model.to(device), batches, check.shards)
+    """Run the check: K spawned ranks compute the step's packed gradients, this process the reference meanwhile."""
+    deadline = time.monotonic() + check.timeout
+    with _interruptible():
+        # auto: NCCL when every rank can have a GPU of its own, else gloo on CPU.
+        cuda = check.device == "cuda" or (check.device == "auto" and torch.cuda.device_count() >= check.ranks)
+        if cuda and torch.cuda.device_count() < check.ranks:
+            raise RankCheckError(f"--ranks {check.ranks} needs a GPU each, and {torch.cuda.device_count()} are "
+                                 "visible; use fewer ranks or --device cpu")
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        # The reference model and the examples first: a bad --model, --attn or build is refused before any rank starts.
+        attn_implementation_for(check.attn)
+        model = load_causal_lm(check.model, "sdpa", torch.float32)  # eval mode, as the ranks': no dropout
+        cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
+        rank_batches(check, 0)  # every rank gets as many batches as rank 0
+        examples = step_examples(check)
+        with tempfile.TemporaryDirectory(prefix="varpack-check-") as scratch:
+            with running_ranks(check, "nccl" if cuda else "gloo", Path(scratch)) as wait:
+                reference_loss, reference, normalizer = reference_gradients(model.to(device), examples, check.shards)
+                wait(deadline)
+            packed = torch.load(Path(scratch) / "gradients.pt", weights_only=True)
     errors = {name: float((packed["gradients"][name] - grad).norm() / grad.norm().clamp_min(1e-30))
               for name, grad in reference.items()}
-    parameter = max(errors, key=errors.__getitem__)
+    # NaN first: max() alone never picks a NaN error, as NaN compares False.
+    parameter = max(errors, key=lambda name: (math.isnan(errors[name]), errors[name]))
     loss, error = float(packed["loss"]), errors[parameter]
-    ok = error <= check.tolerance and abs(loss - reference_loss) <= check.tolerance * max(1.0, abs(reference_loss))
-    return RankReport(ok and math.isfinite(loss), check.ranks, check.grad_accum, examples, normalizer, check.loss_reduction,
+    ok = (error <= check.tolerance and math.isfinite(loss) and math.isfinite(reference_loss)
+          and abs(loss - reference_loss) <= check.tolerance * max(1.0, abs(reference_loss)))
+    return RankReport(ok, check.ranks, check.grad_accum, len(examples), normalizer, check.loss_reduction,
                       loss, reference_loss, error, parameter, check.tolerance, "nccl" if cuda else "gloo")
 
 
@@ -167,6 +218,58 @@ def rank_batches(check: RankCheck, rank: int) -> list[dict]:
     return batches
 
 
+def step_examples(check: RankCheck) -> list[Example]:
+    """The step's examples read straight from the build's shard rows (not through the loader's batches).
+
+    Without shuffling, global batch ``b`` is the build's rows ``b * batch_rows ...`` and rank ``r``
+    takes batches ``r, r + ranks, ...``, so the step's ``ranks * grad_accum`` batches are the build's
+    first ``ranks * grad_accum * batch_rows`` rows. A row with two examples of 3 and 2 tokens,
+    loss mask ``[0, 1, 1, 1, 1]``, gives ``Example([a, b, c], targets=[b, c])`` and
+    ``Example([d, e], targets=[e])`` (the first token of each is no target: nothing before it in the
+    example predicts it); under ``sequence`` their targets weigh 1/2 and 1 when neither is split.
+    """
+    from loaders.dataset import BuildReader, LoaderOptions
+
+    reader = BuildReader(check.shards, LoaderOptions(shuffle=False))
+    rows = np.arange(check.ranks * check.grad_accum * check.batch_rows)
+    per_example = build_example_targets(reader) if check.loss_reduction == LossReduction.SEQUENCE else None
+    examples = []
+    for shard, index in reader.shard_rows(rows):
+        row = shard.row(index)
+        cu = cast(np.ndarray, row["cu_seqlens"]).tolist()
+        for (a, b), example_id in zip(zip(cu[:-1], cu[1:]), cast(np.ndarray, row["example_ids"]).tolist()):
+            input_ids = torch.from_numpy(cast(np.ndarray, row["input_ids"])[a:b].astype(np.int64))
+            trained = torch.from_numpy(cast(np.ndarray, row["loss_mask"])[a + 1 : b].astype(bool))
+            targets = torch.where(trained, input_ids[1:], IGNORE_INDEX)
+            weight = 1.0 if per_example is None else 1.0 / max(per_example[example_id], 1)
+            examples.append(Example(input_ids, targets, trained.to(torch.float64) * weight))
+    return examples
+
+
+def build_example_targets(reader: Any) -> dict[int, int]:
+    """{example id: its targets over the whole build}, the ``sequence`` reduction's count: the loss-mask tokens of
+    each of its chunks, each chunk's first token left out."""
+    ids, counts = [], []
+    for index in range(len(reader.manifest.shards)):
+        shard = reader.shard(index)
+        # Each segment's start and end in the shard's tokens: a row's boundaries, shifted by where the row starts.
+        row_of_bound = np.repeat(np.arange(shard.num_rows), np.diff(shard.cu_offsets))
+        bounds = shard.cu_seqlens.astype(np.int64) + shard.token_offsets[row_of_bound]
+        last_of_row = np.zeros(bounds.size, dtype=bool)
+        last_of_row[shard.cu_offsets[1:] - 1] = True
+        first_of_row = np.zeros(bounds.size, dtype=bool)
+        first_of_row[shard.cu_offsets[:-1]] = True
+        starts, ends = bounds[~last_of_row], bounds[~first_of_row]
+        labelled = shard.loss_mask.astype(np.int64)
+        labelled[starts[starts < ends]] = 0
+        cumulative = np.concatenate(([0], np.cumsum(labelled)))
+        ids.append(shard.example_ids.astype(np.int64))
+        counts.append(cumulative[ends] - cumulative[starts])
+    unique, inverse = np.unique(np.concatenate(ids), return_inverse=True)
+    totals = np.bincount(inverse, weights=np.concatenate(counts)).astype(np.int64)
+    return dict(zip(unique.tolist(), totals.tolist()))
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for the ranks' rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -174,20 +277,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(check: RankCheck, backend: str, scratch: Path) -> None:
-    """Start the ranks and wait for them; a rank's failure is a RankCheckError of its one line."""
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM and SIGINT raise RankCheckInterrupted within (from the main thread), so the ranks are stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise RankCheckInterrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any]:
+    """Start the ranks; yields ``wait(deadline)``, which waits for them until ``deadline`` (``time.monotonic()``).
+
+    A rank's failure is a RankCheckError of its one line, and so is a rank still running at the
+    deadline. However the block ends, no rank outlives it: those still running are killed."""
     port = free_port()
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)  # the ranks left waiting on a failed one are ended with a warning line each
+    context = mp.start_processes(_rank, args=(check, backend, port, str(scratch)), nprocs=check.ranks, join=False,
+                                 start_method="spawn")
+    assert context is not None  # join=False returns the processes' context
+
+    def wait(deadline: float) -> None:
+        try:
+            while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    hung = [str(rank) for rank, process in enumerate(context.processes) if process.is_alive()]
+                    raise RankCheckError(
+                        f"rank{'s' if len(hung) > 1 else ''} {', '.join(hung)} of {check.ranks} still running at "
+                        f"--timeout {check.timeout:g} s (one stuck, say reading the build, and the others waiting "
+                        "for it in a collective); every rank was killed")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            said = sorted(scratch.glob("error-rank*.txt"))
+            line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
+            raise RankCheckError(line) from None
+
     try:
-        mp.start_processes(_rank, args=(check, backend, port, str(scratch)), nprocs=check.ranks, join=True,
-                           start_method="spawn")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        said = sorted(scratch.glob("error-rank*.txt"))
-        line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
-        raise RankCheckError(line) from None
+        yield wait
     finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        for process in context.processes:
+            process.join()
         spawn_log.setLevel(level)
 
 
@@ -202,7 +345,8 @@ def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str) ->
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=check.ranks)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=check.ranks,
+                                timeout=timedelta(seconds=check.timeout))
         loss, gradients = packed_gradients(check, rank, device)
         if rank == 0:
             torch.save({"loss": loss, "gradients": gradients}, Path(scratch) / "gradients.pt")
@@ -222,7 +366,10 @@ def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple
     if not check.full_logits:
         use_loss_position_head(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    batches = [inject(check.fault, batch) for batch in rank_batches(check, rank)]
+    if check.fault == "hung_rank" and rank == check.ranks - 1:
+        time.sleep(10 * check.timeout)
+    source = late_boundary_batches if check.fault == "late_boundary" else rank_batches
+    batches = [inject(check.fault, batch) for batch in source(check, rank)]
     normalizers = micro_batch_normalizers(check.fault, [batch_normalizer(b) for b in batches], device)
     step_loss = torch.zeros((), device=device)
     for i, (batch, normalizer) in enumerate(zip(batches, normalizers)):
@@ -240,7 +387,29 @@ def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple
         step_loss += loss.detach()
     dist.all_reduce(step_loss)  # as train.py logs it: each rank's share summed, over the ranks
     gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    if check.fault == "nan_gradient":
+        name = list(gradients)[len(gradients) // 2]
+        gradients[name] = torch.full_like(gradients[name], math.nan)
     return float(step_loss / world_size()), gradients
+
+
+def late_boundary_batches(check: RankCheck, rank: int) -> list[dict]:
+    """``rank_batches`` collated from rows whose interior example boundaries are each one token late (a fault)."""
+    from loaders.collate import collate_rows
+    from loaders.dataset import BuildReader, LoaderOptions
+
+    def late(shard: Any) -> Any:
+        interior = np.ones(shard.cu_seqlens.size, dtype=np.int32)
+        interior[shard.cu_offsets[:-1]] = interior[shard.cu_offsets[1:] - 1] = 0
+        return dataclasses.replace(shard, cu_seqlens=shard.cu_seqlens + interior)
+
+    reader = BuildReader(check.shards, LoaderOptions(shuffle=False))
+    batches = []
+    for j in range(check.grad_accum):
+        first = (rank + j * check.ranks) * check.batch_rows
+        rows = reader.shard_rows(np.arange(first, first + check.batch_rows))
+        batches.append(collate_rows([(late(shard), row) for shard, row in rows]))
+    return batches
 
 
 def micro_batch_normalizers(fault: str | None, counts: list[float], device: torch.device) -> list[torch.Tensor]:
@@ -256,13 +425,16 @@ def micro_batch_normalizers(fault: str | None, counts: list[float], device: torc
 
 def inject(fault: str | None, batch: dict) -> dict:
     """``batch`` with an injected fault of its inputs (``cross_attention``, ``late_position_restart``,
-    ``boundary_label``); as it is otherwise."""
+    ``boundary_label``, ``token_weights``); as it is otherwise."""
     if fault == "cross_attention":
         tokens = batch["input_ids"].shape[1]
         return {**{k: v for k, v in batch.items() if k not in BOUNDARY_KEYS},
                 "position_ids": torch.arange(tokens).unsqueeze(0)}
     if fault == "late_position_restart":
         return {**batch, "position_ids": torch.cat([batch["position_ids"][:, :1], batch["position_ids"][:, :-1]], 1)}
+    if fault == "token_weights" and LOSS_WEIGHTS in batch:
+        weights = (batch["labels"] != IGNORE_INDEX).to(torch.float32)
+        return {**batch, LOSS_WEIGHTS: weights, LOSS_WEIGHT_SUM: float(batch[NUM_LOSS_TOKENS])}
     if fault == "boundary_label":
         starts = torch.tensor(_sequences(batch))[1:, 0]
         labels, unlabelled = batch["labels"].clone(), batch["labels"][0, starts] == IGNORE_INDEX
@@ -283,34 +455,23 @@ def _sequences(batch: dict) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if a < b <= batch[NUM_REAL_TOKENS]]
 
 
-def reference_gradients(model: torch.nn.Module, batches: list[list[dict]], source: str
-                        ) -> tuple[float, dict[str, torch.Tensor], int, float]:
-    """``model`` over every rank's micro-batches in one process, one example at a time, unpadded and with default
-    position ids: (the step's loss, gradients, examples, the step's global loss tokens or weight).
-
-    Each example's targets are its own labels but the first (no token of it predicts that one), weighed by the
-    batch's ``loss_weights`` where given; the normaliser is their sum over all examples.
-    """
+def reference_gradients(model: torch.nn.Module, examples: list[Example], source: str
+                        ) -> tuple[float, dict[str, torch.Tensor], float]:
+    """``model`` over the step's examples in one process, one at a time, unpadded, positions 0..n-1: (the step's
+    loss, gradients, the step's global loss tokens or weight: the sum of the examples' weights)."""
     device = next(model.parameters()).device
-    examples = []
-    for batch in (b for rank in batches for b in rank):
-        for a, b in _sequences(batch):
-            targets = batch["labels"][0, a + 1 : b]
-            weights = (batch[LOSS_WEIGHTS][0, a + 1 : b] if LOSS_WEIGHTS in batch
-                       else (targets != IGNORE_INDEX).to(torch.float32))
-            examples.append((batch["input_ids"][0, a:b], targets, weights))
-    normalizer = float(sum(weights.double().sum() for _, _, weights in examples))
+    normalizer = float(sum(example.weights.sum() for example in examples))
     if normalizer == 0:
         raise RankCheckError(f"{source}: the step's batches hold no trained token; use more --batch-rows")
     step_loss = 0.0
-    for input_ids, targets, weights in examples:
-        if not weights.any():
+    for example in examples:
+        if not example.weights.any():
             continue
-        logits = model(input_ids=input_ids.unsqueeze(0).to(device)).logits[0, :-1].float()
-        terms = F.cross_entropy(logits, targets.to(device), ignore_index=IGNORE_INDEX, reduction="none")
-        loss = (terms * weights.to(device)).sum() / normalizer
+        positions = torch.arange(example.input_ids.numel(), device=device).unsqueeze(0)
+        logits = model(input_ids=example.input_ids.unsqueeze(0).to(device), position_ids=positions).logits[0, :-1]
+        terms = F.cross_entropy(logits.float(), example.targets.to(device), ignore_index=IGNORE_INDEX, reduction="none")
+        loss = (terms * example.weights.to(device, torch.float32)).sum() / normalizer
         loss.backward()
         step_loss += loss.item()
     gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
-    return step_loss, gradients, len(examples), normalizer
-
+    return step_loss, gradients, normalizer
