@@ -247,7 +247,8 @@ def assign_group(key: BatchKey, joined: dict):
     first_row, kept_rows, group = placement
     kept = int(np.searchsorted(batch.rows, kept_rows))
     if kept:
-        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path)
+        segments = None if batch.segments is None else batch.segments[:kept]
+        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path, segments)
 
 
 def first_shard(groups: list[PackedGroup], group: int) -> int:

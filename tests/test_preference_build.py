@@ -465,3 +465,41 @@ def test_pairs_that_stop_the_build_say_which_row(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", [TEXT_PAIRS[0], {"prompt": "p", "chosen": "a", "rejected": "a"}])
     with pytest.raises(InputError, match=r"pairs.jsonl line 2: the chosen and the rejected completions are equal"):
         build(PackConfig(dataset=str(data), out=str(tmp_path / "out"), format="preference", progress=False, report=False))
+
+
+# --- what the manifest says of a preference build is what its shards hold -------------------------------
+
+
+def shard_segments(out_dir: Path) -> tuple[int, dict[str, int]]:
+    """The segments the build's shards hold (cu_seqlens entries), and the rows by their number of segments."""
+    per_row = np.array([
+        len(cu) - 1
+        for info in read_manifest(out_dir).shards
+        for cu in pa.ipc.open_file(str(out_dir / info.path)).read_all().column("cu_seqlens").to_pylist()
+    ])
+    counts = np.bincount(per_row)
+    return int(per_row.sum()), {str(c): int(counts[c]) for c in np.flatnonzero(counts).tolist()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_preference_manifest_counts_the_segments_its_shards_hold_and_loads_with_fixed_shapes(tmp_path, capsys, layout):
+    """A pair is one item to pack and two or three segments in its row; the fixed shapes of the loader are cut from
+    the manifest's count of segments per row, so it must be the shards' count."""
+    torch = pytest.importorskip("torch")
+    from loaders.dataset import PackedIterableDataset
+
+    records = [{"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}, I think."}
+               for i in range(12)]
+    _, out_dir = pack_pairs(tmp_path, records, preference_layout=layout, max_len=128)
+    segments, per_row = shard_segments(out_dir)
+    stats = read_manifest(out_dir).stats
+    assert (stats.segments, stats.segments_per_row) == (segments, per_row)
+    per_pair = 3 if layout == "shared-prompt" else 2
+    assert segments == 12 * per_pair and stats.rows < 12  # rows of several pairs
+    for bucket_shapes in (False, True):
+        dataset = PackedIterableDataset(str(out_dir), batch_rows=1, pad_to_fixed_shape=True, bucket_shapes=bucket_shapes,
+                                        shuffle=False)
+        pairs = torch.cat([batch["pair_ids"] for batch in dataset])
+        assert sorted(pairs.tolist()) == sorted(list(range(12)) * per_pair)
+    assert inspect.main([str(out_dir)]) == 0
+    assert f"segments     {segments} of the 12 examples kept" in capsys.readouterr().out
