@@ -503,3 +503,21 @@ def test_a_preference_manifest_counts_the_segments_its_shards_hold_and_loads_wit
         assert sorted(pairs.tolist()) == sorted(list(range(12)) * per_pair)
     assert inspect.main([str(out_dir)]) == 0
     assert f"segments     {segments} of the 12 examples kept" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--prompt-column", "chosen"], "--prompt-column and --chosen-column name the same column 'chosen'"),
+    (["--chosen-column", "prompt"],
+     "--prompt-column (the source's own 'prompt' column) and --chosen-column name the same column 'prompt'"),
+    (["--prompt-column", "rejected", "--verify-tokens", "off"], "--prompt-column and --rejected-column name the same column 'rejected'"),
+    (["--prompt-column", "none", "--rejected-column", "chosen"], "--chosen-column and --rejected-column name the same column 'chosen'"),
+    (["--chosen-column", "prompt", "--rejected-column", "prompt", "--verify-tokens", "off"],
+     "--prompt-column (the source's own 'prompt' column), --chosen-column and --rejected-column name the same column 'prompt'"),
+])
+def test_one_column_named_for_two_parts_of_a_pair_is_an_option_error(tmp_path, capsys, options, named):
+    data = write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--format", "preference", "--no-progress", "--no-report"]
+    assert main([*args, *options]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error == f"varpack: error: {named}, but a column holds one part of a pair; name a different column with each"
+    assert not (tmp_path / "out").exists()
