@@ -521,3 +521,29 @@ def test_one_column_named_for_two_parts_of_a_pair_is_an_option_error(tmp_path, c
     error = capsys.readouterr().err.strip()
     assert error == f"varpack: error: {named}, but a column holds one part of a pair; name a different column with each"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["preference", "sft"])
+def test_a_build_of_bad_rows_only_says_how_many_and_why_and_keeps_their_list(tmp_path, capsys, kind):
+    if kind == "preference":
+        # The byte-level Falcon vocabulary merges the default template's "\n\n" with each completion.
+        records = [{"prompt": f"What is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}, I think."} for i in range(12)]
+        options = ["--format", "preference", "--tokenizer", "tests/data/llama-cpp-vocab/ggml-vocab-falcon.gguf"]
+        reasons = "prompt_not_a_prefix: 12"
+    else:
+        records = [{"prompt": f"What is {i} + {i}?", "response": None if i % 3 else ""} for i in range(12)]
+        options = []
+        reasons = "empty_text: 4, null: 8"
+    data = write_jsonl(tmp_path / "rows.jsonl", records)
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--max-bad-rows", "100",
+            "--no-progress", "--no-report", *options]
+    assert main(args) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    (build_dir,) = (tmp_path / "out").iterdir()
+    assert error == (f"varpack: error: nothing to write: all 12 rows read are bad rows ({reasons}), listed with their "
+                     f"reasons in {build_dir / 'rejected.jsonl'}")
+    listed = [json.loads(line) for line in (build_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [entry["where"] for entry in listed] == [f"{data} line {i}" for i in range(1, 13)]
+    assert sorted(p.name for p in build_dir.iterdir()) == ["rejected.jsonl"]  # no manifest: no build
+    assert main(args) == 1  # what is left is no build to reuse: the next run reads the rows again
+    assert capsys.readouterr().err.strip().splitlines()[-1] == error
