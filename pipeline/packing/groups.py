@@ -92,8 +92,8 @@ def nothing_kept(rows: int, rejected: RejectedRows, listed_in: str) -> str:
     'nothing to write: all 12 rows read are bad rows (prompt_not_a_prefix: 12), listed with their reasons in out/rejected.jsonl'
     """
     if not rejected.rows:
-        return f"nothing to write: none of the {rows:,} rows read made an example"
+        return f"nothing to write: the {rows:,} rows read made no examples"
     reasons = ", ".join(f"{reason}: {count:,}" for reason, count in rejected.by_reason.items())
     bad = f"all {rows:,} rows read are bad rows" if rejected.rows == rows else f"{rejected.rows:,} of the {rows:,} rows read are bad rows"
-    rest = "" if rejected.rows == rows else " and the others made no example"
+    rest = "" if rejected.rows == rows else " and the others made no examples"
     return f"nothing to write: {bad} ({reasons}){rest}, listed with their reasons in {listed_in}"
