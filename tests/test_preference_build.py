@@ -547,3 +547,23 @@ def test_a_build_of_bad_rows_only_says_how_many_and_why_and_keeps_their_list(tmp
     assert sorted(p.name for p in build_dir.iterdir()) == ["rejected.jsonl"]  # no manifest: no build
     assert main(args) == 1  # what is left is no build to reuse: the next run reads the rows again
     assert capsys.readouterr().err.strip().splitlines()[-1] == error
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_pair_whose_chosen_and_rejected_tokens_are_the_same_is_a_bad_row(tmp_path, layout):
+    """Llama 3's template trims each turn, so answers that differ only in their outer whitespace are one sequence:
+    the pair carries no preference and is left out as chosen_equals_rejected, the other pair packed."""
+    tokenizer = byte_level_directory(tmp_path / "tokenizer", LLAMA3_SPECIALS)
+    user = {"role": "user", "content": "Hi"}
+    records = [{"chosen": [user, {"role": "assistant", "content": "Hello "}],
+                "rejected": [user, {"role": "assistant", "content": "\nHello"}]}, CHAT_PAIRS[0]]
+    _, out_dir = pack_pairs(tmp_path, records, tokenizer=str(tokenizer), chat_template="llama3", preference_layout=layout,
+                            on_bad_row="skip", max_bad_rows=10)
+    listed = [json.loads(line) for line in (out_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [(entry["where"].rsplit(" ", 1)[1], entry["reason"]) for entry in listed] == [("1", "chosen_equals_rejected")]
+    assert "not in their tokens" in listed[0]["message"]
+    assert sorted(read_pairs(out_dir)) == [1]
+    for segments in read_pairs(out_dir).values():
+        chosen, _, rejected, _ = whole_sequences(segments)
+        assert chosen.tolist() != rejected.tolist()
+    assert read_manifest(out_dir).stats.bad_pairs == {"chosen_equals_rejected": 1}

@@ -142,13 +142,16 @@ class PairEncoder(Encoder):
         owner = np.repeat(np.arange(both.size) // 2, both.ravel())
         differs = np.bincount(owner[tokens[index] != expected], minlength=len(good)) > 0
         split = ~differs & np.all(sizes[:, 1:] > prompt[:, None], axis=1)
+        same = _same_tokens(tokens, starts[:, 1], starts[:, 2], sizes[:, 1], sizes[:, 2])
         shared = self.layout == PreferenceLayout.SHARED_PROMPT
         head = np.maximum(prompt - 1, 0) if shared else np.zeros_like(prompt)
         pair_lengths = sizes[:, 1] + sizes[:, 2] - head
         fits = pair_lengths <= self.max_len
-        for k in np.flatnonzero(~(split & fits)).tolist():
-            problems[good[k]] = self._pair_problem(bool(differs[k]), bool(split[k]), int(pair_lengths[k]), rows, source_rows[good[k]])
-        keep = split & fits
+        for k in np.flatnonzero(~(split & fits) | same).tolist():
+            problems[good[k]] = self._pair_problem(
+                bool(differs[k]), bool(split[k]), bool(same[k]), int(pair_lengths[k]), rows, source_rows[good[k]]
+            )
+        keep = split & fits & ~same
         # Runs of each kept pair: its prompt segment, then per branch the prompt's repeated part and the completion.
         runs = np.column_stack([head, prompt - head, sizes[:, 1] - prompt, prompt - head, sizes[:, 2] - prompt])[keep]
         pieces = np.column_stack([starts[:, 1], starts[:, 1] + head, starts[:, 2] + head])[keep]
@@ -162,7 +165,9 @@ class PairEncoder(Encoder):
         # Pairs are encoded in row order; the encoder leaves out the rows of ``problems`` to match.
         return batch, problems
 
-    def _pair_problem(self, differs: bool, split: bool, length: int, rows: BatchRows, row: int) -> tuple[Reason, str]:
+    def _pair_problem(
+        self, differs: bool, split: bool, same: bool, length: int, rows: BatchRows, row: int
+    ) -> tuple[Reason, str]:
         """Why a pair cannot be laid out; under ``--overflow error`` a pair too long stops the build."""
         if differs:
             return (
@@ -172,12 +177,31 @@ class PairEncoder(Encoder):
             )
         if not split:
             return Reason.EMPTY_COMPLETION, "a completion adds no token after the prompt"
+        if same:
+            return (
+                Reason.CHOSEN_EQUALS_REJECTED,
+                "the chosen and the rejected completions differ in their text but not in their tokens (the template "
+                "or the tokenizer makes them one), so the pair prefers nothing",
+            )
         if self.overflow == Overflow.ERROR:
             raise InputError(
                 f"{rows.name(row)}: the pair is {length} tokens in the {self.layout} layout, more than --max-len "
                 f"{self.max_len}; a pair is never split: pass --overflow drop to leave such pairs out, or a larger --max-len"
             )
         return Reason.PAIR_TOO_LONG, f"the pair is {length} tokens in the {self.layout} layout, more than --max-len {self.max_len}"
+
+
+def _same_tokens(tokens: np.ndarray, a: np.ndarray, b: np.ndarray, a_lengths: np.ndarray, b_lengths: np.ndarray) -> np.ndarray:
+    """Whether sequence ``tokens[a[i] : a[i] + a_lengths[i]]`` equals the one at ``b[i]``, for each ``i``.
+
+    >>> _same_tokens(np.array([5, 6, 5, 6, 5, 7]), np.array([0, 0]), np.array([2, 4]), np.array([2, 2]), np.array([2, 2]))
+    array([ True, False])
+    """
+    same = a_lengths == b_lengths
+    lengths = np.where(same, a_lengths, 0)
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    unequal = tokens[gather_index(a, lengths)] != tokens[gather_index(b, lengths)]
+    return same & (np.bincount(owner[unequal], minlength=lengths.size) == 0)
 
 
 def _completion_problems(chosen: list[str | None], rejected: list[str | None]) -> Problems:

@@ -94,6 +94,7 @@ def nothing_kept(rows: int, rejected: RejectedRows, listed_in: str) -> str:
     if not rejected.rows:
         return f"nothing to write: the {rows:,} rows read made no examples"
     reasons = ", ".join(f"{reason}: {count:,}" for reason, count in rejected.by_reason.items())
-    bad = f"all {rows:,} rows read are bad rows" if rejected.rows == rows else f"{rejected.rows:,} of the {rows:,} rows read are bad rows"
+    every = "the 1 row read is a bad row" if rows == 1 else f"all {rows:,} rows read are bad rows"
+    bad = every if rejected.rows == rows else f"{rejected.rows:,} of the {rows:,} rows read are bad rows"
     rest = "" if rejected.rows == rows else " and the others made no examples"
     return f"nothing to write: {bad} ({reasons}){rest}, listed with their reasons in {listed_in}"
