@@ -567,3 +567,32 @@ def test_a_pair_whose_chosen_and_rejected_tokens_are_the_same_is_a_bad_row(tmp_p
         chosen, _, rejected, _ = whole_sequences(segments)
         assert chosen.tolist() != rejected.tolist()
     assert read_manifest(out_dir).stats.bad_pairs == {"chosen_equals_rejected": 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("records", [CHAT_PAIRS, TEXT_PAIRS[:2]], ids=["messages", "text"])
+def test_the_token_check_refuses_a_trained_prompt_token_in_either_branch(tmp_path, layout, records):
+    """The reference says where the prompt ends, so equal tokens under a loss mask that trains a prompt token (the
+    prompt masked in the chosen branch only) differ from it, as a wrong token does."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", records)
+    config = PackConfig(dataset=str(data), out=str(tmp_path / "out"), format="preference", preference_layout=layout)
+    plan = plan_build(config)
+    table = pa.Table.from_pylist(records)
+    batch = PairEncoder(plan.tokenizer, plan.example_format, 256, Overflow.DROP, layout=layout).encode(table, BatchRows("pairs.jsonl"))
+    everything = np.ones(batch.lengths.size, dtype=bool)
+    checker = PairTokenChecker(plan.tokenizer, plan.example_format, "error")
+    assert checker.check(table, BatchRows("pairs.jsonl"), batch, everything).equal == 2
+    # The rejected branch of the second pair starts with a prompt token (the prompt's last one, in shared-prompt).
+    first_rejected = int(np.flatnonzero((batch.roles == Role.REJECTED) & (np.arange(batch.tokens.size) >= batch.starts[1]))[0])
+    assert batch.loss_mask[first_rejected] == 0
+    batch.loss_mask[first_rejected] = 1
+    with pytest.raises(TokenMismatchError, match=r"^pairs.jsonl row 1: its tokens equal the .*, but its loss mask trains a "
+                                                 r"prompt token at token \d+ \(the reference's prompt is its first \d+ of"):
+        checker.check(table, BatchRows("pairs.jsonl"), batch, everything)
+    counted = PairTokenChecker(plan.tokenizer, plan.example_format, "count").check(table, BatchRows("pairs.jsonl"), batch, everything)
+    assert (counted.checked, counted.equal) == (2, 1)
+    # A completion token left untrained is refused too.
+    batch.loss_mask[first_rejected] = 0
+    batch.loss_mask[batch.starts[1] + batch.lengths[1] - 1] = 0
+    with pytest.raises(TokenMismatchError, match="leaves a completion token untrained"):
+        checker.check(table, BatchRows("pairs.jsonl"), batch, everything)

@@ -231,16 +231,44 @@ class PairTokenChecker(TokenChecker):
     def sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each pair's prompt + chosen and prompt + rejected as stored, one after the other: a branch holds the
         prompt's tokens it does not share (``roles``), so each is its prompt segment's tokens and its own."""
+        index, lengths = self._whole_sequences(batch, examples)
+        return batch.tokens[index], lengths
+
+    def loss_masks(self, batch: EncodedBatch, examples: np.ndarray) -> np.ndarray:
+        """The loss mask of each whole sequence ``sequences`` gives."""
+        return batch.loss_mask[self._whole_sequences(batch, examples)[0]]
+
+    def _whole_sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where in ``batch`` the tokens of each pair's prompt + chosen and prompt + rejected lie, and their lengths."""
         if batch.roles is None:
             raise ValueError("preference pairs carry their tokens' roles")
         lengths = batch.lengths[examples]
         index = gather_index(batch.starts[examples], lengths)
-        tokens, roles = batch.tokens[index], batch.roles[index]
+        roles = batch.roles[index]
         pair = np.repeat(np.arange(examples.size), lengths)
         chosen, rejected = np.flatnonzero(roles != Role.REJECTED), np.flatnonzero(roles != Role.CHOSEN)
         keys = np.concatenate([2 * pair[chosen], 2 * pair[rejected] + 1])
         order = np.argsort(keys, kind="stable")
-        return tokens[np.concatenate([chosen, rejected])[order]], np.bincount(keys, minlength=2 * examples.size)
+        return index[np.concatenate([chosen, rejected])[order]], np.bincount(keys, minlength=2 * examples.size)
+
+    def prompt_lengths(self, table: pa.Table) -> np.ndarray:
+        """Where each whole sequence's prompt ends in the reference: the prompt alone, tokenized as the text's head
+        (with the BOS), or ``apply_chat_template`` of the shared turns with the generation prompt."""
+        if self.format.is_chat:
+            prompts = [
+                len(self.chat_tokenizer().apply_chat_template(
+                    chat[:-1], chat_template=self.format.chat_template, tokenize=True, add_generation_prompt=True,
+                    return_dict=False,
+                ))
+                for chat in self._conversations(table)[::2]
+            ]
+            return np.repeat(np.array(prompts, np.int64), 2)
+        template, system = self.format.prompt_response(), self.format.system_prompt or ""
+        prompt, chosen, _ = table.columns
+        texts = template.render(pa.table([prompt, chosen], names=["p", "c"]), system)[0].to_pylist()
+        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+        lengths = np.array([len(encoding.ids) for encoding in encodings], np.int64) + len(self.tokenizer.prefix_ids)
+        return np.repeat(lengths, 2)
 
     def rendered_texts(self, table: pa.Table) -> list[str]:
         """Prompt + chosen and prompt + rejected of each pair, rendered whole by the template."""
