@@ -596,3 +596,28 @@ def test_the_token_check_refuses_a_trained_prompt_token_in_either_branch(tmp_pat
     batch.loss_mask[batch.starts[1] + batch.lengths[1] - 1] = 0
     with pytest.raises(TokenMismatchError, match="leaves a completion token untrained"):
         checker.check(table, BatchRows("pairs.jsonl"), batch, everything)
+
+
+def test_special_token_text_in_message_pairs_is_counted_named_and_refused_under_strict(tmp_path, capsys):
+    """A message of a pair writing ``</s>`` is tokenized with the EOS inside it: counted per pair (its prompt once,
+    both completions), as chat examples are, never for the template's own markers."""
+    close, strike = {"role": "user", "content": "Close it"}, {"role": "user", "content": "Strike <s>old"}
+    records = [
+        CHAT_PAIRS[0],
+        {"chosen": [close, {"role": "assistant", "content": "Like </s> this"}], "rejected": [close, {"role": "assistant", "content": "No."}]},
+        {"chosen": [strike, {"role": "assistant", "content": "Done."}], "rejected": [strike, {"role": "assistant", "content": "<s>, </s>"}]},
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", records)
+    args = ["--dataset", str(data), "--format", "preference", "--max-len", "128", "--no-progress", "--no-report"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert f"warning: 2 examples (the first: {data} line 2): the data text holds '</s>'" in capsys.readouterr().err
+    (out_dir,) = (tmp_path / "out").iterdir()
+    assert read_manifest(out_dir).stats.special_token_text == {
+        "</s>": {"examples": 2, "first_row": f"{data} line 2"}, "<s>": {"examples": 1, "first_row": f"{data} line 3"}
+    }
+    assert main([*args, "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"varpack: error: {data} line 2: the data text holds '</s>', the text of a special token, and is tokenized as that "
+        "token, not as text; remove it from the data, or leave out --strict"
+    )
+    assert not (tmp_path / "strict").exists() or not list((tmp_path / "strict").glob("*/manifest.json"))

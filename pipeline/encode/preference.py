@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.encode.bad_rows import Reason, RowProblem
-from pipeline.encode.chat import conversation
+from pipeline.encode.chat import conversation, data_text
 from pipeline.encode.examples import ENCODE_CHUNK, EncodedBatch, Encoder, encode_ids, token_ids
 from pipeline.encode.token_check import TokenChecker
 from pipeline.errors import InputError
@@ -79,24 +79,31 @@ class PairEncoder(Encoder):
         """Pairs of conversations: their shared leading turns are the prompt, each one's last turn its completion."""
         label = "/".join(self.format.columns)
         problems: Problems = {}
-        texts, good = [], []
+        texts, good, data = [], [], []
         for i, (chosen_value, rejected_value) in enumerate(zip(chosen, rejected)):
             try:
-                texts += self._render_pair(chosen_value, rejected_value, rows, int(source_rows[i]))
+                rendered, turns = self._render_pair(chosen_value, rejected_value, rows, int(source_rows[i]))
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
                 continue
+            texts += rendered
             good.append(i)
+            data.append(data_text([*turns[0], turns[1][-1]]))  # the prompt's turns once, and both completions
         encodings = [
             encoding for start in range(0, len(texts), ENCODE_CHUNK)
             for encoding in self.backend.encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)
         ]
         tokens, lengths = token_ids(encodings, self.dtype)
-        return self._pairs(tokens, lengths, good, problems, rows, source_rows)
+        batch, problems = self._pairs(tokens, lengths, good, problems, rows, source_rows)
+        if self.kind.messages_columns:  # the messages' own text, as chat examples count it; --as-chat pairs by their columns
+            kept = [k for k, i in enumerate(good) if i not in problems]
+            texts_kept = pa.array([data[k] for k in kept], pa.large_string())
+            self._count_special_text(texts_kept, lambda k: rows.name(int(source_rows[good[kept[k]]])), batch.special_text)
+        return batch, problems
 
-    def _render_pair(self, chosen: Any, rejected: Any, rows: BatchRows, row: int) -> list[str]:
+    def _render_pair(self, chosen: Any, rejected: Any, rows: BatchRows, row: int) -> tuple[list[str], list[list[dict]]]:
         """The prompt with the generation prompt, and the whole conversation of each completion, as the chat template
-        renders them; raises RowProblem for a row that is no pair."""
+        renders them, and the two conversations' turns; raises RowProblem for a row that is no pair."""
         for value in (chosen, rejected):
             if _blank_completion(value):
                 raise RowProblem(Reason.EMPTY_COMPLETION, "a completion (the last turn) is empty")
@@ -124,7 +131,7 @@ class PairEncoder(Encoder):
                 )
             # Ending with the completion's end-of-turn token, as a chat example does: whitespace after it is left out.
             texts.append(prompt + text[len(prompt) :].rstrip())
-        return texts
+        return texts, turns
 
     def _pairs(
         self, tokens: np.ndarray, lengths: np.ndarray, good: list[int], problems: Problems, rows: BatchRows,
