@@ -602,10 +602,15 @@ def test_special_token_text_in_message_pairs_is_counted_named_and_refused_under_
     """A message of a pair writing ``</s>`` is tokenized with the EOS inside it: counted per pair (its prompt once,
     both completions), as chat examples are, never for the template's own markers."""
     close, strike = {"role": "user", "content": "Close it"}, {"role": "user", "content": "Strike <s>old"}
+
+    def answers(chosen: str, rejected: str) -> list[dict]:
+        return [{"role": "assistant", "content": chosen}, {"role": "assistant", "content": rejected}]
+
+    (like, no), (done, both) = answers("Like </s> this", "No."), answers("Done.", "<s>, </s>")
     records = [
         CHAT_PAIRS[0],
-        {"chosen": [close, {"role": "assistant", "content": "Like </s> this"}], "rejected": [close, {"role": "assistant", "content": "No."}]},
-        {"chosen": [strike, {"role": "assistant", "content": "Done."}], "rejected": [strike, {"role": "assistant", "content": "<s>, </s>"}]},
+        {"chosen": [close, like], "rejected": [close, no]},
+        {"chosen": [strike, done], "rejected": [strike, both]},
     ]
     data = write_jsonl(tmp_path / "pairs.jsonl", records)
     args = ["--dataset", str(data), "--format", "preference", "--max-len", "128", "--no-progress", "--no-report"]
