@@ -44,7 +44,7 @@ from pipeline import storage
 from pipeline.beam_worker import WORKER_COMMAND
 from pipeline.build_plan import BuildPlan
 from pipeline.encode.chat import turn_stats
-from pipeline.encode.bad_rows import BadRow, Reason, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
+from pipeline.encode.bad_rows import REJECTED_NAME, BadRow, Reason, bound_error, bound_exceeded, summarize, worker_bound, write_rejected
 from pipeline.config import VerifyTokens
 from pipeline.encode.examples import EncodedBatch, Encoder
 from pipeline.encode.preference import PairEncoder, PairTokenChecker
@@ -219,13 +219,14 @@ def finish_filtered(
 
 def placements(
     counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int, untrained: int = 0, max_len: int = 0,
-    too_long_pairs: int = 0,
+    too_long_pairs: int = 0, rejected: RejectedRows = RejectedRows(), listed_in: str = REJECTED_NAME,
 ):
     """``(batch key, (first row, rows kept, group))`` for every batch, from all batches' (examples, rows read).
 
     Raises InputError naming --max-len and --overflow when the only examples read were dropped for keeping
     no trained token (``untrained`` of them) within ``max_len``, or naming --max-len when the only preference
-    pairs read were longer than a row (``too_long_pairs`` of them).
+    pairs read were longer than a row (``too_long_pairs`` of them); NothingKeptError naming the rows read and
+    the reasons when every row was a bad row (``rejected``, listed in ``listed_in``).
     """
     if too_long_pairs and not any(examples for _, (examples, _) in counts):
         raise InputError(
@@ -237,7 +238,7 @@ def placements(
             f"nothing to train: every example read ({untrained}) was dropped as untrained: --overflow truncate keeps its "
             f"first --max-len {max_len} tokens, none of them trained; raise --max-len or pass --overflow split"
         )
-    layout = make_layout(counts, limit, examples_per_group)
+    layout = make_layout(counts, limit, examples_per_group, rejected, listed_in)
     yield from layout.index().items()
 
 
@@ -247,7 +248,8 @@ def assign_group(key: BatchKey, joined: dict):
     first_row, kept_rows, group = placement
     kept = int(np.searchsorted(batch.rows, kept_rows))
     if kept:
-        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path)
+        segments = None if batch.segments is None else batch.segments[:kept]
+        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path, segments)
 
 
 def first_shard(groups: list[PackedGroup], group: int) -> int:
@@ -381,6 +383,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
                 [c for part in joined["counts"] for c in part], config.num_examples, examples_per_group,
                 sum(f.untrained_examples for f in joined["filtered"]), config.max_len,
                 sum(f.rejected.by_reason.get(Reason.PAIR_TOO_LONG, 0) for f in joined["filtered"]),
+                next(iter(joined["filtered"])).rejected, storage.join(out_dir, REJECTED_NAME),
             )
         )
     )

@@ -26,7 +26,8 @@ from pipeline.config import PackConfig
 from pipeline.encode.chat_templates import resolve_chat_template
 from pipeline.encode.examples import Encoder
 from pipeline.encode.tokenizer import load_tokenizer
-from pipeline.errors import ConfigError, InputError
+from pipeline.encode.bad_rows import REJECTED_NAME
+from pipeline.errors import ConfigError, InputError, NothingKeptError
 from pipeline.packing import spill
 from pipeline.read.formats import resolve_format
 from pipeline.read.inputs import InputsRead
@@ -43,7 +44,7 @@ from pipeline.write.build_dir import (
     reusable,
 )
 from pipeline.write.lock import build_lock
-from schemas import Manifest, compute_fingerprint
+from schemas import Manifest, VarpackError, compute_fingerprint
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,10 @@ def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
         progress.enable()
     try:
         beam_pipeline.run(plan, shard_dir, spill_dir)
-    except BaseException:
+    except BaseException as err:
         spill.remove_spill(spill_dir)
-        discard(plan.out_dir, shard_dir)
+        # A build of bad rows only keeps the list of them, which its error points to.
+        discard(plan.out_dir, shard_dir, (REJECTED_NAME,) if isinstance(VarpackError.behind(err), NothingKeptError) else ())
         raise
     finally:
         spill.remove_spill(spill_dir)

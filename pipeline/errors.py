@@ -20,6 +20,10 @@ class InputError(VarpackError):
     kind = "input"
 
 
+class NothingKeptError(InputError):
+    """Every row read is a bad row: the build stops, and keeps only ``rejected.jsonl``, which lists them."""
+
+
 class HubUnreachableError(InputError):
     """The Hugging Face Hub is needed and cannot be reached."""
 

@@ -465,3 +465,164 @@ def test_pairs_that_stop_the_build_say_which_row(tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", [TEXT_PAIRS[0], {"prompt": "p", "chosen": "a", "rejected": "a"}])
     with pytest.raises(InputError, match=r"pairs.jsonl line 2: the chosen and the rejected completions are equal"):
         build(PackConfig(dataset=str(data), out=str(tmp_path / "out"), format="preference", progress=False, report=False))
+
+
+# --- what the manifest says of a preference build is what its shards hold -------------------------------
+
+
+def shard_segments(out_dir: Path) -> tuple[int, dict[str, int]]:
+    """The segments the build's shards hold (cu_seqlens entries), and the rows by their number of segments."""
+    per_row = np.array([
+        len(cu) - 1
+        for info in read_manifest(out_dir).shards
+        for cu in pa.ipc.open_file(str(out_dir / info.path)).read_all().column("cu_seqlens").to_pylist()
+    ])
+    counts = np.bincount(per_row)
+    return int(per_row.sum()), {str(c): int(counts[c]) for c in np.flatnonzero(counts).tolist()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_preference_manifest_counts_the_segments_its_shards_hold_and_loads_with_fixed_shapes(tmp_path, capsys, layout):
+    """A pair is one item to pack and two or three segments in its row; the fixed shapes of the loader are cut from
+    the manifest's count of segments per row, so it must be the shards' count."""
+    torch = pytest.importorskip("torch")
+    from loaders.dataset import PackedIterableDataset
+
+    records = [{"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}, I think."}
+               for i in range(12)]
+    _, out_dir = pack_pairs(tmp_path, records, preference_layout=layout, max_len=128)
+    segments, per_row = shard_segments(out_dir)
+    stats = read_manifest(out_dir).stats
+    assert (stats.segments, stats.segments_per_row) == (segments, per_row)
+    per_pair = 3 if layout == "shared-prompt" else 2
+    assert segments == 12 * per_pair and stats.rows < 12  # rows of several pairs
+    for bucket_shapes in (False, True):
+        dataset = PackedIterableDataset(str(out_dir), batch_rows=1, pad_to_fixed_shape=True, bucket_shapes=bucket_shapes,
+                                        shuffle=False)
+        pairs = torch.cat([batch["pair_ids"] for batch in dataset])
+        assert sorted(pairs.tolist()) == sorted(list(range(12)) * per_pair)
+    assert inspect.main([str(out_dir)]) == 0
+    assert f"segments     {segments} of the 12 examples kept" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--prompt-column", "chosen"], "--prompt-column and --chosen-column name the same column 'chosen'"),
+    (["--chosen-column", "prompt"],
+     "--prompt-column (the source's own 'prompt' column) and --chosen-column name the same column 'prompt'"),
+    (["--prompt-column", "rejected", "--verify-tokens", "off"], "--prompt-column and --rejected-column name the same column 'rejected'"),
+    (["--prompt-column", "none", "--rejected-column", "chosen"], "--chosen-column and --rejected-column name the same column 'chosen'"),
+    (["--chosen-column", "prompt", "--rejected-column", "prompt", "--verify-tokens", "off"],
+     "--prompt-column (the source's own 'prompt' column), --chosen-column and --rejected-column name the same column 'prompt'"),
+])
+def test_one_column_named_for_two_parts_of_a_pair_is_an_option_error(tmp_path, capsys, options, named):
+    data = write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS)
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--format", "preference", "--no-progress", "--no-report"]
+    assert main([*args, *options]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error == f"varpack: error: {named}, but a column holds one part of a pair; name a different column with each"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["preference", "sft"])
+def test_a_build_of_bad_rows_only_says_how_many_and_why_and_keeps_their_list(tmp_path, capsys, kind):
+    if kind == "preference":
+        # The byte-level Falcon vocabulary merges the default template's "\n\n" with each completion.
+        records = [{"prompt": f"What is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}, I think."} for i in range(12)]
+        options = ["--format", "preference", "--tokenizer", "tests/data/llama-cpp-vocab/ggml-vocab-falcon.gguf"]
+        reasons = "prompt_not_a_prefix: 12"
+    else:
+        records = [{"prompt": f"What is {i} + {i}?", "response": None if i % 3 else ""} for i in range(12)]
+        options = []
+        reasons = "empty_text: 4, null: 8"
+    data = write_jsonl(tmp_path / "rows.jsonl", records)
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--max-bad-rows", "100",
+            "--no-progress", "--no-report", *options]
+    assert main(args) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    (build_dir,) = (tmp_path / "out").iterdir()
+    assert error == (f"varpack: error: nothing to write: all 12 rows read are bad rows ({reasons}), listed with their "
+                     f"reasons in {build_dir / 'rejected.jsonl'}")
+    listed = [json.loads(line) for line in (build_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [entry["where"] for entry in listed] == [f"{data} line {i}" for i in range(1, 13)]
+    assert sorted(p.name for p in build_dir.iterdir()) == ["rejected.jsonl"]  # no manifest: no build
+    assert main(args) == 1  # what is left is no build to reuse: the next run reads the rows again
+    assert capsys.readouterr().err.strip().splitlines()[-1] == error
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_pair_whose_chosen_and_rejected_tokens_are_the_same_is_a_bad_row(tmp_path, layout):
+    """Llama 3's template trims each turn, so answers that differ only in their outer whitespace are one sequence:
+    the pair carries no preference and is left out as chosen_equals_rejected, the other pair packed."""
+    tokenizer = byte_level_directory(tmp_path / "tokenizer", LLAMA3_SPECIALS)
+    user = {"role": "user", "content": "Hi"}
+    records = [{"chosen": [user, {"role": "assistant", "content": "Hello "}],
+                "rejected": [user, {"role": "assistant", "content": "\nHello"}]}, CHAT_PAIRS[0]]
+    _, out_dir = pack_pairs(tmp_path, records, tokenizer=str(tokenizer), chat_template="llama3", preference_layout=layout,
+                            on_bad_row="skip", max_bad_rows=10)
+    listed = [json.loads(line) for line in (out_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [(entry["where"].rsplit(" ", 1)[1], entry["reason"]) for entry in listed] == [("1", "chosen_equals_rejected")]
+    assert "not in their tokens" in listed[0]["message"]
+    assert sorted(read_pairs(out_dir)) == [1]
+    for segments in read_pairs(out_dir).values():
+        chosen, _, rejected, _ = whole_sequences(segments)
+        assert chosen.tolist() != rejected.tolist()
+    assert read_manifest(out_dir).stats.bad_pairs == {"chosen_equals_rejected": 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("records", [CHAT_PAIRS, TEXT_PAIRS[:2]], ids=["messages", "text"])
+def test_the_token_check_refuses_a_trained_prompt_token_in_either_branch(tmp_path, layout, records):
+    """The reference says where the prompt ends, so equal tokens under a loss mask that trains a prompt token (the
+    prompt masked in the chosen branch only) differ from it, as a wrong token does."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", records)
+    config = PackConfig(dataset=str(data), out=str(tmp_path / "out"), format="preference", preference_layout=layout)
+    plan = plan_build(config)
+    table = pa.Table.from_pylist(records)
+    batch = PairEncoder(plan.tokenizer, plan.example_format, 256, Overflow.DROP, layout=layout).encode(table, BatchRows("pairs.jsonl"))
+    everything = np.ones(batch.lengths.size, dtype=bool)
+    checker = PairTokenChecker(plan.tokenizer, plan.example_format, "error")
+    assert checker.check(table, BatchRows("pairs.jsonl"), batch, everything).equal == 2
+    # The rejected branch of the second pair starts with a prompt token (the prompt's last one, in shared-prompt).
+    first_rejected = int(np.flatnonzero((batch.roles == Role.REJECTED) & (np.arange(batch.tokens.size) >= batch.starts[1]))[0])
+    assert batch.loss_mask[first_rejected] == 0
+    batch.loss_mask[first_rejected] = 1
+    with pytest.raises(TokenMismatchError, match=r"^pairs.jsonl row 1: its tokens equal the .*, but its loss mask trains a "
+                                                 r"prompt token at token \d+ \(the reference's prompt is its first \d+ of"):
+        checker.check(table, BatchRows("pairs.jsonl"), batch, everything)
+    counted = PairTokenChecker(plan.tokenizer, plan.example_format, "count").check(table, BatchRows("pairs.jsonl"), batch, everything)
+    assert (counted.checked, counted.equal) == (2, 1)
+    # A completion token left untrained is refused too.
+    batch.loss_mask[first_rejected] = 0
+    batch.loss_mask[batch.starts[1] + batch.lengths[1] - 1] = 0
+    with pytest.raises(TokenMismatchError, match="leaves a completion token untrained"):
+        checker.check(table, BatchRows("pairs.jsonl"), batch, everything)
+
+
+def test_special_token_text_in_message_pairs_is_counted_named_and_refused_under_strict(tmp_path, capsys):
+    """A message of a pair writing ``</s>`` is tokenized with the EOS inside it: counted per pair (its prompt once,
+    both completions), as chat examples are, never for the template's own markers."""
+    close, strike = {"role": "user", "content": "Close it"}, {"role": "user", "content": "Strike <s>old"}
+
+    def answers(chosen: str, rejected: str) -> list[dict]:
+        return [{"role": "assistant", "content": chosen}, {"role": "assistant", "content": rejected}]
+
+    (like, no), (done, both) = answers("Like </s> this", "No."), answers("Done.", "<s>, </s>")
+    records = [
+        CHAT_PAIRS[0],
+        {"chosen": [close, like], "rejected": [close, no]},
+        {"chosen": [strike, done], "rejected": [strike, both]},
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", records)
+    args = ["--dataset", str(data), "--format", "preference", "--max-len", "128", "--no-progress", "--no-report"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert f"warning: 2 examples (the first: {data} line 2): the data text holds '</s>'" in capsys.readouterr().err
+    (out_dir,) = (tmp_path / "out").iterdir()
+    assert read_manifest(out_dir).stats.special_token_text == {
+        "</s>": {"examples": 2, "first_row": f"{data} line 2"}, "<s>": {"examples": 1, "first_row": f"{data} line 3"}
+    }
+    assert main([*args, "--out", str(tmp_path / "strict"), "--strict"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"varpack: error: {data} line 2: the data text holds '</s>', the text of a special token, and is tokenized as that "
+        "token, not as text; remove it from the data, or leave out --strict"
+    )
+    assert not (tmp_path / "strict").exists() or not list((tmp_path / "strict").glob("*/manifest.json"))

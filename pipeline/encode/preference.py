@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.encode.bad_rows import Reason, RowProblem
-from pipeline.encode.chat import conversation
+from pipeline.encode.chat import conversation, data_text
 from pipeline.encode.examples import ENCODE_CHUNK, EncodedBatch, Encoder, encode_ids, token_ids
 from pipeline.encode.token_check import TokenChecker
 from pipeline.errors import InputError
@@ -79,24 +79,31 @@ class PairEncoder(Encoder):
         """Pairs of conversations: their shared leading turns are the prompt, each one's last turn its completion."""
         label = "/".join(self.format.columns)
         problems: Problems = {}
-        texts, good = [], []
+        texts, good, data = [], [], []
         for i, (chosen_value, rejected_value) in enumerate(zip(chosen, rejected)):
             try:
-                texts += self._render_pair(chosen_value, rejected_value, rows, int(source_rows[i]))
+                rendered, turns = self._render_pair(chosen_value, rejected_value, rows, int(source_rows[i]))
             except RowProblem as problem:
                 problems[i] = (problem.reason, f"{label!r}: {problem.message}")
                 continue
+            texts += rendered
             good.append(i)
+            data.append(data_text([*turns[0], turns[1][-1]]))  # the prompt's turns once, and both completions
         encodings = [
             encoding for start in range(0, len(texts), ENCODE_CHUNK)
             for encoding in self.backend.encode_batch(texts[start : start + ENCODE_CHUNK], add_special_tokens=False)
         ]
         tokens, lengths = token_ids(encodings, self.dtype)
-        return self._pairs(tokens, lengths, good, problems, rows, source_rows)
+        batch, problems = self._pairs(tokens, lengths, good, problems, rows, source_rows)
+        if self.kind.messages_columns:  # the messages' own text, as chat examples count it; --as-chat pairs by their columns
+            kept = [k for k, i in enumerate(good) if i not in problems]
+            texts_kept = pa.array([data[k] for k in kept], pa.large_string())
+            self._count_special_text(texts_kept, lambda k: rows.name(int(source_rows[good[kept[k]]])), batch.special_text)
+        return batch, problems
 
-    def _render_pair(self, chosen: Any, rejected: Any, rows: BatchRows, row: int) -> list[str]:
+    def _render_pair(self, chosen: Any, rejected: Any, rows: BatchRows, row: int) -> tuple[list[str], list[list[dict]]]:
         """The prompt with the generation prompt, and the whole conversation of each completion, as the chat template
-        renders them; raises RowProblem for a row that is no pair."""
+        renders them, and the two conversations' turns; raises RowProblem for a row that is no pair."""
         for value in (chosen, rejected):
             if _blank_completion(value):
                 raise RowProblem(Reason.EMPTY_COMPLETION, "a completion (the last turn) is empty")
@@ -124,7 +131,7 @@ class PairEncoder(Encoder):
                 )
             # Ending with the completion's end-of-turn token, as a chat example does: whitespace after it is left out.
             texts.append(prompt + text[len(prompt) :].rstrip())
-        return texts
+        return texts, turns
 
     def _pairs(
         self, tokens: np.ndarray, lengths: np.ndarray, good: list[int], problems: Problems, rows: BatchRows,
@@ -142,13 +149,16 @@ class PairEncoder(Encoder):
         owner = np.repeat(np.arange(both.size) // 2, both.ravel())
         differs = np.bincount(owner[tokens[index] != expected], minlength=len(good)) > 0
         split = ~differs & np.all(sizes[:, 1:] > prompt[:, None], axis=1)
+        same = _same_tokens(tokens, starts[:, 1], starts[:, 2], sizes[:, 1], sizes[:, 2])
         shared = self.layout == PreferenceLayout.SHARED_PROMPT
         head = np.maximum(prompt - 1, 0) if shared else np.zeros_like(prompt)
         pair_lengths = sizes[:, 1] + sizes[:, 2] - head
         fits = pair_lengths <= self.max_len
-        for k in np.flatnonzero(~(split & fits)).tolist():
-            problems[good[k]] = self._pair_problem(bool(differs[k]), bool(split[k]), int(pair_lengths[k]), rows, source_rows[good[k]])
-        keep = split & fits
+        for k in np.flatnonzero(~(split & fits) | same).tolist():
+            problems[good[k]] = self._pair_problem(
+                bool(differs[k]), bool(split[k]), bool(same[k]), int(pair_lengths[k]), rows, source_rows[good[k]]
+            )
+        keep = split & fits & ~same
         # Runs of each kept pair: its prompt segment, then per branch the prompt's repeated part and the completion.
         runs = np.column_stack([head, prompt - head, sizes[:, 1] - prompt, prompt - head, sizes[:, 2] - prompt])[keep]
         pieces = np.column_stack([starts[:, 1], starts[:, 1] + head, starts[:, 2] + head])[keep]
@@ -162,7 +172,9 @@ class PairEncoder(Encoder):
         # Pairs are encoded in row order; the encoder leaves out the rows of ``problems`` to match.
         return batch, problems
 
-    def _pair_problem(self, differs: bool, split: bool, length: int, rows: BatchRows, row: int) -> tuple[Reason, str]:
+    def _pair_problem(
+        self, differs: bool, split: bool, same: bool, length: int, rows: BatchRows, row: int
+    ) -> tuple[Reason, str]:
         """Why a pair cannot be laid out; under ``--overflow error`` a pair too long stops the build."""
         if differs:
             return (
@@ -172,12 +184,31 @@ class PairEncoder(Encoder):
             )
         if not split:
             return Reason.EMPTY_COMPLETION, "a completion adds no token after the prompt"
+        if same:
+            return (
+                Reason.CHOSEN_EQUALS_REJECTED,
+                "the chosen and the rejected completions differ in their text but not in their tokens (the template "
+                "or the tokenizer makes them one), so the pair prefers nothing",
+            )
         if self.overflow == Overflow.ERROR:
             raise InputError(
                 f"{rows.name(row)}: the pair is {length} tokens in the {self.layout} layout, more than --max-len "
                 f"{self.max_len}; a pair is never split: pass --overflow drop to leave such pairs out, or a larger --max-len"
             )
         return Reason.PAIR_TOO_LONG, f"the pair is {length} tokens in the {self.layout} layout, more than --max-len {self.max_len}"
+
+
+def _same_tokens(tokens: np.ndarray, a: np.ndarray, b: np.ndarray, a_lengths: np.ndarray, b_lengths: np.ndarray) -> np.ndarray:
+    """Whether sequence ``tokens[a[i] : a[i] + a_lengths[i]]`` equals the one at ``b[i]``, for each ``i``.
+
+    >>> _same_tokens(np.array([5, 6, 5, 6, 5, 7]), np.array([0, 0]), np.array([2, 4]), np.array([2, 2]), np.array([2, 2]))
+    array([ True, False])
+    """
+    same = a_lengths == b_lengths
+    lengths = np.where(same, a_lengths, 0)
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    unequal = tokens[gather_index(a, lengths)] != tokens[gather_index(b, lengths)]
+    return same & (np.bincount(owner[unequal], minlength=lengths.size) == 0)
 
 
 def _completion_problems(chosen: list[str | None], rejected: list[str | None]) -> Problems:
@@ -207,16 +238,44 @@ class PairTokenChecker(TokenChecker):
     def sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each pair's prompt + chosen and prompt + rejected as stored, one after the other: a branch holds the
         prompt's tokens it does not share (``roles``), so each is its prompt segment's tokens and its own."""
+        index, lengths = self._whole_sequences(batch, examples)
+        return batch.tokens[index], lengths
+
+    def loss_masks(self, batch: EncodedBatch, examples: np.ndarray) -> np.ndarray:
+        """The loss mask of each whole sequence ``sequences`` gives."""
+        return batch.loss_mask[self._whole_sequences(batch, examples)[0]]
+
+    def _whole_sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where in ``batch`` the tokens of each pair's prompt + chosen and prompt + rejected lie, and their lengths."""
         if batch.roles is None:
             raise ValueError("preference pairs carry their tokens' roles")
         lengths = batch.lengths[examples]
         index = gather_index(batch.starts[examples], lengths)
-        tokens, roles = batch.tokens[index], batch.roles[index]
+        roles = batch.roles[index]
         pair = np.repeat(np.arange(examples.size), lengths)
         chosen, rejected = np.flatnonzero(roles != Role.REJECTED), np.flatnonzero(roles != Role.CHOSEN)
         keys = np.concatenate([2 * pair[chosen], 2 * pair[rejected] + 1])
         order = np.argsort(keys, kind="stable")
-        return tokens[np.concatenate([chosen, rejected])[order]], np.bincount(keys, minlength=2 * examples.size)
+        return index[np.concatenate([chosen, rejected])[order]], np.bincount(keys, minlength=2 * examples.size)
+
+    def prompt_lengths(self, table: pa.Table) -> np.ndarray:
+        """Where each whole sequence's prompt ends in the reference: the prompt alone, tokenized as the text's head
+        (with the BOS), or ``apply_chat_template`` of the shared turns with the generation prompt."""
+        if self.format.is_chat:
+            prompts = [
+                len(self.chat_tokenizer().apply_chat_template(
+                    chat[:-1], chat_template=self.format.chat_template, tokenize=True, add_generation_prompt=True,
+                    return_dict=False,
+                ))
+                for chat in self._conversations(table)[::2]
+            ]
+            return np.repeat(np.array(prompts, np.int64), 2)
+        template, system = self.format.prompt_response(), self.format.system_prompt or ""
+        prompt, chosen, _ = table.columns
+        texts = template.render(pa.table([prompt, chosen], names=["p", "c"]), system)[0].to_pylist()
+        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+        lengths = np.array([len(encoding.ids) for encoding in encodings], np.int64) + len(self.tokenizer.prefix_ids)
+        return np.repeat(lengths, 2)
 
     def rendered_texts(self, table: pa.Table) -> list[str]:
         """Prompt + chosen and prompt + rejected of each pair, rendered whole by the template."""

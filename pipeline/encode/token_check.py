@@ -91,6 +91,17 @@ def first_differences(
     return found
 
 
+def completion_mask(lengths: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """The loss mask of sequences of ``lengths`` tokens, back to back, each trained after its first ``prompt`` tokens.
+
+    >>> completion_mask(np.array([4, 3]), np.array([2, 1])).tolist()
+    [0, 0, 1, 1, 0, 1, 1]
+    """
+    starts = np.cumsum(lengths) - lengths
+    position = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+    return (position >= np.repeat(prompt, lengths)).astype(np.uint8)
+
+
 def _flat(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Token lists as one flat array and their lengths."""
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
@@ -150,22 +161,33 @@ class TokenChecker:
         if not examples.size:
             return CheckCounts()
         source_rows = batch.example_rows[examples]
-        reference, reference_lengths = self.reference(
-            select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows))
-        )
+        selected_table = select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows))
+        reference, reference_lengths = self.reference(selected_table)
         built, lengths = self.sequences(batch, examples)
         # Each sequence's example: one each, or two for a preference pair (``preference.PairTokenChecker``).
         source_rows = np.repeat(source_rows, lengths.size // examples.size)
         if self.format.keep_response and not self.format.is_chat:
             reference, reference_lengths = self.without_cut_heads(reference, reference_lengths, lengths)
         differences = first_differences(built, lengths, reference, reference_lengths)
-        differ = np.flatnonzero(differences >= 0)
+        # The loss mask is compared where the tokens are equal, and where the reference says where the prompt ends.
+        untrained_from = self.prompt_lengths(selected_table)
+        mask_differences = np.full(lengths.size, -1)
+        if untrained_from is not None:
+            same = np.flatnonzero(differences < 0)
+            built_masks = self.loss_masks(batch, examples)[gather_index((np.cumsum(lengths) - lengths)[same], lengths[same])]
+            expected = completion_mask(lengths[same], untrained_from[same])
+            mask_differences[same] = first_differences(built_masks, lengths[same], expected, lengths[same])
+        differ = np.flatnonzero((differences >= 0) | (mask_differences >= 0))
         first = None
         if differ.size:
             i = int(differ[0])
             ours = built[int(lengths[:i].sum()) :][: int(lengths[i])].tolist()
-            theirs = reference[int(reference_lengths[:i].sum()) :][: int(reference_lengths[i])].tolist()
-            first = self.describe(rows.name(int(source_rows[i])), ours, theirs, int(differences[i]))
+            if differences[i] >= 0:
+                theirs = reference[int(reference_lengths[:i].sum()) :][: int(reference_lengths[i])].tolist()
+                first = self.describe(rows.name(int(source_rows[i])), ours, theirs, int(differences[i]))
+            else:
+                assert untrained_from is not None
+                first = self.describe_mask(rows.name(int(source_rows[i])), ours, int(untrained_from[i]), int(mask_differences[i]))
             if self.on_mismatch == OnTokenMismatch.ERROR:
                 raise TokenMismatchError(first)
         unequal = np.unique(differ // (lengths.size // examples.size)).size
@@ -175,6 +197,15 @@ class TokenChecker:
         """The built token sequences of ``examples`` (indices into ``batch``) to compare, flat, and their lengths."""
         lengths = batch.lengths[examples]
         return batch.tokens[gather_index(batch.starts[examples], lengths)], lengths
+
+    def loss_masks(self, batch: EncodedBatch, examples: np.ndarray) -> np.ndarray:
+        """The loss mask of the sequences ``sequences`` gives, flat, in the same order."""
+        return batch.loss_mask[gather_index(batch.starts[examples], batch.lengths[examples])]
+
+    def prompt_lengths(self, table: pa.Table) -> np.ndarray | None:
+        """For each sequence of the rows of ``table``, where the reference says its prompt ends: its loss mask must
+        be 0 before and 1 from there. None where the check leaves the loss mask to the tests of its kind (SFT)."""
+        return None
 
     def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """The reference tokens of the rows of ``table`` (the format's columns, rows that made examples),
@@ -295,6 +326,16 @@ class TokenChecker:
             f"  reference:      [{window(reference)}]\n"
             f"  built text:     {text(built)}\n"
             f"  reference text: {text(reference)}"
+        )
+
+    def describe_mask(self, example: str, built: list[int], prompt: int, at: int) -> str:
+        """The message of a loss mask the reference contradicts at token ``at``: the prompt is ``prompt`` tokens."""
+        wrong = "trains a prompt token" if at < prompt else "leaves a completion token untrained"
+        return (
+            f"{example}: its tokens equal the {self.reference_name()}, but its loss mask {wrong} at token {at} (the "
+            f"reference's prompt is its first {prompt} of {len(built)} tokens, each later one trained); pass "
+            "--on-token-mismatch count to pack anyway and count such examples\n"
+            f"  token {at}:       {built[at]} {self.backend.decode(built[at : at + 1], skip_special_tokens=False)!r}"
         )
 
     def reference_name(self) -> str:

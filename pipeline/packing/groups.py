@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.config import EXAMPLES_PER_GROUP
-from pipeline.errors import InputError
+from pipeline.errors import InputError, NothingKeptError
+from schemas import RejectedRows
 
 BatchKey = tuple[int, int]
 
@@ -52,11 +53,17 @@ class Layout:
 
 
 def make_layout(
-    counts: Iterable[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int = EXAMPLES_PER_GROUP
+    counts: Iterable[tuple[BatchKey, tuple[int, int]]],
+    limit: int | None,
+    examples_per_group: int = EXAMPLES_PER_GROUP,
+    rejected: RejectedRows = RejectedRows(),
+    listed_in: str = "rejected.jsonl",
 ) -> Layout:
     """The layout of batches with ``counts`` (examples, source rows read) each, keeping the first ``limit`` rows.
 
-    Groups are cut by rows, which bound the examples (a row makes at most one).
+    Groups are cut by rows, which bound the examples (a row makes at most one). When the rows kept make
+    no example, raises NothingKeptError naming the rows read and why they were left out (``rejected``,
+    the bad rows, which ``listed_in`` lists), or InputError for a dataset of no rows.
 
     >>> layout = make_layout([((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=6)
     >>> layout.first_rows.tolist(), layout.kept_rows.tolist(), layout.num_example_ids
@@ -69,8 +76,25 @@ def make_layout(
     first_rows = np.cumsum(rows) - rows
     kept = rows if limit is None else np.clip(limit - first_rows, 0, rows)
     total = int(kept.sum())
-    if total == 0 or not examples[kept > 0].any():
+    if total == 0:
         raise InputError("the dataset holds no examples")
+    if not examples[kept > 0].any():
+        raise NothingKeptError(nothing_kept(total, rejected, listed_in))
     num_groups = -(-total // examples_per_group)
     groups = np.where(kept > 0, np.minimum(first_rows * num_groups // total, num_groups - 1), -1)
     return Layout(keys, first_rows, kept, groups, num_groups)
+
+
+def nothing_kept(rows: int, rejected: RejectedRows, listed_in: str) -> str:
+    """Why the ``rows`` rows read made no example: the bad rows among them by reason, and where they are listed.
+
+    >>> nothing_kept(12, RejectedRows(12, {"prompt_not_a_prefix": 12}), "out/rejected.jsonl")
+    'nothing to write: all 12 rows read are bad rows (prompt_not_a_prefix: 12), listed with their reasons in out/rejected.jsonl'
+    """
+    if not rejected.rows:
+        return f"nothing to write: the {rows:,} rows read made no examples"
+    reasons = ", ".join(f"{reason}: {count:,}" for reason, count in rejected.by_reason.items())
+    every = "the 1 row read is a bad row" if rows == 1 else f"all {rows:,} rows read are bad rows"
+    bad = every if rejected.rows == rows else f"{rejected.rows:,} of the {rows:,} rows read are bad rows"
+    rest = "" if rejected.rows == rows else " and the others made no examples"
+    return f"nothing to write: {bad} ({reasons}){rest}, listed with their reasons in {listed_in}"

@@ -14,14 +14,27 @@ prompt segment's length, so that a branch continues the prompt's positions.
 ([7, 7, 7, 9, 9], [2, 3, 2, 3, 3], [0, 2, 2, 0, 0])
 >>> segment_roles.tolist(), segments.row_offsets.tolist()
 ([0, 1, 2, 1, 2], [0, 5])
+
+The manifest counts those segments, not the pairs: ``segments_per_pair`` reads them from the
+roles, and ``pair_stats`` counts them per row (here the five segments of one row):
+
+>>> per_pair = segments_per_pair(np.array([7, 6]), roles)
+>>> per_pair.tolist()
+[3, 2]
+>>> in_group = PackingPlan(16, np.array([0, 1]), np.zeros(2, np.int64), np.array([7, 6]), np.array([0, 2]), PackingStats())
+>>> stats = pair_stats(in_group, per_pair)
+>>> stats.segments, stats.segments_per_row
+(5, {'5': 1})
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from pipeline.packing.algorithms import PackingPlan
-from schemas import Role
+from schemas import PackingStats, Role
 
 ROLES_PER_PAIR = len(Role)
 
@@ -56,3 +69,23 @@ def pair_segments(plan: PackingPlan, roles: np.ndarray) -> tuple[PackingPlan, np
         stats=plan.stats,
     )
     return pairs, np.tile(np.arange(ROLES_PER_PAIR, dtype=np.uint8), lengths.size)[kept.ravel()]
+
+
+def segments_per_pair(lengths: np.ndarray, roles: np.ndarray) -> np.ndarray:
+    """How many segments each pair of ``lengths`` tokens (back to back, each token's role in ``roles``) becomes:
+    3 when it starts with prompt tokens (the shared-prompt layout), else 2 (chosen, rejected)."""
+    starts = np.cumsum(lengths) - lengths
+    return (2 + (roles[starts] == Role.PROMPT)).astype(np.int8)
+
+
+def pair_stats(plan: PackingPlan, segments: np.ndarray) -> PackingStats:
+    """The plan's statistics with ``segments`` and ``segments_per_row`` counting the segments its rows hold once each
+    pair (``plan.segment_example`` indexes ``segments``, each pair's count) is cut in its layout."""
+    rows = np.repeat(np.arange(plan.num_rows), np.diff(plan.row_offsets))
+    per_row = np.bincount(rows, weights=segments[plan.segment_example], minlength=plan.num_rows).astype(np.int64)
+    rows_with = np.bincount(per_row)
+    return dataclasses.replace(
+        plan.stats,
+        segments=int(per_row.sum()),
+        segments_per_row={str(c): int(rows_with[c]) for c in np.flatnonzero(rows_with).tolist()},
+    )

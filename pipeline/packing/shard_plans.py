@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.packing.algorithms import PackingPlan, pack
 from pipeline.packing.groups import BatchKey
-from pipeline.packing.pairs import pair_segments
+from pipeline.packing.pairs import pair_segments, pair_stats
 from pipeline.packing.rows import build_rows
 from pipeline.packing.spill import read_spilled
 from pipeline.ranges import gather_index
@@ -31,13 +31,15 @@ from schemas import PackingStats
 @dataclass(frozen=True)
 class GroupBatch:
     """One tokenized batch of a packing group: its key, its first source row, its kept examples'
-    lengths and rows within the batch, its spill file. An example's id is ``first_row + rows[i]``."""
+    lengths and rows within the batch, its spill file, and for preference pairs the segments each becomes in a row.
+    An example's id is ``first_row + rows[i]``."""
 
     key: BatchKey
     first_row: int
     lengths: np.ndarray  # [examples kept]
     rows: np.ndarray  # [examples kept]
     path: str
+    segments: np.ndarray | None = None  # [examples kept]
 
     @property
     def example_ids(self) -> np.ndarray:
@@ -117,6 +119,9 @@ def pack_group(
     lengths = np.concatenate([b.lengths for b in batches]).astype(np.int64) if batches else np.zeros(0, np.int64)
     plan = pack(lengths, capacity, overflow=overflow, algorithm=algorithm, seed=seed)
     del lengths
+    if any(b.segments is not None for b in batches):
+        # A pair is one item to pack and two or three segments in its row: the statistics count those.
+        plan = dataclasses.replace(plan, stats=pair_stats(plan, np.concatenate([b.segments for b in batches])))
     # Where each example's tokens start in its batch's spill file.
     starts = [np.cumsum(b.lengths, dtype=np.int64) - b.lengths for b in batches]
     example_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)

@@ -27,6 +27,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.encode.examples import EncodedBatch
 from pipeline.encode.token_check import CheckCounts
+from pipeline.packing.pairs import segments_per_pair
 from schemas.arrow_file import open_arrow_file
 
 SPILL_PREFIX = ".spill-"
@@ -39,7 +40,8 @@ class SpilledBatch:
     tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
 
     ``rejected``, ``untrained``, ``turns`` and ``prompt_cut`` are the batch's bad rows and counts (see EncodedBatch);
-    ``token_check`` what checking its tokens against the reference found.
+    ``token_check`` what checking its tokens against the reference found; ``segments``, for preference pairs, the
+    segments each pair becomes in a row (None for other examples).
     """
 
     path: str
@@ -52,6 +54,7 @@ class SpilledBatch:
     prompt_cut: tuple[int, int] = (0, 0)
     token_check: CheckCounts = CheckCounts()
     special_text: dict[str, tuple[int, str]] = field(default_factory=dict)
+    segments: np.ndarray | None = None  # int8 [examples]
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -77,6 +80,7 @@ def spill(
     return SpilledBatch(
         path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns,
         batch.prompt_cut, token_check, batch.special_text,
+        None if batch.roles is None else segments_per_pair(batch.lengths, batch.roles),
     )
 
 

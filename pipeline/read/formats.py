@@ -102,9 +102,25 @@ def _preference_format(config: PackConfig, available: tuple[str, ...] | None) ->
     prompt = config.prompt_column
     if prompt is None and available is not None and "prompt" in available:
         prompt = "prompt"
+    _check_one_role_per_column(config, prompt)
     if prompt is None or prompt == NO_PROMPT_COLUMN:
         return ExampleFormat(ExampleKind.PREFERENCE_CHAT, completions)
     return ExampleFormat(ExampleKind.PREFERENCE, (prompt, *completions))
+
+
+def _check_one_role_per_column(config: PackConfig, prompt: str | None) -> None:
+    """Raise ConfigError naming the options when one column is named for two parts of a pair."""
+    options = {"--chosen-column": config.chosen_column, "--rejected-column": config.rejected_column}
+    if prompt is not None and prompt != NO_PROMPT_COLUMN:
+        found = "" if config.prompt_column is not None else " (the source's own 'prompt' column)"
+        options = {f"--prompt-column{found}": prompt, **options}
+    for column in dict.fromkeys(options.values()):
+        named = [option for option, value in options.items() if value == column]
+        if len(named) > 1:
+            raise ConfigError(
+                f"{', '.join(named[:-1])} and {named[-1]} name the same column {column!r}, but a column holds one part "
+                "of a pair; name a different column with each"
+            )
 
 
 def _check_columns(chosen: ExampleFormat, available: tuple[str, ...] | None, where: str) -> None:

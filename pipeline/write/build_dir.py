@@ -166,9 +166,9 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     return None
 
 
-def clear_build(out_dir: str) -> None:
-    """Remove the files of a build (the manifest first, so no manifest ever points at missing shards)."""
-    names = [n for n in storage.list_files(out_dir) if is_build_file(n)]
+def clear_build(out_dir: str, keep: tuple[str, ...] = ()) -> None:
+    """Remove the files of a build but ``keep`` (the manifest first, so no manifest ever points at missing shards)."""
+    names = [n for n in storage.list_files(out_dir) if is_build_file(n) and n not in keep]
     names.sort(key=lambda n: n != MANIFEST_NAME)
     storage.remove([storage.join(out_dir, n) for n in names])
 
@@ -192,15 +192,15 @@ def remove_leftovers(out_dir: str, log: Callable[[str], None] | None = None) -> 
             storage.remove([path])
 
 
-def discard(out_dir: str, shard_dir: str) -> None:
-    """Remove what a failed run wrote, never a finished build: with a manifest present, only temporaries."""
+def discard(out_dir: str, shard_dir: str, keep: tuple[str, ...] = ()) -> None:
+    """Remove what a failed run wrote but ``keep``, never a finished build: with a manifest present, only temporaries."""
     storage.check_own_dir(out_dir)
     if shard_dir != out_dir:
         storage.remove([storage.join(shard_dir, n) for n in storage.list_files(shard_dir)])
     elif storage.exists(storage.join(out_dir, MANIFEST_NAME)):
         remove_leftovers(out_dir)
     else:
-        clear_build(out_dir)
+        clear_build(out_dir, keep)
         storage.remove_empty_dir(out_dir)
 
 
