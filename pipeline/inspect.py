@@ -125,6 +125,8 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
         bad_rows = f"{describe_rejected(rejected)} (--on-bad-row {inputs.on_bad_row})"
     else:
         bad_rows = f"none (--on-bad-row {inputs.on_bad_row})"
+    # A preference build's segments are its pairs' sequences (2 or 3 a pair); an SFT build's, its examples' chunks.
+    kept = plural(stats.pairs, 'pair') if manifest.preference_layout is not None else plural(stats.examples_kept, 'example')
     lines = [
         ("build", build_dir),
         ("fingerprint", f"{manifest.fingerprint} (format {manifest.format_version}, varpack {inputs.package_version}, "
@@ -144,7 +146,7 @@ def format_summary(build_dir: str, manifest: Manifest) -> str:
         ("tokens", f"{stats.tokens:,} packed"),
         ("fill", f"{100 * stats.fill:.3f}%"),
         ("examples", describe_examples(stats, manifest.capacity)),
-        ("segments", f"{stats.segments:,} of the {plural(stats.examples_kept, 'example')} kept; {mean:.2f} per row, "
+        ("segments", f"{stats.segments:,} of the {kept} kept; {mean:.2f} per row, "
                      f"{low} to {high}; example ids below {manifest.num_example_ids:,} (source rows)"),
         ("overflow", describe_overflow(stats)),
         ("bad rows", bad_rows),

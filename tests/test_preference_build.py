@@ -502,7 +502,7 @@ def test_a_preference_manifest_counts_the_segments_its_shards_hold_and_loads_wit
         pairs = torch.cat([batch["pair_ids"] for batch in dataset])
         assert sorted(pairs.tolist()) == sorted(list(range(12)) * per_pair)
     assert inspect.main([str(out_dir)]) == 0
-    assert f"segments     {segments} of the 12 examples kept" in capsys.readouterr().out
+    assert f"segments     {segments} of the 12 pairs kept" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("options, named", [
