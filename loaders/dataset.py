@@ -495,7 +495,12 @@ class PackedIterableDataset(IterableDataset):
                 "not the loader's; save torchdata's StatefulDataLoader.state_dict() instead (exact for any "
                 "num_workers), or read with num_workers=0"
             )
-        return to_state_dict(self._position, self._identity(), self._layout())
+        position = self._position
+        rows_read = None
+        if position.num_workers == 1:  # a rank-level position: all ranks at this step had read as many rows
+            plan = self._plan(position.epoch, position.start_row)
+            rows_read = position.start_row + plan.rows_read(position.batches_read(len(plan)))
+        return to_state_dict(position, self._identity(), self._layout(), rows_read)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the position in ``state_dict``: this dataset's own, or a whole StatefulDataLoader state.
@@ -521,7 +526,7 @@ class PackedIterableDataset(IterableDataset):
                 "whole state_dict instead (dataset.load_state_dict(loader.state_dict()))"
             )
         if {**saved.layout, "rank": self.rank} == self._layout():
-            return SavedState(position, self._layout())
+            return dataclasses.replace(saved, layout=self._layout())
         return saved
 
     def _check_saved_position(self, saved: SavedState, rows: np.ndarray) -> None:
@@ -531,6 +536,10 @@ class PackedIterableDataset(IterableDataset):
             raise ValueError(f"loader state: start_row {position.start_row} must be in [0, {rows.size}] (epoch "
                              f"{position.epoch} has {rows.size} rows); the state is corrupt or was edited")
         check_position(position, len(self._plan_of(rows[position.start_row:], saved.layout)))
+        if saved.rows_read is not None and position.num_workers == 1 and saved.rows_read != self._rows_read(saved, rows):
+            raise ValueError(f"loader state: rows_read {saved.rows_read} must be {self._rows_read(saved, rows)}, the "
+                             f"rows all ranks had read at next_batch {position.next_batch} of epoch {position.epoch}; "
+                             "the state is corrupt or was edited")
 
     def _elastic_position(self, saved: SavedState, rows: np.ndarray) -> Position:
         """A rank-level position of this reader's layout where ``saved`` (of another layout) stands in ``rows``.

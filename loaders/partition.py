@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from schemas import positive_int
 
+MAX_PROCESSES = (1 << 31) - 1  # ranks, or DataLoader workers: torch counts both in a C int
+
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """(rank, world_size): the arguments when given, else torch.distributed's when initialised, else (0, 1).
@@ -36,6 +38,9 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
     world_size = positive_int("world_size", world_size)
+    if world_size > MAX_PROCESSES:
+        raise ValueError(f"world_size must be at most {MAX_PROCESSES} (torch.distributed counts ranks in a C int), "
+                         f"got {world_size}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
     return rank, world_size

@@ -12,6 +12,8 @@ Elastic resume: the state also records the layout it was saved under (world size
 budget; a mixture's weights). Every rank stops at the same step, so any rank's position says how
 many of the epoch's rows all ranks had read: the rows of the first ``next_batch * world_size``
 batches of the list. A reader of another layout cuts its own list from the rows after those.
+The state records that count (``rows_read``), so that the states of a run's ranks can be
+checked against each other before a resume: states of different steps would read rows twice.
 
 torchdata's ``StatefulDataLoader`` keeps one state per worker; ``from_loader_state`` turns its
 whole state dict back into the rank's position (the batch the epoch started at, plus the
@@ -25,8 +27,12 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from .partition import MAX_PROCESSES
+
 STATE_FORMAT = "varpack.loader_state"
-STATE_VERSION = 2  # 2: start_row; a version 1 state starts at row 0
+STATE_VERSION = 3  # 3: rows_read; 2: start_row (a version 1 state starts at row 0)
+MAX_COUNT = 1 << 53  # epochs, rows or batches: more than any run reads
+MAX_BATCH_TOKENS = (1 << 31) - 1  # a batch's cu_seq_lens are int32, as FlashAttention takes them
 
 
 class StaleStateError(RuntimeError):
@@ -71,11 +77,14 @@ class SavedState:
 
     position: Position
     layout: dict[str, Any]
+    rows_read: int | None = None  # of the epoch's rows, by all ranks (a rank-level state of version 3)
 
 
-def to_state_dict(position: Position, identity: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+def to_state_dict(position: Position, identity: dict[str, Any], layout: dict[str, Any],
+                  rows_read: int | None) -> dict[str, Any]:
     """The state dict of ``position``: plain ints, strings and bools, safe for torch.save and JSON."""
-    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **layout, **dataclasses.asdict(position)}
+    return {"format": STATE_FORMAT, "version": STATE_VERSION, **identity, **layout, **dataclasses.asdict(position),
+            "rows_read": rows_read}
 
 
 def from_state_dict(state: dict[str, Any], identity: dict[str, Any], layout_keys: tuple[str, ...]) -> SavedState:
@@ -96,6 +105,7 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any], layout_keys
         raise ValueError("not a PackedIterableDataset or StatefulDataLoader state dict (no 'format' key)")
     version = state.get("version", 0)
     _refuse_unless(type(version) is int, "version", version, "an integer")
+    _refuse_unless(version >= 0, "version", version, "a non-negative integer")
     if version > STATE_VERSION:
         raise ValueError(f"loader state version {state['version']} is newer than this varpack reads ({STATE_VERSION})")
     changed = [
@@ -108,33 +118,48 @@ def from_state_dict(state: dict[str, Any], identity: dict[str, Any], layout_keys
         )
     saved = {**({"start_row": 0} if version < 2 else {}), **state}
     position = Position(**{field.name: _position_field(saved, field.name) for field in dataclasses.fields(Position)})
-    _refuse_unless(position.epoch >= 0, "epoch", position.epoch, "a non-negative integer")
-    _refuse_unless(position.start_row >= 0, "start_row", position.start_row, "a non-negative integer")
-    _refuse_unless(position.num_workers >= 1, "num_workers", position.num_workers, "at least 1")
+    for name in ("epoch", "start_row", "pass_start", "next_batch"):
+        _refuse_unless(0 <= getattr(position, name) < MAX_COUNT, name, getattr(position, name), _count(MAX_COUNT))
+    _refuse_unless(1 <= position.num_workers <= MAX_PROCESSES, "num_workers", position.num_workers,
+                   f"in [1, {MAX_PROCESSES}]")
     _refuse_unless(0 <= position.worker_id < position.num_workers, "worker_id", position.worker_id,
                    f"in [0, {position.num_workers - 1}] (num_workers {position.num_workers})")
-    return SavedState(position, {key: state.get(key) for key in layout_keys})
+    rows_read = saved.get("rows_read")
+    _refuse_unless(rows_read is None or (_is_int(rows_read) and 0 <= rows_read < MAX_COUNT), "rows_read", rows_read,
+                   f"null or {_count(MAX_COUNT)}")
+    return SavedState(position, {key: state.get(key) for key in layout_keys}, rows_read)
 
 
 def check_layout(layout: dict[str, Any], capacity: int) -> None:
-    """ValueError naming the field of a saved layout (world size, rank, batch budget) no reader could have had."""
+    """ValueError naming the field of a saved layout (world size, rank, batch budget) no reader could have had.
+
+    torch counts ranks in a C int, and a batch's tokens must fit the int32 ``cu_seq_lens``.
+    """
     world_size: Any = layout.get("world_size")
     rank: Any = layout.get("rank")
     batch_rows: Any = layout.get("batch_rows")
     tokens_per_batch: Any = layout.get("tokens_per_batch")
-    _refuse_unless(_is_int(world_size) and world_size >= 1, "world_size", world_size, "a positive integer")
+    _refuse_unless(_is_int(world_size) and 1 <= world_size <= MAX_PROCESSES, "world_size", world_size,
+                   f"a positive integer of at most {MAX_PROCESSES}")
     _refuse_unless(_is_int(rank) and 0 <= rank < world_size, "rank", rank, f"in [0, {world_size - 1}] (world_size "
                    f"{world_size})")
     _refuse_unless((batch_rows is None) != (tokens_per_batch is None), "batch_rows", batch_rows,
                    "a positive integer when tokens_per_batch is null, else null")
-    _refuse_unless(batch_rows is None or (_is_int(batch_rows) and batch_rows >= 1), "batch_rows", batch_rows,
-                   "a positive integer or null")
-    _refuse_unless(tokens_per_batch is None or (_is_int(tokens_per_batch) and tokens_per_batch >= capacity),
-                   "tokens_per_batch", tokens_per_batch, f"null or an integer of at least one row ({capacity} tokens)")
+    _refuse_unless(batch_rows is None or (_is_int(batch_rows) and 1 <= batch_rows <= MAX_BATCH_TOKENS // capacity),
+                   "batch_rows", batch_rows, f"null or in [1, {MAX_BATCH_TOKENS // capacity}] (rows of {capacity} tokens "
+                   f"that fit a batch of {MAX_BATCH_TOKENS})")
+    _refuse_unless(tokens_per_batch is None or (_is_int(tokens_per_batch)
+                                                and capacity <= tokens_per_batch <= MAX_BATCH_TOKENS),
+                   "tokens_per_batch", tokens_per_batch, f"null or in [{capacity}, {MAX_BATCH_TOKENS}] (at least one "
+                   "row)")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(bound: int) -> str:
+    return f"a non-negative integer below {bound}"
 
 
 def check_position(position: Position, num_batches: int) -> None:

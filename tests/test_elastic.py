@@ -19,6 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loaders import PackedIterableDataset, PackedMixture
 from loaders.mixture import source_counts
+from loaders.train.checkpoint import CheckpointError, load_loader_state, save_loader_state
 from tests.shard_factory import build_shard_dir
 
 CAPACITY = 32
@@ -274,6 +275,7 @@ def test_a_state_of_another_build_seed_or_shuffle_is_refused_in_one_line(builds,
     ("batch_rows", None, "batch_rows None must be a positive integer when tokens_per_batch is null"),
     ("tokens_per_batch", 8, "batch_rows 2 must be a positive integer when tokens_per_batch is null, else null"),
     ("start_row", 10**6, r"start_row 1000000 must be in \[0, "),
+    ("rows_read", 5, r"rows_read 5 must be 4, the rows all ranks had read at next_batch 1 of epoch 0"),
 ])
 def test_a_state_whose_layout_or_rank_no_run_had_is_refused_naming_the_field(builds, field, value, message):
     """Loaded directly into a dataset, a state's rank must lie within its world size, its batch budget be one a
@@ -283,6 +285,54 @@ def test_a_state_whose_layout_or_rank_no_run_had_is_refused_naming_the_field(bui
     with pytest.raises(ValueError, match=f"^loader state: {message}") as refused:
         make(builds, "single", batch_rows=3).load_state_dict({**saved.state_dict(), field: value})
     assert "\n" not in str(refused.value)
+
+
+FORGED_FIELDS = ["world_size", "rank", "batch_rows", "tokens_per_batch", "epoch", "start_row", "pass_start",
+                 "next_batch", "num_workers", "worker_id", "rows_read", "version"]
+
+
+@pytest.mark.parametrize("kind", ["single", "mixture"])
+@pytest.mark.parametrize("field", FORGED_FIELDS)
+@pytest.mark.parametrize("value", [2**63, 10**30, -(2**63) - 1])
+def test_an_integer_field_beyond_any_run_is_refused_in_one_line_naming_it(builds, kind, field, value):
+    """Every integer of a state is bounded by what a run could have (ranks and workers in a C int, a batch's tokens
+    in int32, counts below 2**53): a forged one is a one-line ValueError naming it, never an OverflowError."""
+    budget = {"tokens_per_batch": 2 * CAPACITY} if field == "tokens_per_batch" else {"batch_rows": 2}
+    saved = make(builds, kind, world_size=2, rank=1, **budget)
+    next(iter(saved))
+    for layout in ({"batch_rows": 3, "world_size": 3, "rank": 2}, {**budget, "world_size": 2, "rank": 1}):
+        with pytest.raises(ValueError, match=rf"^loader state:? {field} ") as refused:
+            make(builds, kind, **layout).load_state_dict({**saved.state_dict(), field: value})
+        assert "\n" not in str(refused.value)
+
+
+def test_rank_states_of_different_steps_are_refused_naming_two_ranks(builds, known, tmp_path):
+    """A checkpoint whose ranks' loader states stand at different steps (rank 0 after 3 batches, rank 1 after 2)
+    would read rows twice on resume: every rank's resume refuses it in one line naming the ranks. States of one
+    step resume three ranks, every row read at most once."""
+    def save(directory, steps):
+        directory.mkdir()
+        for rank, stop in enumerate(steps):
+            dataset = make(builds, "single", batch_rows=2, world_size=2, rank=rank)
+            batches = iter(dataset)
+            for _ in range(stop):
+                next(batches)
+            save_loader_state(directory, rank, dataset.state_dict())
+        return directory
+
+    mixed = save(tmp_path / "mixed", [3, 2])
+    for rank in range(3):
+        with pytest.raises(CheckpointError, match=r"rank 0 \(next_batch 3, rows_read 12\) and rank 1 \(next_batch 2, "
+                           r"rows_read 8\) stand at different steps") as refused:
+            load_loader_state(mixed, rank)
+        assert "\n" not in str(refused.value)
+    same = save(tmp_path / "same", [3, 3])
+    read = []
+    for rank in range(3):
+        dataset = make(builds, "single", batch_rows=2, world_size=3, rank=rank)
+        dataset.load_state_dict(load_loader_state(same, rank))
+        read += [example for batch in dataset for example in sequences(batch, known)]
+    assert read and len(read) == len(set(read))
 
 
 def test_a_worker_state_of_another_layout_names_the_whole_loader_state(builds):

@@ -305,7 +305,7 @@ def test_a_state_of_a_late_epoch_resumes_without_replaying_the_epochs_before_it(
     total = state["mixture_schedule"]["total"]
     for edit, message in (
         ({"epoch": 10**9}, "mixture_schedule total"),
-        ({"epoch": 10**30}, f"epoch {10**30} is beyond"),
+        ({"epoch": 10**30}, f"epoch {10**30} must be a non-negative integer below"),
         ({"mixture_schedule": None}, "mixture_schedule is missing"),
         ({"mixture_schedule": {**state["mixture_schedule"], "total": total + 1}},
          "mixture_schedule total"),

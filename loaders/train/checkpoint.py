@@ -55,9 +55,30 @@ def load_loader_state(directory: str | os.PathLike[str], rank: int) -> dict[str,
     """``rank``'s loader state from a checkpoint directory; CheckpointError names the file and what to do.
 
     A checkpoint saved by fewer processes holds no state for ``rank``: it gets rank ``rank % saved``'s, since
-    every rank stood at the same step and any rank's state resumes any rank (an elastic resume)."""
-    rank %= saved_world_size(Path(directory), rank + 1)  # a rank of the run that saved it
-    path = Path(directory) / loader_state_name(rank)
+    every rank stood at the same step and any rank's state resumes any rank (an elastic resume). Every saved
+    rank's state is read and compared, so that states of different steps (a mixed-up checkpoint), which would
+    read rows twice, are refused naming two ranks that disagree."""
+    directory = Path(directory)
+    states = [_read_loader_state(directory, saved) for saved in range(saved_world_size(directory, rank + 1))]
+    first = _step(states[0])
+    for saved, state in enumerate(states[1:], start=1):
+        if (step := _step(state)) != first:
+            differ = [key for key in first if step[key] != first[key]]
+            ours, theirs = (", ".join(f"{key} {where[key]!r}" for key in differ) for where in (first, step))
+            raise CheckpointError(f"{directory}: the loader states of rank 0 ({ours}) and rank {saved} ({theirs}) "
+                                  "stand at different steps, so resuming would read rows twice; the checkpoint mixes "
+                                  "files of different saves: resume from another checkpoint")
+    return states[rank % len(states)]
+
+
+def _step(state: dict[str, Any]) -> dict[str, Any]:
+    """Where a loader state stands in the run: its epoch, the rank's batches and the rows all ranks had read."""
+    return {key: state.get(key) for key in ("epoch", "start_row", "next_batch", "rows_read")}
+
+
+def _read_loader_state(directory: Path, rank: int) -> dict[str, Any]:
+    """The JSON loader state rank ``rank`` saved in ``directory``."""
+    path = directory / loader_state_name(rank)
     if not path.is_file():
         legacy = path.with_suffix(".pt")
         if legacy.is_file():
