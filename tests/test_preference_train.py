@@ -646,12 +646,6 @@ def test_train_script_refuses_bad_preference_options_in_one_line(tmp_path, capsy
     assert re.search(refused, line), line
 
 
-def test_train_script_lists_the_objectives_as_plain_values(capsys):
-    with pytest.raises(SystemExit):
-        train_script().parse_args(["--help"])
-    assert "{sft,dpo,ipo,simpo,orpo}" in capsys.readouterr().out
-
-
 def test_packed_dpo_trainer_runs_label_smoothing_and_refuses_dpoconfig_settings_it_does_not_run(pairs, tmp_path):
     """DPOConfig(loss_type="robust", label_smoothing=e) gives TRL's robust DPO,
     (-(1-e) log sigmoid(beta z) + e log sigmoid(-beta z)) / (1 - 2e); label_smoothing with a loss that leaves it
