@@ -678,7 +678,7 @@ def test_packed_dpo_trainer_runs_label_smoothing_and_refuses_dpoconfig_settings_
         with pytest.raises(ValueError, match=f"label_smoothing=0.3: TRL's '{loss_type}' loss leaves it unused"):
             PackedDPOTrainer(model=policy, ref_model=reference, train_dataset=dataset,
                              args=trl.DPOConfig(**common, loss_type=loss_type, label_smoothing=0.3))
-    with pytest.raises(ValueError, match="label_smoothing applies to the DPO"):
+    with pytest.raises(ValueError, match=re.escape("label_smoothing applies to DPO (robust DPO), not ipo")):
         PreferenceConfig("ipo", label_smoothing=0.1)
 
 

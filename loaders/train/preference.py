@@ -91,7 +91,7 @@ class PreferenceConfig:
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing is {self.label_smoothing}; give a share in [0, 0.5)")
         if self.label_smoothing and self.objective != Objective.DPO:
-            raise ValueError(f"label_smoothing applies to the DPO (sigmoid) loss, not {self.objective}")
+            raise ValueError(f"label_smoothing applies to DPO (robust DPO), not {self.objective}")
 
 
 @dataclass(frozen=True)
