@@ -32,6 +32,7 @@ import contextlib
 import difflib
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -420,18 +421,32 @@ def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_
     """None for --objective sft; else the objective, and for DPO and IPO the reference: the stored log-probs of
     --reference-log-probs, or the starting model (--model or the seeded --random-init, never a resumed checkpoint),
     frozen."""
+    check_objective(config, dataset)
     if config.objective == "sft":
         return None
     objective = preference.PreferenceConfig(config.objective, beta=config.beta, simpo_gamma=config.simpo_gamma)
     reference = None
     if objective.objective in preference.NEEDS_REFERENCE:
-        if config.reference_log_probs:
-            stored = preference.ReferenceLogProbs(config.reference_log_probs, dataset.manifest.fingerprint)
+        start = use_loss_position_head(load_model(config, vocab_size, attn_implementation_for(config.attn)))
+        if config.reference_log_probs:  # computed by the starting model, on this build
+            stored = preference.ReferenceLogProbs(config.reference_log_probs, dataset.manifest,
+                                                  preference.reference_identity(start))
             reference = preference.Reference(stored=stored)
         else:
-            start = use_loss_position_head(load_model(config, vocab_size, attn_implementation_for(config.attn)))
             reference = preference.Reference(frozen_copy(start).to(device))
     return PreferenceTraining(objective, reference, preference.RewardMetrics(device))
+
+
+def check_objective(config: TrainConfig, dataset: PackedIterableDataset) -> None:
+    """Refuse --objective sft on a preference build (it would train on the rejected answers) and a preference
+    objective on any other build."""
+    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
+    preference_build = any(manifest.preference_layout is not None for manifest in manifests)
+    if config.objective == "sft" and preference_build:
+        raise ValueError(f"--objective sft: {config.shards or config.mixture} {preference.NOT_SFT}; give --objective "
+                         f"{', '.join(o.value for o in preference.Objective)}")
+    if config.objective != "sft" and not preference_build:
+        raise ValueError(f"--objective {config.objective} {preference.NOT_PREFERENCE}")
 
 
 def train_plain(config: TrainConfig) -> None:
@@ -443,17 +458,17 @@ def train_plain(config: TrainConfig) -> None:
     rank, device = init_distributed()
     out = Path(config.out)
     check_out(config, out)
-    out.mkdir(parents=True, exist_ok=True)
     dataset = make_dataset(config)
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
-    announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
+    pairs = preference_setup(config, dataset, vocab_size, device)  # a refused run leaves no --out behind
+    out.mkdir(parents=True, exist_ok=True)
+    announce_mixture(dataset)
     checkpoint = find_checkpoint(out, rank) if config.resume else None
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
     model.train()
     speed = speed_options(config)
     speed.apply(model)
-    pairs = preference_setup(config, dataset, vocab_size, device)
     optimizer = make_adamw(model.parameters(), config.lr, config.weight_decay, device, config.step_graph)
     scheduler = linear_warmup(optimizer, config.warmup_steps)
     step = 0
@@ -583,7 +598,6 @@ def train_hf(config: TrainConfig) -> None:
 
     out = Path(config.out)
     check_out(config, out)
-    out.mkdir(parents=True, exist_ok=True)
     args = TrainingArguments(
         output_dir=str(out),
         max_steps=config.max_steps,
@@ -603,6 +617,7 @@ def train_hf(config: TrainConfig) -> None:
     )
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
+    check_objective(config, dataset)
     announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
@@ -627,6 +642,7 @@ def train_hf(config: TrainConfig) -> None:
         objective = preference.PreferenceConfig(config.objective, beta=config.beta, simpo_gamma=config.simpo_gamma)
         trainer = PackedDPOTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()],
                                    preference_config=objective, reference_log_probs=config.reference_log_probs or None)
+    out.mkdir(parents=True, exist_ok=True)  # after the checks of a preference run, which leave no --out behind
     trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
 
 
@@ -674,7 +690,7 @@ OPTION_HELP = {
                            "(loaders.train.preference.write_reference_log_probs) instead of a frozen copy of the model",
 }
 CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction),
-           "objective": ("sft", *preference.Objective)}
+           "objective": ("sft", *(objective.value for objective in preference.Objective))}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -723,11 +739,16 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         needs = [why for why, broken in (
             ("the loss-position head (drop --full-logits)", config.full_logits),
             ("--shards (not --mixture)", bool(config.mixture)), ("--loss-reduction token", config.loss_reduction != "token"),
-            ("no --step-graph", config.step_graph), ("a positive --beta", not config.beta > 0)) if broken]
+            ("no --step-graph", config.step_graph),
+            ("a finite positive --beta", not (math.isfinite(config.beta) and config.beta > 0))) if broken]
         if needs:
             parser.error(f"--objective {config.objective} needs {', '.join(needs)}")
-    elif config.reference_log_probs:
-        parser.error("--reference-log-probs applies to --objective dpo or ipo")
+    if config.reference_log_probs:
+        if config.objective not in preference.NEEDS_REFERENCE:
+            parser.error(f"--reference-log-probs applies to --objective dpo or ipo, not {config.objective} "
+                         "(which uses no reference model)")
+        if not Path(config.reference_log_probs).is_file():
+            parser.error(f"--reference-log-probs {config.reference_log_probs}: no such file")
     return config
 
 

@@ -89,7 +89,7 @@ def build_preference_dir(path: str | Path, pairs: list[PreferencePair], *, layou
     from schemas import (PREFERENCE_ROW_SCHEMA, BuildInputs, DatasetInputs, LossMasking, Overflow, PackingAlgorithm,
                          PackingStats, TokenizerInputs)
     from schemas.io import atomic_file
-    from schemas.manifest import compute_fingerprint
+    from schemas.manifest import BuildFormat, compute_fingerprint
     from schemas.row import validate_table
     from schemas.shard_identity import ShardIdentity, with_identity
     from schemas import stream_sha256, ShardInfo
@@ -122,6 +122,7 @@ def build_preference_dir(path: str | Path, pairs: list[PreferencePair], *, layou
         tokenizer=TokenizerInputs(name="synthetic", content_hash=f"vocab-{vocab_size}", vocab_size=vocab_size),
         template="none", loss_masking=LossMasking.GIVEN, max_len=capacity, overflow=Overflow.DROP,
         packing=PackingAlgorithm.BEST_FIT_DECREASING, seed=0, package_version="0.1.0",
+        format=BuildFormat.PREFERENCE, preference_layout=layout,
     )
     fingerprint = compute_fingerprint(inputs)
     shards = []
@@ -142,6 +143,6 @@ def build_preference_dir(path: str | Path, pairs: list[PreferencePair], *, layou
         key = str(len(row["roles"]))
         segments_per_row[key] = segments_per_row.get(key, 0) + 1
     stats = PackingStats(examples=len(pairs), segments=sum(len(r["roles"]) for r in rows), tokens=int(sizes.sum()),
-                         rows=len(rows), capacity_tokens=capacity * len(rows), num_example_ids=len(pairs),
+                         rows=len(rows), capacity_tokens=capacity * len(rows), num_example_ids=len(pairs), pairs=len(pairs),
                          segments_per_row=dict(sorted(segments_per_row.items(), key=lambda item: int(item[0]))))
     return finish_build(str(path), inputs, rows_per_shard, shards, stats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -299,9 +300,10 @@ def trl_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<1>", pad_token="<0>")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_loss_and_gradients_equal_trl_dpo_trainer(layout, tmp_path):
-    """TRL's DPOTrainer on the pairs unpacked and padded, one batch: the same loss and gradients as the packed batch."""
+@pytest.mark.parametrize(("layout", "label_smoothing"), [("separate", 0.0), ("shared-prompt", 0.0), ("separate", 0.3)])
+def test_loss_and_gradients_equal_trl_dpo_trainer(layout, label_smoothing, tmp_path):
+    """TRL's DPOTrainer on the pairs unpacked and padded, one batch: the same loss and gradients as the packed batch,
+    for DPO and for robust DPO (loss_type "robust", label_smoothing)."""
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
     text = random_pairs(6, seed=3)
@@ -314,7 +316,8 @@ def test_loss_and_gradients_equal_trl_dpo_trainer(layout, tmp_path):
                                        "rejected": [f" {words(p.rejected)} " for p in text]})
     policy, reference = tiny_llama(), perturbed(tiny_llama())
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3, report_to="none", use_cpu=True, bf16=False,
-                         per_device_train_batch_size=len(text), max_length=None, disable_tqdm=True)
+                         per_device_train_batch_size=len(text), max_length=None, disable_tqdm=True,
+                         loss_type="robust" if label_smoothing else "sigmoid", label_smoothing=label_smoothing)
     trainer = trl.DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args, train_dataset=data,
                              processing_class=trl_tokenizer())
     examples = [trainer.train_dataset[i] for i in range(len(text))]
@@ -327,7 +330,8 @@ def test_loss_and_gradients_equal_trl_dpo_trainer(layout, tmp_path):
     build_preference_dir(tmp_path / "build", pairs, layout=layout, capacity=CAPACITY)
     model = use_loss_position_head(policy)
     (batch,) = batches(tmp_path / "build", batch_rows=len(PackedIterableDataset(tmp_path / "build", batch_rows=1)))
-    terms = preference_terms(model, batch, PreferenceConfig("dpo", beta=0.3), Reference(use_loss_position_head(reference)))
+    config = PreferenceConfig("dpo", beta=0.3, label_smoothing=label_smoothing)
+    terms = preference_terms(model, batch, config, Reference(use_loss_position_head(reference)))
     loss = terms.losses.sum() / batch[NUM_PAIRS]
     loss.backward()
     torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-6)
@@ -482,10 +486,200 @@ def test_train_script_refuses_a_preference_objective_on_an_sft_build(tmp_path):
     from shard_factory import build_shard_dir
 
     build_shard_dir(tmp_path / "sft", [20, 30, 40], capacity=CAPACITY, vocab_size=VOCAB)
-    with pytest.raises(SystemExit, match="train.py: error: a preference objective trains on preference pairs, and the "
+    with pytest.raises(SystemExit, match="train.py: error: --objective dpo trains on preference pairs, and the "
                                          "batches hold none: the build is not a preference build"):
         train_script().main(["--shards", str(tmp_path / "sft"), "--random-init", TRAIN_MODEL, "--attn", "sdpa_segments",
                              "--precision", "fp32", "--objective", "dpo", "--max-steps", "1", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()  # a refused run leaves no --out behind
+
+
+def train_main(build, out, *args: str) -> None:
+    """scripts/train.py on ``build`` with the tiny random Llama, fp32, on CPU."""
+    train_script().main(["--shards", str(build), "--random-init", TRAIN_MODEL, "--attn", "sdpa_segments",
+                         "--precision", "fp32", "--max-steps", "1", "--log-every", "1", "--out", str(out), *args])
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_train_script_refuses_sft_on_a_preference_build(pairs, tmp_path, trainer):
+    """--objective sft (the default) would train next-token loss on the rejected answers too: refused in one line
+    naming --objective, before --out is made."""
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    with pytest.raises(SystemExit, match=r"^train.py: error: --objective sft: .* is a build of preference pairs: "
+                                         r"next-token loss would train on its rejected answers too; give --objective dpo"):
+        train_main(tmp_path / "build", tmp_path / "run", "--trainer", trainer)
+    assert not (tmp_path / "run").exists()
+
+
+def test_packed_trainer_refuses_a_preference_dataset(pairs, tmp_path):
+    from loaders.train.hf_trainer import PackedTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="PackedTrainer: the dataset is a build of preference pairs: .* train it with PackedDPOTrainer"):
+        PackedTrainer(model=tiny_llama(), args=args, train_dataset=PackedIterableDataset(tmp_path / "build", batch_rows=1))
+
+
+def test_a_reference_models_attention_is_checked_on_shared_prompt_builds(pairs, tmp_path):
+    """A reference on transformers' sdpa ignores key_index (its rejected answer would attend to the chosen one), as a
+    frozen model, a PackedDPOTrainer ref_model or the model writing stored log-probs: refused in one line."""
+    trl = pytest.importorskip("trl")
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="shared-prompt", capacity=CAPACITY)
+    policy = use_loss_position_head(tiny_llama())
+    on_sdpa = use_loss_position_head(tiny_model.tiny_llama(VOCAB, 2 * CAPACITY, "sdpa"))
+    batch = batches(tmp_path / "build")[0]
+    refused = "attn_implementation 'sdpa' ignores a shared-prompt batch's key_index"
+    with pytest.raises(ValueError, match=refused):
+        preference_terms(policy, batch, PreferenceConfig("dpo"), Reference(on_sdpa))
+    with pytest.raises(ValueError, match=refused):
+        write_reference_log_probs(on_sdpa, tmp_path / "build", directory=tmp_path)
+    assert not list(tmp_path.glob("reference_log_probs-*"))
+    args = trl.DPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, report_to="none", use_cpu=True, bf16=False,
+                         per_device_train_batch_size=1, save_strategy="no", disable_tqdm=True)
+    trainer = PackedDPOTrainer(model=policy, ref_model=on_sdpa, args=args,
+                               train_dataset=PackedIterableDataset(tmp_path / "build", batch_rows=2, shuffle=False))
+    with pytest.raises(ValueError, match=refused):
+        trainer.compute_loss(policy, batch)
+
+
+def start_model(build) -> torch.nn.Module:
+    """The model scripts/train.py starts from with TRAIN_MODEL (seeded), with the loss-position head."""
+    from loaders.train.attention import attn_implementation_for
+
+    script = train_script()
+    config = script.parse_args(["--shards", str(build), "--random-init", TRAIN_MODEL, "--out", "unused"])
+    return use_loss_position_head(script.load_model(config, VOCAB, attn_implementation_for("sdpa_segments")))
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_train_script_takes_stored_reference_log_probs_only_of_its_starting_model(pairs, tmp_path, trainer):
+    """--reference-log-probs: the file the starting model wrote trains from ln 2; one another model wrote is
+    refused in one line, before --out is made (docs: a file of another build or model is refused)."""
+    import json
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    own = write_reference_log_probs(start_model(tmp_path / "build"), tmp_path / "build", directory=tmp_path)
+    other = write_reference_log_probs(use_loss_position_head(perturbed(start_model(tmp_path / "build"))), tmp_path / "build",
+                                      directory=tmp_path)
+    with pytest.raises(SystemExit, match=f"^train.py: error: {re.escape(str(other))}: computed by the reference model"):
+        train_main(tmp_path / "build", tmp_path / "refused", "--objective", "dpo", "--reference-log-probs", str(other),
+                   "--trainer", trainer)
+    assert not (tmp_path / "refused").exists()
+    train_main(tmp_path / "build", tmp_path / "run", "--objective", "dpo", "--reference-log-probs", str(own),
+               "--trainer", trainer)
+    (first,) = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_packed_dpo_trainer_checks_the_identity_of_stored_reference_log_probs(pairs, tmp_path):
+    trl = pytest.importorskip("trl")
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    policy, other = use_loss_position_head(tiny_llama()), use_loss_position_head(perturbed(tiny_llama()))
+    path = write_reference_log_probs(other, tmp_path / "build", directory=tmp_path)
+    args = trl.DPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, report_to="none", use_cpu=True, bf16=False,
+                         per_device_train_batch_size=1, save_strategy="no", disable_tqdm=True)
+    dataset = PackedIterableDataset(tmp_path / "build", batch_rows=2, shuffle=False)
+    with pytest.raises(ValueError, match="computed by the reference model"):
+        PackedDPOTrainer(model=policy, args=args, train_dataset=dataset, reference_log_probs=path)
+    assert not (tmp_path / "run").exists()
+    trainer = PackedDPOTrainer(model=policy, ref_model=other, args=args, train_dataset=dataset, reference_log_probs=path)
+    assert trainer.reference.stored is not None
+
+
+def forged_reference(build, path, pair_ids: list[int], identity: str = "") -> str:
+    """A reference log-probs file of ``build`` holding ``pair_ids`` (chosen -1, rejected -2)."""
+    import pyarrow as pa
+
+    from loaders.train.preference import REFERENCE_SCHEMA
+
+    fingerprint = PackedIterableDataset(build, batch_rows=1).manifest.fingerprint
+    table = pa.table([pa.array(pair_ids, pa.int64()), pa.array([-1.0] * len(pair_ids), pa.float64()),
+                      pa.array([-2.0] * len(pair_ids), pa.float64())], schema=REFERENCE_SCHEMA)
+    table = table.replace_schema_metadata({"fingerprint": fingerprint, "reference": identity})
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table)
+    return str(path)
+
+
+@pytest.mark.parametrize(("pair_ids", "refused"), [
+    ("negative", "pair_id -1 is negative"),
+    ("repeated", "pair_id 0 appears more than once"),
+    ("huge", f"pair_id {2**40} is not a pair of this build"),
+    ("missing", "holds 23 pairs; the build packed 24"),
+])
+def test_a_forged_reference_file_is_refused_in_one_line(pairs, tmp_path, pair_ids, refused):
+    """Stored pair ids must be exactly the build's pairs: no negative id read as another pair's, no repeat, no id
+    past the build's (nothing is sized by one), none missing. train.py names the file in one line."""
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    ids = {"negative": [-1, *range(1, 24)], "repeated": [0, *range(0, 23)], "huge": [*range(23), 2**40],
+           "missing": list(range(23))}[pair_ids]
+    manifest = PackedIterableDataset(tmp_path / "build", batch_rows=1).manifest
+    path = forged_reference(tmp_path / "build", tmp_path / "forged.arrow", ids)
+    with pytest.raises(ValueError, match=f"forged.arrow: {refused}"):
+        ReferenceLogProbs(path, manifest)
+    path = forged_reference(tmp_path / "build", tmp_path / "forged.arrow", ids, reference_identity(start_model(tmp_path / "build")))
+    with pytest.raises(SystemExit, match=f"^train.py: error: {re.escape(path)}: {refused}"):
+        train_main(tmp_path / "build", tmp_path / "run", "--objective", "dpo", "--reference-log-probs", path)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("options", "refused"), [
+    (["--objective", "dpo", "--beta", "inf"], "--objective dpo needs a finite positive --beta"),
+    (["--objective", "ipo", "--beta", "nan"], "--objective ipo needs a finite positive --beta"),
+    (["--objective", "simpo", "--reference-log-probs", "ref.arrow"],
+     "--reference-log-probs applies to --objective dpo or ipo, not simpo"),
+    (["--objective", "orpo", "--reference-log-probs", "ref.arrow"],
+     "--reference-log-probs applies to --objective dpo or ipo, not orpo"),
+    (["--objective", "dpo", "--reference-log-probs", "missing.arrow"], "--reference-log-probs missing.arrow: no such file"),
+    (["--objective", "kto"], r"--objective: invalid choice: 'kto' \(choose from '?sft'?, '?dpo'?, '?ipo'?, '?simpo'?, '?orpo'?\)"),
+])
+def test_train_script_refuses_bad_preference_options_in_one_line(tmp_path, capsys, monkeypatch, options, refused):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ref.arrow").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit:
+        train_script().parse_args(["--shards", "pairs", "--out", "run", *options])
+    assert exit.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert re.search(refused, line), line
+
+
+def test_packed_dpo_trainer_runs_label_smoothing_and_refuses_dpoconfig_settings_it_does_not_run(pairs, tmp_path):
+    """DPOConfig(loss_type="robust", label_smoothing=e) gives TRL's robust DPO,
+    (-(1-e) log sigmoid(beta z) + e log sigmoid(-beta z)) / (1 - 2e); label_smoothing with a loss that leaves it
+    unused, and every other setting that changes TRL's loss, is refused in one line naming it, not silently dropped."""
+    trl = pytest.importorskip("trl")
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    dataset = PackedIterableDataset(tmp_path / "build", batch_rows=2, shuffle=False)
+    common = dict(output_dir=str(tmp_path / "run"), max_steps=1, report_to="none", use_cpu=True, bf16=False,
+                  per_device_train_batch_size=1, save_strategy="no", disable_tqdm=True, beta=0.5)
+    policy, reference = use_loss_position_head(tiny_llama()), use_loss_position_head(perturbed(tiny_llama()))
+    trainer = PackedDPOTrainer(model=policy, ref_model=reference, train_dataset=dataset,
+                               args=trl.DPOConfig(**common, loss_type="robust", label_smoothing=0.3))
+    batch = batches(tmp_path / "build", batch_rows=2)[0]
+    with torch.no_grad():
+        loss = trainer.compute_loss(policy, batch)
+        pol = pair_log_probs(sequence_sums(policy, model_inputs(batch)), batch[ROLES])
+        ref = pair_log_probs(sequence_sums(reference, model_inputs(batch)), batch[ROLES])
+    z = 0.5 * ((pol.chosen - ref.chosen) - (pol.rejected - ref.rejected))
+    expected = ((-0.7 * torch.nn.functional.logsigmoid(z) + 0.3 * torch.nn.functional.logsigmoid(-z)) / 0.4).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(loss, -torch.nn.functional.logsigmoid(z).mean())
+    for setting in ({"f_divergence_type": "js_divergence"}, {"use_weighting": True}, {"ld_alpha": 0.5},
+                    {"loss_weights": [0.5]}, {"sync_ref_model": True}):
+        ((name, value),) = setting.items()
+        with pytest.raises(ValueError, match=re.escape(f"PackedDPOTrainer does not run DPOConfig's {name}={value!r}")):
+            PackedDPOTrainer(model=policy, ref_model=reference, args=trl.DPOConfig(**common, **setting), train_dataset=dataset)
+    for loss_type in ("sigmoid", "ipo"):
+        with pytest.raises(ValueError, match=f"label_smoothing=0.3: TRL's '{loss_type}' loss leaves it unused"):
+            PackedDPOTrainer(model=policy, ref_model=reference, train_dataset=dataset,
+                             args=trl.DPOConfig(**common, loss_type=loss_type, label_smoothing=0.3))
+    with pytest.raises(ValueError, match=re.escape("label_smoothing applies to DPO (robust DPO), not ipo")):
+        PreferenceConfig("ipo", label_smoothing=0.1)
 
 
 def test_bench_preference_runs_on_cpu_with_its_trl_anchor(tmp_path):

@@ -52,6 +52,7 @@ so ``loaders`` still imports without them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -323,6 +324,10 @@ def _packed_trainer() -> type:
                 if model is None:
                     raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
                 speed.apply(model)
+            if isinstance(train_dataset, PackedIterableDataset) and _is_preference(train_dataset):
+                from loaders.train.preference import NOT_SFT
+
+                raise ValueError(f"PackedTrainer: the dataset {NOT_SFT}; train it with PackedDPOTrainer")
             self.speed = speed
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
@@ -410,11 +415,14 @@ def _packed_dpo_trainer() -> type:
 
         Takes what TRL's ``DPOTrainer`` takes: ``model``, ``ref_model`` (default: a frozen copy of ``model``,
         or, for a PEFT model, the model with its adapter turned off), ``args`` (a ``TrainingArguments``, or TRL's
-        ``DPOConfig``, whose ``beta`` and ``loss_type`` "sigmoid" or "ipo" are read) and logs what it logs:
+        ``DPOConfig``, whose ``beta`` and ``loss_type`` "sigmoid", "ipo" or "robust" are read) and logs what it logs:
         ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies`` and ``rewards/margins`` beside
         ``loss``. ``preference`` (a ``loaders.train.preference.PreferenceConfig``) sets the objective instead;
         ``reference_log_probs`` reads the reference's log-probs from a file computed once
-        (``write_reference_log_probs``) instead of running a reference model. The loss of a step is the mean
+        (``write_reference_log_probs``) by the reference (``ref_model``, else ``model`` as given) instead of
+        running it. ``label_smoothing`` is run with ``loss_type="robust"`` and refused with the others (whose TRL
+        loss leaves it unused); any other DPOConfig setting that changes TRL's loss (``DPO_SETTINGS_NOT_RUN``) is
+        refused unless left at its default. The loss of a step is the mean
         over all its pairs (every micro-batch of every rank). The model gets the loss-position head.
         """
 
@@ -425,19 +433,37 @@ def _packed_dpo_trainer() -> type:
 
             if model is not None and not getattr(model, "varpack_loss_head", False):
                 use_loss_position_head(model)
+            _check_dpo_settings(args)
+            from_args = _preference_from_args(args)  # its settings are checked even when preference_config is given
+            self.preference = preference_config or from_args
+            # A stored reference is checked before the Trainer makes its output directory.
+            stored = self._stored_reference(model, ref_model, train_dataset, reference_log_probs)
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
-            self.preference = preference_config or _preference_from_args(self.args)
             self.reference = None
             if self.preference.objective in preference.NEEDS_REFERENCE:
-                self.reference = self._make_reference(ref_model, reference_log_probs)
+                self.reference = stored or self._make_reference(ref_model)
             self._reward_metrics = preference.RewardMetrics(self.args.device)
 
-        def _make_reference(self, ref_model: Any, stored: str | os.PathLike[str] | None) -> Any:
+        def _stored_reference(self, model: Any, ref_model: Any, dataset: Any,
+                              path: str | os.PathLike[str] | None) -> Any:
+            """The reference log-probs of ``path``, refused unless computed on this build by the reference
+            (``ref_model``, else ``model`` as given); None without a path."""
+            if path is None:
+                return None
+            if self.preference.objective not in preference.NEEDS_REFERENCE:
+                raise ValueError(f"reference_log_probs: the {self.preference.objective} objective uses no reference model")
+            if not isinstance(dataset, PackedIterableDataset):
+                raise TypeError(f"{type(self).__name__} trains on a PackedIterableDataset, got {type(dataset).__name__}")
+            reference = ref_model if ref_model is not None else model
+            if reference is None:
+                raise ValueError("reference_log_probs: pass model= (or ref_model=), whose identity the file must carry")
+            identity = preference.reference_identity(reference)
+            return preference.Reference(stored=preference.ReferenceLogProbs(path, dataset.manifest, identity))
+
+        def _make_reference(self, ref_model: Any) -> Any:
             from loaders.train.loss_head import frozen_copy, use_loss_position_head
 
-            if stored is not None:
-                return preference.Reference(stored=preference.ReferenceLogProbs(stored, self.packed_dataset.manifest.fingerprint))
             if ref_model is None and hasattr(self.model, "disable_adapter"):  # PEFT: the base model is the reference
                 return preference.Reference(adapter_off=True)
             if ref_model is None:  # TRL's default: the model as it starts, frozen
@@ -468,18 +494,46 @@ def _packed_dpo_trainer() -> type:
     return PackedDPOTrainer
 
 
+# TRL DPOConfig settings that change its loss or reference and that PackedDPOTrainer does not run: refused unless
+# left at their defaults (beta, loss_type and label_smoothing choose the objective).
+DPO_SETTINGS_NOT_RUN = ("f_divergence_type", "use_weighting", "ld_alpha", "loss_weights", "sync_ref_model", "rpo_alpha",
+                        "reference_free", "router_aux_loss_coef")
+
+
+def _check_dpo_settings(args: Any) -> None:
+    """Refuse, in one line naming them, the settings of a TRL ``DPOConfig`` that change the loss and are not run."""
+    if not dataclasses.is_dataclass(args) or type(args).__name__ != "DPOConfig":
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    changed = [f"{name}={getattr(args, name)!r}" for name in DPO_SETTINGS_NOT_RUN
+               if name in defaults and getattr(args, name) != defaults[name]]
+    if changed:
+        raise ValueError(f"PackedDPOTrainer does not run DPOConfig's {', '.join(changed)}: they change TRL's loss; "
+                         "leave them at their defaults")
+
+
+def _is_preference(dataset: PackedIterableDataset) -> bool:
+    """Whether ``dataset`` (or a source of a mixture) is a build of preference pairs."""
+    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
+    return any(manifest.preference_layout is not None for manifest in manifests)
+
+
 def _preference_from_args(args: Any) -> Any:
     """The preference objective of TrainingArguments (DPO, beta 0.1) or of TRL's DPOConfig (its beta; loss_type
-    "sigmoid" or "ipo")."""
+    "sigmoid", "ipo", or "robust" with its label_smoothing)."""
     from loaders.train.preference import PreferenceConfig
 
     loss_types = getattr(args, "loss_type", ["sigmoid"])
     loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
-    objectives = {"sigmoid": "dpo", "ipo": "ipo"}
+    objectives = {"sigmoid": "dpo", "robust": "dpo", "ipo": "ipo"}
     if len(loss_types) != 1 or loss_types[0] not in objectives:
-        raise ValueError(f"loss_type {loss_types}: PackedDPOTrainer runs 'sigmoid' (DPO) or 'ipo'; for SimPO or ORPO "
-                         "pass preference_config=PreferenceConfig('simpo' or 'orpo', beta=...)")
-    return PreferenceConfig(objectives[loss_types[0]], beta=getattr(args, "beta", 0.1))
+        raise ValueError(f"loss_type {loss_types}: PackedDPOTrainer runs 'sigmoid' (DPO), 'robust' or 'ipo'; for SimPO or "
+                         "ORPO pass preference_config=PreferenceConfig('simpo' or 'orpo', beta=...)")
+    smoothing = getattr(args, "label_smoothing", 0.0)
+    if smoothing and loss_types[0] != "robust":
+        raise ValueError(f"label_smoothing={smoothing}: TRL's {loss_types[0]!r} loss leaves it unused; "
+                         "loss_type='robust' runs it (robust DPO), else leave it at 0.0")
+    return PreferenceConfig(objectives[loss_types[0]], beta=getattr(args, "beta", 0.1), label_smoothing=smoothing)
 
 
 def check_trainer_state(checkpoint: Path) -> None:

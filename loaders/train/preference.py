@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ from loaders.collate import CHOSEN, KEY_INDEX, NUM_PAIRS, PAIR_IDS, PREFERENCE_K
 from loaders.dataset import PackedIterableDataset
 from loaders.train.attention import check_key_index_attention
 from loaders.train.loss_head import SEQUENCE_LOG_PROBS
+from schemas.row import PreferenceLayout
 from schemas.io import atomic_file
+from schemas.manifest import Manifest
 
 
 class Objective(StrEnum):
@@ -63,24 +66,32 @@ class Objective(StrEnum):
 NEEDS_REFERENCE = (Objective.DPO, Objective.IPO)
 NOT_PREFERENCE = ("trains on preference pairs, and the batches hold none: the build is not a preference build "
                   "(pack it with --format preference)")
+NOT_SFT = "is a build of preference pairs: next-token loss would train on its rejected answers too"
 # TRL's logged reward metrics, each a mean over pairs.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    """A preference objective and its settings: ``beta`` (DPO, IPO, SimPO's scale, ORPO's lambda) and
-    ``simpo_gamma`` (SimPO's target margin; TRL's ``simpo_gamma``)."""
+    """A preference objective and its settings: ``beta`` (DPO, IPO, SimPO's scale, ORPO's lambda),
+    ``simpo_gamma`` (SimPO's target margin; TRL's ``simpo_gamma``) and ``label_smoothing`` (the share of
+    preference labels assumed flipped, robust DPO: TRL's ``label_smoothing`` with ``loss_type="robust"``)."""
 
     objective: str = Objective.DPO
     beta: float = 0.1
     simpo_gamma: float = 0.5
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         if self.objective not in tuple(Objective):
-            raise ValueError(f"unknown preference objective {self.objective!r}; choose one of {', '.join(Objective)}")
-        if not self.beta > 0:
-            raise ValueError(f"beta is {self.beta}; give a positive number")
+            raise ValueError(f"unknown preference objective {self.objective!r}; choose one of "
+                             f"{', '.join(o.value for o in Objective)}")
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise ValueError(f"beta is {self.beta}; give a finite positive number")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing is {self.label_smoothing}; give a share in [0, 0.5)")
+        if self.label_smoothing and self.objective != Objective.DPO:
+            raise ValueError(f"label_smoothing applies to DPO (robust DPO), not {self.objective}")
 
 
 @dataclass(frozen=True)
@@ -119,11 +130,19 @@ def pair_log_probs(sums: torch.Tensor, roles: torch.Tensor) -> PairLogProbs:
 
 
 def dpo(policy: PairLogProbs, reference: PairLogProbs | None, config: PreferenceConfig) -> PreferenceTerms:
-    """DPO, sigmoid loss: ``-log sigmoid(beta * ((pc - rc) - (pr - rr)))``; rewards ``beta * (p - r)``."""
+    """DPO, sigmoid loss: ``-log sigmoid(beta * ((pc - rc) - (pr - rr)))``; rewards ``beta * (p - r)``.
+
+    With ``label_smoothing`` e, robust DPO (TRL's ``loss_type="robust"``):
+    ``(-(1 - e) log sigmoid(beta z) + e log sigmoid(-beta z)) / (1 - 2e)``.
+    """
     assert reference is not None  # NEEDS_REFERENCE
     chosen, rejected = policy.chosen - reference.chosen, policy.rejected - reference.rejected
-    return PreferenceTerms(-F.logsigmoid(config.beta * (chosen - rejected)),
-                           config.beta * chosen.detach(), config.beta * rejected.detach())
+    logits = config.beta * (chosen - rejected)
+    smoothing = config.label_smoothing
+    losses = -F.logsigmoid(logits)
+    if smoothing:
+        losses = ((1 - smoothing) * losses + smoothing * F.logsigmoid(-logits)) / (1 - 2 * smoothing)
+    return PreferenceTerms(losses, config.beta * chosen.detach(), config.beta * rejected.detach())
 
 
 def ipo(policy: PairLogProbs, reference: PairLogProbs | None, config: PreferenceConfig) -> PreferenceTerms:
@@ -188,6 +207,8 @@ class Reference:
             chosen, rejected = self.stored.lookup(chosen_ids)
             nothing = torch.zeros_like(chosen)
             return PairLogProbs(chosen.to(inputs["input_ids"].device), rejected.to(inputs["input_ids"].device), nothing, nothing)
+        if self.model is not None and KEY_INDEX in inputs:  # the policy's attention is checked by preference_terms
+            check_key_index_attention(getattr(self.model, "module", self.model))
         with torch.no_grad(), self._adapter_off(policy):
             sums = sequence_sums(self.model if self.model is not None else policy, inputs)
         return pair_log_probs(sums, roles)
@@ -284,6 +305,10 @@ def write_reference_log_probs(model: torch.nn.Module, build: str | os.PathLike[s
         if not Path(build).exists():
             raise ValueError(f"{build}: not a local build; give the directory to store the reference log-probs in")
         directory = build if Path(build).is_dir() else Path(build).parent
+    if dataset.manifest.preference_layout is None:
+        raise ValueError(f"{build}: not a build of preference pairs (pack it with --format preference)")
+    if dataset.manifest.preference_layout == PreferenceLayout.SHARED_PROMPT:
+        check_key_index_attention(model)
     identity = reference_identity(model)
     path = reference_path(directory, dataset.manifest.fingerprint, identity)
     pair_ids, chosen, rejected = [], [], []
@@ -308,10 +333,15 @@ def write_reference_log_probs(model: torch.nn.Module, build: str | os.PathLike[s
 class ReferenceLogProbs:
     """Stored reference log-probs (``write_reference_log_probs``), looked up by pair id."""
 
-    def __init__(self, path: str | os.PathLike[str], fingerprint: str, identity: str | None = None) -> None:
-        """Read ``path``; refuse it unless it was computed on the build ``fingerprint`` (and, when given, by the
-        reference model ``identity``)."""
+    def __init__(self, path: str | os.PathLike[str], build: Manifest | str, identity: str | None = None) -> None:
+        """Read ``path``; refuse it unless it was computed on the ``build`` (its manifest, or only its fingerprint)
+        and, when given, by the reference model ``identity``.
+
+        Given the manifest, the file must hold exactly the build's pairs: as many as it packed, each id once and
+        below its ``num_example_ids``. Any file's ids must be non-negative and unique.
+        """
         self.path = Path(path)
+        fingerprint = build if isinstance(build, str) else build.fingerprint
         try:
             with pa.memory_map(str(self.path)) as source:
                 table = pa.ipc.open_file(source).read_all()
@@ -327,22 +357,38 @@ class ReferenceLogProbs:
             raise ValueError(f"{self.path}: computed by the reference model {metadata.get('reference')}, not {identity}")
         self.identity = metadata.get("reference", "")
         ids = table.column("pair_id").to_numpy()
-        self._chosen = np.full(int(ids.max()) + 1 if ids.size else 0, np.nan)
-        self._rejected = self._chosen.copy()
-        self._chosen[ids] = table.column("chosen").to_numpy()
-        self._rejected[ids] = table.column("rejected").to_numpy()
+        order = np.argsort(ids, kind="stable")
+        self._ids = ids[order]
+        self._chosen = table.column("chosen").to_numpy()[order]
+        self._rejected = table.column("rejected").to_numpy()[order]
+        self._check_ids(None if isinstance(build, str) else build)
+
+    def _check_ids(self, manifest: Manifest | None) -> None:
+        """Refuse pair ids that are negative, repeated, or (given the build's manifest) not exactly its pairs."""
+        ids = self._ids
+        if ids.size and ids[0] < 0:
+            raise ValueError(f"{self.path}: pair_id {int(ids[0])} is negative; not a reference log-probs file of this build")
+        repeated = np.flatnonzero(ids[1:] == ids[:-1])
+        if repeated.size:
+            raise ValueError(f"{self.path}: pair_id {int(ids[repeated[0]])} appears more than once")
+        if not np.isfinite(self._chosen).all() or not np.isfinite(self._rejected).all():
+            raise ValueError(f"{self.path}: a log-prob is not finite")
+        if manifest is None:
+            return
+        if ids.size and ids[-1] >= manifest.num_example_ids:
+            raise ValueError(f"{self.path}: pair_id {int(ids[-1])} is not a pair of this build "
+                             f"(its ids lie below {manifest.num_example_ids})")
+        if ids.size != manifest.stats.pairs:
+            raise ValueError(f"{self.path}: holds {ids.size} pairs; the build packed {manifest.stats.pairs}")
 
     def lookup(self, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen and rejected reference log-probs of ``pair_ids`` (fp32); ValueError naming a missing pair."""
         ids = pair_ids.cpu().numpy()
-        known = (ids < self._chosen.size) & (ids >= 0)
-        chosen = np.full(ids.size, np.nan)
-        rejected = chosen.copy()
-        chosen[known], rejected[known] = self._chosen[ids[known]], self._rejected[ids[known]]
-        missing = np.flatnonzero(np.isnan(chosen))
+        at = np.minimum(np.searchsorted(self._ids, ids), max(self._ids.size - 1, 0))
+        missing = np.flatnonzero(self._ids[at] != ids) if self._ids.size else np.arange(ids.size)
         if missing.size:
             raise ValueError(f"{self.path}: holds no reference log-probs for pair {int(ids[missing[0]])}")
-        return torch.from_numpy(chosen).float(), torch.from_numpy(rejected).float()
+        return torch.from_numpy(self._chosen[at]).float(), torch.from_numpy(self._rejected[at]).float()
 
 
 def pairs_in(batches: list[dict[str, Any]]) -> int:
