@@ -35,13 +35,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # shard_factory writes preference builds of given pairs
 
 from loaders import PackedIterableDataset  # noqa: E402
 from loaders.collate import NUM_PAIRS  # noqa: E402
 from loaders.train import preference  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.loss_head import frozen_copy, use_loss_position_head  # noqa: E402
+from pipeline.write.preference_build import PreferencePair, preference_build  # noqa: E402
 
 MODEL_CONFIGS = {
     "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -52,10 +52,8 @@ MODEL_CONFIGS = {
 }
 
 
-def synthetic_pairs(count: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> list[Any]:
+def synthetic_pairs(count: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> list[PreferencePair]:
     """``count`` pairs of random ids, lengths uniform in [0.5, 1.5] x the given means."""
-    from shard_factory import PreferencePair
-
     rng = np.random.default_rng(seed)
 
     def ids(mean: int) -> list[int]:
@@ -77,11 +75,9 @@ def make_model(spec: str, attn: str, device: str) -> torch.nn.Module:
 
 def packed_step(pairs, layout: str, spec: str, device: str, capacity: int, beta: float, work: Path) -> tuple[Callable[[], None], int]:
     """One DPO step of varpack on ``pairs`` packed in ``layout``; and the tokens it runs."""
-    from shard_factory import build_preference_dir
-
     build = work / layout
-    build_preference_dir(build, pairs, layout=layout, capacity=capacity, rows_per_shard=1024,
-                         vocab_size=MODEL_CONFIGS[spec]["vocab_size"])
+    preference_build(build, pairs, layout=layout, capacity=capacity, rows_per_shard=1024,
+                     vocab_size=MODEL_CONFIGS[spec]["vocab_size"])
     rows = len(PackedIterableDataset(build, batch_rows=1))
     batch = next(iter(PackedIterableDataset(build, batch_rows=rows, shuffle=False)))
     assert batch[NUM_PAIRS] == len(pairs)
@@ -211,8 +207,6 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = MODEL_CONFIGS[args.model_config]["vocab_size"]
     pairs = synthetic_pairs(args.pairs, args.prompt_tokens, args.completion_tokens, vocab)
     # The answers as TRL tokenizes them (with the EOS it appends), so both sides train the same tokens.
-    from shard_factory import PreferencePair
-
     packed_pairs = [PreferencePair(p.prompt, p.chosen + [1], p.rejected + [1]) for p in pairs]
     # Each method is "not reached" until measured, so a run stopped at its time limit says which it left out.
     results: dict[str, dict[str, Any]] = {method: {"error": "not reached"} for method in args.methods.split(",")}

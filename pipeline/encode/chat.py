@@ -91,6 +91,17 @@ def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
         raise RowProblem(Reason.NOT_A_CONVERSATION, f"turn {number} is not an object, got {message!r:.60}")
     speaker = message.get("role") if message.get("role") is not None else message.get("from")
     content = message.get("content") if message.get("content") is not None else message.get("value")
+    role = _role(speaker, number)
+    weight = _weight(message.get(WEIGHT_KEY), number, role)
+    extra = _template_fields(message, number, role)
+    content = _text(content, number, role, "tool_calls" in extra, empty_allowed)
+    if speaker.strip().lower() == "function_call":
+        extra, content = _function_call_fields(content, number), ""
+    return {"role": role, "content": content, **extra, **weight}
+
+
+def _role(speaker: Any, number: int) -> str:
+    """The chat-template role of a turn's speaker (``ROLES``); an unknown speaker is a bad row."""
     role = ROLES.get(speaker.strip().lower()) if isinstance(speaker, str) else None
     if role is None:
         raise RowProblem(
@@ -98,25 +109,38 @@ def _turn(message: Any, number: int, empty_allowed: bool) -> dict[str, Any]:
             f"turn {number} has role {speaker!r}; roles are user, assistant, system and tool (ShareGPT: human, gpt or "
             "chatgpt, system; model means assistant)",
         )
+    return role
+
+
+def _template_fields(message: dict[str, Any], number: int, role: str) -> dict[str, Any]:
+    """The fields of a message other than its speaker, text and weight, for the chat template: its tool
+    calls checked, with their arguments as objects."""
     # Null fields are fields the row does not have (reading gives every message all of them); so is an empty call list.
     extra = {
         k: v for k, v in message.items() if k not in (*SPEAKER_KEYS, *TEXT_KEYS, WEIGHT_KEY) and v is not None and v != []
     }
-    weight = _weight(message.get(WEIGHT_KEY), number, role)
     if "tool_calls" in extra:
         _check_tool_calls(extra["tool_calls"], number, role)
         extra["tool_calls"] = [_with_arguments_object(call) for call in extra["tool_calls"]]
-        content = "" if content is None else content  # OpenAI writes a call without text as content null
-    if content is None and empty_allowed:
+    return extra
+
+
+def _text(content: Any, number: int, role: str, calls_tools: bool, empty_allowed: bool) -> str:
+    """A turn's text: a null one is ``""`` in a turn that calls tools (OpenAI writes a call without text as
+    content null) or when ``empty_allowed``; an empty one is a bad row unless either holds."""
+    if content is None and (calls_tools or empty_allowed):
         content = ""
-    if not isinstance(content, str) or not (content.strip() or "tool_calls" in extra or empty_allowed):
+    if not isinstance(content, str) or not (content.strip() or calls_tools or empty_allowed):
         raise RowProblem(Reason.EMPTY_TURN, f"turn {number} ({role}) is empty")
-    if speaker.strip().lower() == "function_call":
-        extra = {}
-        if content.strip():  # an empty call is an empty assistant turn, dropped with its exchange
-            extra = {"tool_calls": [{"type": "function", "function": _function(content, number)}]}
-        content = ""
-    return {"role": role, "content": content, **extra, **weight}
+    return content
+
+
+def _function_call_fields(value: str, number: int) -> dict[str, Any]:
+    """The fields of the assistant turn a ShareGPT ``function_call`` turn is: its one tool call, or none
+    for an empty call (an empty assistant turn, dropped with its exchange)."""
+    if not value.strip():
+        return {}
+    return {"tool_calls": [{"type": "function", "function": _function(value, number)}]}
 
 
 def _weight(weight: Any, number: int, role: str) -> dict[str, int]:
@@ -256,22 +280,35 @@ def _without_untrainable_turns(messages: list[dict[str, Any]]) -> tuple[list[dic
     dropped = ["empty_system" if m["role"] == "system" and _is_empty(m) else "" for m in messages]
     turns = [m for m, why in zip(messages, dropped) if not why]
     first = 1 if turns and turns[0]["role"] == "system" else 0
-    start = first
-    while start < len(turns) and turns[start]["role"] in ("assistant", "tool"):
-        start += 1
+    start = _answer_end(turns, first)
+    kept, kinds = _kept_exchanges(turns, start)
+    leading = [f"leading_{m['role']}" for m in turns[first:start]]
+    return turns[:first] + kept, [why for why in dropped if why] + leading + kinds
+
+
+def _answer_end(turns: list[dict[str, Any]], start: int) -> int:
+    """Where the run of assistant and tool turns from ``start`` on ends."""
+    end = start
+    while end < len(turns) and turns[end]["role"] in ("assistant", "tool"):
+        end += 1
+    return end
+
+
+def _kept_exchanges(turns: list[dict[str, Any]], start: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The turns from ``start`` on (each a user turn and its answer, or a turn out of order) less the exchanges
+    nothing true can be learnt from, and the kind of each turn dropped."""
     last_answer = max((k for k, m in enumerate(turns) if m["role"] in ("assistant", "tool")), default=-1)
-    kept, kinds = turns[:first], [f"leading_{m['role']}" for m in turns[first:start]]
+    kept: list[dict[str, Any]] = []
+    kinds: list[str] = []
     k = start
     while k < len(turns):
-        end = k + 1
-        while end < len(turns) and turns[end]["role"] in ("assistant", "tool"):
-            end += 1
+        end = _answer_end(turns, k + 1)
         why = _exchange_kinds(turns[k], turns[k + 1 : end], k > last_answer) if turns[k]["role"] == "user" else None
         if why is None:
             kept.extend(turns[k:end])
         kinds.extend(why or [])
         k = end
-    return kept, [why for why in dropped if why] + kinds
+    return kept, kinds
 
 
 def _check_order(messages: list[dict[str, Any]], dropped: list[str]) -> None:
@@ -368,12 +405,24 @@ def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Convers
     empty turn, False refuses them, None (the default) drops them in ShareGPT data and refuses them in
     ``{role, content}`` data; an empty list, or one of system turns only, is then ``no_chat_turns``.
     """
+    read, dropping = _read_turns(value, drop_dangling_turns)
+    messages, dropped = read, []
+    if dropping:
+        messages, dropped = _without_untrainable_turns(read)
+        _check_something_left(read, messages, dropped)
+    _check_order(messages, dropped)
+    return _with_trained_turns(messages, read, dropped)
+
+
+def _read_turns(value: Any, drop_dangling_turns: bool | None) -> tuple[list[dict[str, Any]], bool]:
+    """Every turn of a chat row, normalised (``_turn``), and whether its untrainable turns are dropped;
+    raises RowProblem for a row that is not a list of turns or has no assistant turn."""
     if value is None:
         raise RowProblem(Reason.NULL, "the conversation is null")
     if not isinstance(value, list):
         raise RowProblem(Reason.NOT_A_CONVERSATION, "must be a non-empty list of messages")
     # An empty list, whose format cannot be told, is treated as ShareGPT's split leaves it.
-    dropping = drop_dangling_turns or (drop_dangling_turns is None and (not value or _is_sharegpt(value)))
+    dropping = bool(drop_dangling_turns or (drop_dangling_turns is None and (not value or _is_sharegpt(value))))
     read = [_turn(message, number, dropping) for number, message in enumerate(value, start=1)]
     if dropping and all(message["role"] == "system" for message in read):
         raise RowProblem(Reason.NO_CHAT_TURNS, "no user or assistant turn (what splitting a conversation can leave)")
@@ -381,11 +430,12 @@ def conversation(value: Any, drop_dangling_turns: bool | None = None) -> Convers
         raise RowProblem(Reason.NOT_A_CONVERSATION, "must be a non-empty list of messages")
     if all(message["role"] != "assistant" for message in read):
         raise RowProblem(Reason.NO_ASSISTANT_TURN, "no assistant turn, so nothing to train on")
-    messages, dropped = read, []
-    if dropping:
-        messages, dropped = _without_untrainable_turns(read)
-        _check_something_left(read, messages, dropped)
-    _check_order(messages, dropped)
+    return read, dropping
+
+
+def _with_trained_turns(messages: list[dict[str, Any]], read: list[dict[str, Any]], dropped: list[str]) -> Conversation:
+    """The conversation of ``messages``, recording which assistant turns are trained on (weight 0: not),
+    without their weights; one whose every assistant turn has weight 0 is a bad row."""
     trained = tuple(WEIGHT_KEY not in m for m in messages if m["role"] == "assistant")
     if not any(trained):
         raise RowProblem(Reason.NO_ASSISTANT_TURN, "every assistant turn has weight 0, so nothing to train on")
