@@ -74,6 +74,7 @@ def package_version() -> str:
 def plan_build(config: PackConfig) -> BuildPlan:
     """Resolve the dataset and tokenizer and compute the fingerprint; reads the data's bytes once to hash them."""
     config.validate()
+    storage.check_bucket(config.out, "--out")
     source = resolve_source(config)
     if source.known_examples == 0:
         raise InputError(f"{config.dataset}: holds no examples")
