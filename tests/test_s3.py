@@ -372,6 +372,30 @@ def test_out_at_a_url_with_no_bucket_is_one_line_naming_out_and_writes_nothing(d
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_manifest_over_64_mib_is_refused_in_one_line_naming_it(s3_server, build_copy, tmp_path, monkeypatch, where):
+    manifest = build_copy / MANIFEST_NAME
+    text = manifest.read_bytes()
+    manifest.write_bytes(text[:-1] + b" " * (64 << 20) + text[-1:])  # still valid JSON, and the same manifest
+    path = str(manifest)
+    if where == "s3":
+        bucket = "big-" + tmp_path.name[-8:].lower().replace("_", "-")
+        path = f"{upload(s3_server, build_copy, bucket)}/{MANIFEST_NAME}"
+        client_of(s3_server.endpoint, s3_server, monkeypatch)
+    with pytest.raises(ManifestError, match=f"^{path}: the manifest is over 64 MiB, larger than any build writes; "):
+        read_manifest(path)
+
+
+def test_inspect_of_a_file_url_reads_the_local_path_and_refuses_a_fifo_manifest_at_once(tmp_path):
+    os.mkfifo(tmp_path / MANIFEST_NAME)
+    for build in (str(tmp_path), f"file://{tmp_path}"):
+        result = subprocess.run([sys.executable, "-m", "pipeline.inspect", build], capture_output=True, text=True,
+                                timeout=20, env={**os.environ, "PYTHONPATH": str(REPO)})
+        line = one_line(result)
+        assert line.startswith(f"varpack: error: {tmp_path / MANIFEST_NAME}: the manifest could not be read (")
+        assert "it is a FIFO, not a regular file" in line
+
+
 def test_wrong_credentials_are_one_line_naming_the_variables(s3, data):
     line = one_line(pack(data, f"{s3}/builds", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}))
     assert line.startswith(f"varpack: error: {s3}/builds/")
