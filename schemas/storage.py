@@ -162,7 +162,7 @@ def _env_number(name: str, default: str, kind: Callable[[str], T], minimum: floa
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not value >= minimum or value != value or value == float("inf"):  # type: ignore[operator]
+    if not isinstance(value, (int, float)) or not minimum <= value < float("inf"):  # NaN fails too
         raise StorageError(f"{name}={text!r}: not a number of at least {minimum:g}; set it to one or unset it")
     return value
 
@@ -188,7 +188,7 @@ def retried(url: str, operation: Callable[[], T], what: str = "read") -> T:
                 f"{url}: no credentials for the store ({_reason(err)}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(or AWS_PROFILE), then run again"
             ) from err
-        except (*_transient_errors(), IndexError) as err:
+        except _transient_errors() as err:
             if isinstance(err, IndexError) and not isinstance(err.__context__, OSError):
                 raise
             if (refused := _refused_request(url, err, what)) is not None:
@@ -224,8 +224,10 @@ def _credential_errors() -> tuple[type[BaseException], ...]:
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
-    """OSError (a refused or cut connection, a timeout) and the HTTP clients' own errors of that kind."""
-    errors: list[type[BaseException]] = [OSError]
+    """OSError (a refused or cut connection, a timeout) and the HTTP clients' own errors of that kind; and IndexError,
+    which s3fs raises for a read that timed out (it reads the args of the timeout's OSError, which has none): the
+    caller keeps only one whose context is an OSError."""
+    errors: list[type[BaseException]] = [OSError, IndexError]
     for module_name, names in _TRANSIENT_NAMES.items():
         with contextlib.suppress(ImportError):
             module = importlib.import_module(module_name)
@@ -263,8 +265,7 @@ def _error_code(err: BaseException) -> str | None:
 def _reason(err: BaseException) -> str:
     """``err`` in a few words on one line."""
     if isinstance(err, IndexError) or (isinstance(err, OSError) and not str(err)):
-        timed_out = isinstance(err, TimeoutError) or isinstance(err.__context__, TimeoutError)
-        if timed_out or type(err.__context__ or err).__name__ == "FSTimeoutError":
+        if isinstance(err, TimeoutError) or isinstance(err.__context__, TimeoutError):  # fsspec's FSTimeoutError is one
             return f"timed out: the store sent nothing for the read timeout, {TIMEOUT_ENV}"
         err = err.__context__ or err
     text = " ".join(str(err).split()) or type(err).__name__
