@@ -335,6 +335,19 @@ def test_a_store_that_stalls_in_the_middle_of_a_read_is_retried_then_one_line_wi
     assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [], "a stalled copy is never kept"
 
 
+def test_a_store_that_stalls_while_pack_checks_a_build_for_reuse_is_one_line_after_retries(s3_server, s3_build, data):
+    proxy = CuttingProxy(s3_server.endpoint, down_s=0.0, stall=True)
+    try:
+        proxy.armed = True
+        result = pack(data, s3_build.rsplit("/", 1)[0], s3_server.env(AWS_ENDPOINT_URL=proxy.endpoint, VARPACK_IO_TIMEOUT_S="1",
+                                                                     **RETRIES))
+    finally:
+        proxy.close()
+    line = one_line(result)
+    assert proxy.cuts == 3 and line.startswith(f"varpack: error: {s3_build}/attempt-")
+    assert "could not be read after 3 tries (timed out: " in line
+
+
 def test_a_request_the_store_refuses_with_a_4xx_is_one_line_at_once_not_retried(s3, monkeypatch):
     import s3fs
 
