@@ -74,6 +74,7 @@ def package_version() -> str:
 def plan_build(config: PackConfig) -> BuildPlan:
     """Resolve the dataset and tokenizer and compute the fingerprint; reads the data's bytes once to hash them."""
     config.validate()
+    storage.check_bucket(config.out, "--out")
     source = resolve_source(config)
     if source.known_examples == 0:
         raise InputError(f"{config.dataset}: holds no examples")
@@ -153,10 +154,11 @@ def build(
         figure = write_figure(plan.out_dir, manifest) if write_figure is not None else None
         for warning in unused_input_warnings(manifest.stats):
             log(warning)
-    if not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards):
+    lost = not any(storage.join(plan.out_dir, shard.path).startswith(shard_dir) for shard in manifest.shards)
+    if lost:
         log(f"another run published {plan.out_dir} first; using its build")
         discard(plan.out_dir, shard_dir)
-    return BuildResult(manifest, plan.out_dir, False, elapsed_s, _layout(plan), figure)
+    return BuildResult(manifest, plan.out_dir, lost, elapsed_s, _layout(plan), figure)
 
 
 def _check_reused(manifest: Manifest, out_dir: str, config: PackConfig, log: Callable[[str], None]) -> None:
@@ -187,7 +189,8 @@ def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
     from pipeline.report import progress
 
     config = plan.config
-    spill_dir = spill.new_spill_dir(plan.out_dir, _temp_location(config.beam_args))
+    # At a URL, inside the run's attempt directory: all a killed run leaves there is under one prefix.
+    spill_dir = spill.new_spill_dir(shard_dir, _temp_location(config.beam_args))
     storage.make_dirs(plan.out_dir)
     log(f"packing {config.dataset} into {plan.out_dir}")
     if config.progress:

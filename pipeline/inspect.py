@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m pipeline.insp
     try:
         if args.rows < 0:
             raise InputError(f"--rows must be 0 or more, got {args.rows}")
-        build_dir = locate_build(args.build)
+        build_dir = locate_build(storage.local_path(args.build))
         manifest = read_build_manifest(build_dir)
         if args.json:
             print(json.dumps(summarize(build_dir, manifest), indent=2))

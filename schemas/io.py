@@ -279,11 +279,16 @@ def write_manifest(
     return path
 
 
+# The largest manifest read: real ones are kilobytes to a few megabytes.
+MANIFEST_MAX_BYTES = 64 << 20
+
+
 def _read_local_or_remote(path: str) -> bytes:
+    """The manifest's bytes, at most MANIFEST_MAX_BYTES + 1 of them (one more tells a manifest too large)."""
     if storage.is_url(path):
-        return storage.read_bytes(path)
+        return storage.read_bytes(path, limit=MANIFEST_MAX_BYTES + 1)
     with open_regular(path) as file:
-        return file.read()
+        return file.read(MANIFEST_MAX_BYTES + 1)
 
 
 def read_manifest(path: str | os.PathLike[str], read: Callable[[str], bytes] | None = None) -> Manifest:
@@ -291,11 +296,20 @@ def read_manifest(path: str | os.PathLike[str], read: Callable[[str], bytes] | N
 
     ``read`` returns a file's bytes (default: the local disk, or ``schemas.storage`` for a URL).
     """
-    path = os.fspath(path)
+    try:
+        path = storage.local_path(os.fspath(path))
+    except ValueError as err:
+        raise ManifestError(str(err)) from None
     if not storage.is_url(path) and os.path.isdir(path):
         path = os.path.join(path, MANIFEST_NAME)
     try:
-        text = (read or _read_local_or_remote)(path).decode("utf-8")
+        data = (read or _read_local_or_remote)(path)
+        if len(data) > MANIFEST_MAX_BYTES:
+            raise ManifestError(
+                f"{path}: the manifest is over {MANIFEST_MAX_BYTES >> 20} MiB, larger than any build writes; "
+                "it is not a manifest of this tool, rebuild the shards"
+            )
+        text = data.decode("utf-8")
     except FileNotFoundError as err:
         raise ManifestError(f"{path}: no manifest; the build is missing or was interrupted, run the pipeline again") from err
     except (OSError, UnicodeDecodeError) as err:

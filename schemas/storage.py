@@ -14,8 +14,10 @@ Credentials and the endpoint come from the filesystem's usual settings: for ``s3
 An operation that fails for a reason that may pass (the server unreachable, a connection cut in
 the middle of a transfer) is tried again after a pause that doubles each time, ``$VARPACK_IO_ATTEMPTS``
 times in all (default 5, the first pause ``$VARPACK_IO_BACKOFF_S`` seconds, default 0.5); then a
-StorageError says so in one line. A reason that will not pass (a missing file or bucket, refused
-credentials, a missing package) is one line at once, naming the fix.
+StorageError says so in one line. A store that goes silent counts as such a reason: for ``s3://``, connecting
+and each read wait at most ``$VARPACK_IO_TIMEOUT_S`` seconds (default 10; ``FSSPEC_S3``'s ``config_kwargs``
+override it). A reason that will not pass (a missing file or bucket, refused credentials, a request the
+store refuses with an HTTP 4xx, a missing package) is one line at once, naming the fix.
 
 >>> is_url("s3://bucket/builds"), is_url("/data/builds"), join("s3://bucket/builds/", "a", "manifest.json")
 (True, False, 's3://bucket/builds/a/manifest.json')
@@ -38,6 +40,7 @@ from schemas.errors import VarpackError
 
 ATTEMPTS_ENV = "VARPACK_IO_ATTEMPTS"
 BACKOFF_ENV = "VARPACK_IO_BACKOFF_S"
+TIMEOUT_ENV = "VARPACK_IO_TIMEOUT_S"
 COPY_CHUNK = 8 << 20
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # The extra that brings a protocol's filesystem; other protocols name fsspec's own hint.
@@ -85,8 +88,25 @@ def local_path(path: str) -> str:
 
 
 def join(base: str, *parts: str) -> str:
-    """``base`` and ``parts`` joined with ``/``."""
-    return "/".join([base.rstrip("/"), *parts])
+    """``base`` and ``parts`` joined with ``/``; a URL keeps its ``scheme://``.
+
+    >>> join("s3://", "a"), join("/data/", "a")
+    ('s3://a', '/data/a')
+    """
+    scheme = _URL.match(base)
+    head = scheme.group(0) if scheme else ""
+    rest = base[len(head):].rstrip("/")
+    return head + "/".join([rest, *parts] if rest or not head else list(parts))
+
+
+def check_bucket(url: str, option: str) -> None:
+    """Raise StorageError naming ``option`` when ``url`` is a URL of a bucketed store (``s3://``, ``gs://``, ...)
+    with no bucket in it."""
+    match = _URL.match(url)
+    if match is None or match.group(0)[:-3].lower() not in _BUCKETED:
+        return
+    if not url[match.end():].split("/", 1)[0]:
+        raise StorageError(f"{option} {url}: the URL names no bucket; write {match.group(0)}BUCKET/PREFIX")
 
 
 def basename(url: str) -> str:
@@ -111,7 +131,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ImportError as err:
         raise StorageError(f"{url}: reading or writing URLs needs fsspec, which is not installed: pip install fsspec") from err
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **_storage_options(protocol, fsspec.config.conf.get(protocol, {})))
     except ImportError as err:
         hint = _EXTRAS.get(protocol) or str(err).splitlines()[0]
         raise StorageError(f"{url}: opening {protocol}:// URLs needs a package that is not installed; {hint}") from err
@@ -119,6 +139,32 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise StorageError(
             f"{url}: no installed filesystem opens {protocol}:// URLs; use a local path or a URL fsspec knows (s3://, gs://, ...)"
         ) from err
+    if protocol in ("s3", "s3a"):
+        fs.retries = 1  # one try per request inside s3fs: ``retried`` tries again, with its own pauses
+    return fs, path
+
+
+def _storage_options(protocol: str, configured: dict[str, Any]) -> dict[str, Any]:
+    """The options varpack gives ``protocol``'s filesystem: for ``s3://``, a bounded wait for a silent store
+    (``$VARPACK_IO_TIMEOUT_S``); ``configured``
+    (fsspec's configuration, e.g. ``FSSPEC_S3``) wins."""
+    if protocol not in ("s3", "s3a"):
+        return {}
+    timeout = _env_number(TIMEOUT_ENV, "10", float, minimum=0.001)
+    config = {"connect_timeout": timeout, "read_timeout": timeout, **configured.get("config_kwargs", {})}
+    return {"config_kwargs": config}
+
+
+def _env_number(name: str, default: str, kind: Callable[[str], T], minimum: float) -> T:
+    """The number in the environment variable ``name`` (``default`` when unset); StorageError naming it otherwise."""
+    text = os.environ.get(name, default)
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, (int, float)) or not minimum <= value < float("inf"):  # NaN fails too
+        raise StorageError(f"{name}={text!r}: not a number of at least {minimum:g}; set it to one or unset it")
+    return value
 
 
 def retried(url: str, operation: Callable[[], T], what: str = "read") -> T:
@@ -127,8 +173,8 @@ def retried(url: str, operation: Callable[[], T], what: str = "read") -> T:
     A missing file passes through as FileNotFoundError (callers say what it means); refused
     credentials, a missing bucket and a store still unreachable after the last try are a StorageError.
     """
-    attempts = max(1, int(os.environ.get(ATTEMPTS_ENV, "5")))
-    pause = float(os.environ.get(BACKOFF_ENV, "0.5"))
+    attempts = _env_number(ATTEMPTS_ENV, "5", int, minimum=1)
+    pause = _env_number(BACKOFF_ENV, "0.5", float, minimum=0)
     for attempt in range(1, attempts + 1):
         try:
             return operation()
@@ -143,6 +189,10 @@ def retried(url: str, operation: Callable[[], T], what: str = "read") -> T:
                 "(or AWS_PROFILE), then run again"
             ) from err
         except _transient_errors() as err:
+            if isinstance(err, IndexError) and not isinstance(err.__context__, OSError):
+                raise
+            if (refused := _refused_request(url, err, what)) is not None:
+                raise refused from err
             if attempt == attempts:
                 raise StorageError(
                     f"{url}: could not be {what} after {attempts} tries ({_reason(err)}); check that the store is up and "
@@ -150,6 +200,19 @@ def retried(url: str, operation: Callable[[], T], what: str = "read") -> T:
                 ) from err
             time.sleep(pause * 2 ** (attempt - 1) * random.uniform(1, 1.25))
     raise AssertionError("unreachable")
+
+
+def _refused_request(url: str, err: BaseException, what: str) -> StorageError | None:
+    """The StorageError for a request the store refused for good (an HTTP 4xx other than 408 and 429: a bad
+    request, a key it refuses); None for another error."""
+    cause = err.__cause__ or err.__context__
+    response = getattr(cause, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if not isinstance(status, int) or not 400 <= status < 500 or status in (408, 429):
+        return None
+    return StorageError(f"{url}: could not be {what}: the store refused the request (HTTP {status}: {_reason(err)})")
 
 
 def _credential_errors() -> tuple[type[BaseException], ...]:
@@ -161,8 +224,10 @@ def _credential_errors() -> tuple[type[BaseException], ...]:
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
-    """OSError (a refused or cut connection, a timeout) and the HTTP clients' own errors of that kind."""
-    errors: list[type[BaseException]] = [OSError]
+    """OSError (a refused or cut connection, a timeout) and the HTTP clients' own errors of that kind; and IndexError,
+    which s3fs raises for a read that timed out (it reads the args of the timeout's OSError, which has none): the
+    caller keeps only one whose context is an OSError."""
+    errors: list[type[BaseException]] = [OSError, IndexError]
     for module_name, names in _TRANSIENT_NAMES.items():
         with contextlib.suppress(ImportError):
             module = importlib.import_module(module_name)
@@ -199,6 +264,10 @@ def _error_code(err: BaseException) -> str | None:
 
 def _reason(err: BaseException) -> str:
     """``err`` in a few words on one line."""
+    if isinstance(err, IndexError) or (isinstance(err, OSError) and not str(err)):
+        if isinstance(err, TimeoutError) or isinstance(err.__context__, TimeoutError):  # fsspec's FSTimeoutError is one
+            return f"timed out: the store sent nothing for the read timeout, {TIMEOUT_ENV}"
+        err = err.__context__ or err
     text = " ".join(str(err).split()) or type(err).__name__
     return text if len(text) <= 200 else text[:197] + "..."
 
@@ -243,10 +312,11 @@ def glob(pattern: str) -> list[str]:
     return sorted(fs.unstrip_protocol(name) for name, info in found.items() if info.get("type") == "file")
 
 
-def read_bytes(url: str) -> bytes:
-    """The bytes of the file at ``url``; FileNotFoundError when it is missing."""
+def read_bytes(url: str, limit: int | None = None) -> bytes:
+    """The bytes of the file at ``url`` (with ``limit``, at most its first ``limit`` bytes, in one ranged read);
+    FileNotFoundError when it is missing."""
     fs, path = filesystem(url)
-    return bytes(retried(url, lambda: fs.cat_file(path)))
+    return bytes(retried(url, lambda: fs.cat_file(path) if limit is None else fs.cat_file(path, start=0, end=limit)))
 
 
 def open_read(url: str) -> IO[bytes]:

@@ -455,7 +455,10 @@ def test_runs_at_a_url_write_attempt_directories_and_the_first_manifest_wins(dat
     assert attempt.startswith("attempt-") and not (build_dir / f".{build_dir.name}.lock").exists()
     # A run that found another's manifest published first removed its own attempt directory.
     losers = sum("another run published" in err for _, err in outputs)
-    written = [p.name for p in build_dir.glob("attempt-*") if any(p.iterdir())]  # a store has no empty directories
+    # A run that lost says it uses the other's build, never that it wrote one.
+    assert all(out.startswith("varpack: reusing ") for out, err in outputs if "another run published" in err), outputs
+    # A store has no directories: a prefix is there only while it holds files.
+    written = [p.name for p in build_dir.glob("attempt-*") if any(f.is_file() for f in p.rglob("*"))]
     assert attempt in written and len(written) == 2 - losers, (written, outputs)
     assert_verified(build_dir)
     again = build(config(data, url))  # a later run reuses the published build

@@ -194,14 +194,16 @@ def test_a_prefix_with_shards_but_no_manifest_is_no_build_to_the_loader(s3, s3_b
 class CuttingProxy:
     """A TCP proxy in front of the S3 server that, once armed, cuts the connection carrying a shard part way through
     its bytes (after Arrow's magic and 64 bytes more), and then lets no connection through for ``down_s`` seconds,
-    calling ``on_cut`` first: from the client's side, the server went away in the middle of a read."""
+    calling ``on_cut`` first: from the client's side, the server went away in the middle of a read. With ``stall``, it
+    stays armed and holds each such connection open, sending nothing more: a server gone silent mid-read."""
 
     MARKER = b"ARROW1"
 
-    def __init__(self, upstream: str, down_s: float, on_cut=None) -> None:
+    def __init__(self, upstream: str, down_s: float, on_cut=None, stall: bool = False) -> None:
         self.upstream_port = int(upstream.rsplit(":", 1)[1])
-        self.down_s, self.on_cut = down_s, on_cut
+        self.down_s, self.on_cut, self.stall = down_s, on_cut, stall
         self.armed, self.cuts, self.down_until = False, 0, 0.0
+        self.held: list[socket.socket] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -227,11 +229,14 @@ class CuttingProxy:
             while data := source.recv(1 << 16):
                 at = data.find(self.MARKER) if response and self.armed else -1
                 if at >= 0:
-                    self.armed, self.cuts = False, self.cuts + 1
+                    self.armed, self.cuts = self.stall, self.cuts + 1
                     self.down_until = time.monotonic() + self.down_s
                     if self.on_cut is not None:
                         self.on_cut()
                     dest.sendall(data[:at + len(self.MARKER) + 64])
+                    if self.stall:
+                        self.held += [source, dest]
+                        return
                     break
                 dest.sendall(data)
         except OSError:
@@ -241,6 +246,8 @@ class CuttingProxy:
 
     def close(self) -> None:
         self.listener.close()
+        for end in self.held:
+            end.close()
 
 
 @pytest.fixture
@@ -304,6 +311,102 @@ def test_the_server_stopped_in_the_middle_of_a_read_is_one_line_after_retries_an
     assert message.endswith("check that the store is up and reachable (for s3://, AWS_ENDPOINT_URL), then run again")
     assert elapsed >= 0.2 + 0.4  # two pauses, doubling
     assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [], "a cut copy is never kept"
+
+
+def test_a_store_that_stalls_in_the_middle_of_a_read_is_retried_then_one_line_within_the_timeouts(s3_server, build_copy,
+                                                                                                  tmp_path, monkeypatch):
+    url = upload(s3_server, build_copy, f"stall-{tmp_path.name[-8:].lower().replace('_', '-')}")
+    proxy = CuttingProxy(s3_server.endpoint, down_s=0.0, stall=True)
+    try:
+        client_of(proxy.endpoint, s3_server, monkeypatch)
+        monkeypatch.setenv("VARPACK_IO_TIMEOUT_S", "1")
+        proxy.armed = True
+        started = time.monotonic()
+        with pytest.raises(StorageError) as raised:
+            batches(url, cache_dir=tmp_path / "cache")
+        elapsed = time.monotonic() - started
+    finally:
+        proxy.close()
+    message = str(raised.value)
+    assert proxy.cuts == 3 and "\n" not in message  # each of the 3 tries stalled
+    assert "could not be read after 3 tries (timed out: the store sent nothing for the read timeout, " \
+           "VARPACK_IO_TIMEOUT_S)" in message
+    assert elapsed < 15, elapsed  # 3 waits of 1 s and the pauses, not botocore's 60 s per read
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [], "a stalled copy is never kept"
+
+
+def test_a_store_that_stalls_while_pack_checks_a_build_for_reuse_is_one_line_after_retries(s3_server, s3_build, data):
+    proxy = CuttingProxy(s3_server.endpoint, down_s=0.0, stall=True)
+    try:
+        proxy.armed = True
+        result = pack(data, s3_build.rsplit("/", 1)[0], s3_server.env(AWS_ENDPOINT_URL=proxy.endpoint, VARPACK_IO_TIMEOUT_S="1",
+                                                                     **RETRIES))
+    finally:
+        proxy.close()
+    line = one_line(result)
+    assert proxy.cuts == 3 and line.startswith(f"varpack: error: {s3_build}/attempt-")
+    assert "could not be read after 3 tries (timed out: " in line
+
+
+def test_a_request_the_store_refuses_with_a_4xx_is_one_line_at_once_not_retried(s3, monkeypatch):
+    import s3fs
+
+    from schemas import storage
+
+    monkeypatch.setenv("VARPACK_IO_BACKOFF_S", "2")
+    s3fs.S3FileSystem().pipe_file(f"{s3.removeprefix('s3://')}/x", b"abc")
+    tries = []
+
+    def past_the_end() -> bytes:
+        tries.append(1)
+        return s3fs.S3FileSystem().cat_file(f"{s3.removeprefix('s3://')}/x", start=10, end=20)
+
+    with pytest.raises(StorageError, match=r"^s3://.*/x: could not be read: the store refused the request \(HTTP 416: "):
+        storage.retried(f"{s3}/x", past_the_end)
+    assert tries == [1]
+
+
+@pytest.mark.parametrize(("name", "value"), [("VARPACK_IO_ATTEMPTS", "abc"), ("VARPACK_IO_ATTEMPTS", "0"),
+                                             ("VARPACK_IO_BACKOFF_S", "-1"), ("VARPACK_IO_TIMEOUT_S", "nan")])
+def test_a_bad_io_setting_is_one_line_naming_the_variable(s3, data, name, value):
+    line = one_line(pack(data, f"{s3}/builds", {name: value}))
+    assert line.startswith(f"varpack: error: {name}={value!r}: not a number of at least ")
+    assert line.endswith("; set it to one or unset it")
+
+
+@pytest.mark.parametrize("out", ["s3://", "gs://", "s3:///prefix"])
+def test_out_at_a_url_with_no_bucket_is_one_line_naming_out_and_writes_nothing(data, tmp_path, out):
+    result = subprocess.run([sys.executable, "-m", "pipeline.pack", "--dataset", str(data), "--out", out, *ARGS],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    line = one_line(result)
+    scheme = out.split("://")[0]
+    assert line == f"varpack: error: --out {out}: the URL names no bucket; write {scheme}://BUCKET/PREFIX"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_manifest_over_64_mib_is_refused_in_one_line_naming_it(s3_server, build_copy, tmp_path, monkeypatch, where):
+    manifest = build_copy / MANIFEST_NAME
+    text = manifest.read_bytes()
+    manifest.write_bytes(text[:-1] + b" " * (64 << 20) + text[-1:])  # still valid JSON, and the same manifest
+    path = str(manifest)
+    if where == "s3":
+        bucket = "big-" + tmp_path.name[-8:].lower().replace("_", "-")
+        path = f"{upload(s3_server, build_copy, bucket)}/{MANIFEST_NAME}"
+        client_of(s3_server.endpoint, s3_server, monkeypatch)
+    with pytest.raises(ManifestError, match=f"^{path}: the manifest is over 64 MiB, larger than any build writes; "):
+        read_manifest(path)
+
+
+def test_inspect_of_a_file_url_reads_the_local_path_and_refuses_a_fifo_manifest_at_once(tmp_path):
+    os.mkfifo(tmp_path / MANIFEST_NAME)
+    for build in (str(tmp_path), f"file://{tmp_path}"):
+        result = subprocess.run([sys.executable, "-m", "pipeline.inspect", build], capture_output=True, text=True,
+                                timeout=20, env={**os.environ, "PYTHONPATH": str(REPO)})
+        line = one_line(result)
+        assert line.startswith(f"varpack: error: {tmp_path / MANIFEST_NAME}: the manifest could not be read (")
+        assert "it is a FIFO, not a regular file" in line
 
 
 def test_wrong_credentials_are_one_line_naming_the_variables(s3, data):

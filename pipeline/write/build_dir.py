@@ -56,9 +56,8 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
             if (size := storage.size(path)) != shard.bytes:
                 return f"{shard.path} is {size} bytes, the manifest says {shard.bytes}"
             if record is None:
-                with storage.open_read(path) as f:
-                    if stream_sha256(f) != shard.sha256:
-                        return f"{shard.path} fails its checksum (the file is corrupt)"
+                if storage.sha256(path) != shard.sha256:
+                    return f"{shard.path} fails its checksum (the file is corrupt)"
             elif (problem := _hash_unless_recorded(Path(path), shard.sha256, record)) is not None:
                 return f"{shard.path} {problem}"
             with storage.open_read(path) as f:
