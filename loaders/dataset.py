@@ -465,8 +465,7 @@ class PackedIterableDataset(IterableDataset):
             done = position.batches_read(len(self._plan(position.epoch, position.start_row)))
             self._position = Position(position.epoch, position.start_row, done, done + worker_id, worker_id, num_workers,
                                       finished=True)
-            self._loaded = False
-            return iter(())
+            return self._finished_pass()
         if position.finished and (position.num_workers == 1 or not self._loaded):
             position = Position(epoch=position.epoch + 1)
         pass_start, first = position.first_batch(worker_id, num_workers)
@@ -474,6 +473,15 @@ class PackedIterableDataset(IterableDataset):
         self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
         self._loaded = False
         return self._batches(position.epoch, position.start_row, first, num_workers)
+
+    def _finished_pass(self) -> Iterator[dict[str, torch.Tensor | int]]:
+        """The empty pass of a loop that names the finished epoch of a loaded state. The state counts as loaded until
+        the pass is run through: torchdata restoring a finished loader makes an iterator it never runs, then the one
+        the loop runs, and both must name the finished epoch (or the second would read the next epoch under its
+        number). Once run through, a pass without ``set_epoch`` reads the next epoch."""
+        self._loaded = False
+        return
+        yield
 
     def _batches(self, epoch: int, start_row: int, first: int, num_workers: int) -> Iterator[dict[str, torch.Tensor | int]]:
         plan = self._plan(epoch, start_row)

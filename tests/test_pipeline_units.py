@@ -319,7 +319,7 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
     """
     data = tmp_path / "data"
     data.mkdir()
-    record = {"prompt": "p", "response": "r", "answer": "a", "messages": CHATS[0]}
+    record = {"prompt": "p", "response": "r", "answer": "a", "other": "o", "messages": CHATS[0]}
     write_jsonl(data / "train.jsonl", [record, {**record, "prompt": "q"}])
     write_jsonl(data / "test.jsonl", [record])
     base = PackConfig(dataset=str(data), out=str(tmp_path / "out"))
@@ -363,8 +363,8 @@ def test_every_setting_is_in_the_fingerprint_or_named_a_run_setting(tmp_path, to
         "preference_layout": {
             "format": "preference", "chosen_column": "response", "rejected_column": "answer", "preference_layout": "shared-prompt",
         },
-        "chosen_column": {"format": "preference", "chosen_column": "prompt", "rejected_column": "answer"},
-        "rejected_column": {"format": "preference", "chosen_column": "response", "rejected_column": "prompt"},
+        "chosen_column": {"format": "preference", "chosen_column": "other", "rejected_column": "answer"},
+        "rejected_column": {"format": "preference", "chosen_column": "response", "rejected_column": "other"},
     }
     prints = {name: plan_build(dataclasses.replace(base, **change)).fingerprint for name, change in in_fingerprint.items()}
     assert fingerprint not in prints.values() and len(set(prints.values())) == len(prints), prints

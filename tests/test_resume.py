@@ -303,3 +303,26 @@ def test_the_dataset_state_after_a_dataloader_with_workers_is_refused(build, con
     first = next(iter(dataset))["input_ids"]
     assert torch.equal(first, next(batches)["input_ids"])
     assert not any(torch.equal(first, earlier) for earlier in read)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_restored_after_its_epoch_ended_reads_nothing_more_of_that_epoch(build, example_of, workers):
+    """A loader state saved after the epoch's loop ended, restored into a StatefulDataLoader whose loop names that
+    epoch again: torchdata makes one iterator while restoring and another for the loop, and neither reads the epoch
+    again (nor the next epoch under its number); the next epoch then reads as it does uninterrupted."""
+    settings_ = {"batch_rows": 1, "seed": 0, "shuffle_buffer_rows": 1}
+    expected = uninterrupted(build, example_of, settings_, epochs=2)
+    dataset = PackedIterableDataset(build.path, **settings_)
+    loader = StatefulDataLoader(dataset, batch_size=None, num_workers=workers)
+    dataset.set_epoch(0)
+    head = [(0, read(batch, example_of)) for batch in loader]
+    state = loader.state_dict()
+    resumed = PackedIterableDataset(build.path, **settings_)
+    resumed.load_state_dict(state)
+    loader = StatefulDataLoader(resumed, batch_size=None, num_workers=workers)
+    loader.load_state_dict(state)
+    rest = []
+    for epoch in (0, 1):
+        resumed.set_epoch(epoch)
+        rest += [(epoch, read(batch, example_of)) for batch in loader]
+    assert head + rest == expected
