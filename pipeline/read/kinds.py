@@ -350,13 +350,12 @@ class PromptResponseAsChat(_ChatKind):
         _check_template_columns(config, chosen, where)
 
 
-class ChatMessages(_ChatKind):
-    """A column of messages, ``{role, content}`` or ShareGPT's ``{from, value}``."""
+class _MessagesColumns:
+    """A kind whose columns hold message lists: read as messages, and the dangling-turn options apply."""
 
-    kind = ExampleKind.CHAT
+    columns: tuple[str, ...]
     column_type = MESSAGES_TYPE
     options = frozenset({"--drop-dangling-turns", "--keep-dangling-turns"})
-    turns_from = "messages"
 
     @property
     def messages_columns(self) -> tuple[str, ...]:
@@ -365,6 +364,13 @@ class ChatMessages(_ChatKind):
     @property
     def text_columns(self) -> tuple[str, ...]:
         return ()
+
+
+class ChatMessages(_MessagesColumns, _ChatKind):
+    """A column of messages, ``{role, content}`` or ShareGPT's ``{from, value}``."""
+
+    kind = ExampleKind.CHAT
+    turns_from = "messages"
 
     @property
     def template(self) -> str:
@@ -496,7 +502,7 @@ def _completions(values: pa.ChunkedArray, rendered: pa.Array) -> list[str | None
     return pc.if_else(blank, pa.scalar(None, pa.string()), rendered).to_pylist()
 
 
-class PreferenceMessages(Kind):
+class PreferenceMessages(_MessagesColumns, Kind):
     """Chosen and rejected columns of messages (UltraFeedback's, HH-RLHF's shape): their shared leading turns
     are the prompt and each one's last turn, an assistant turn, its completion; loss on each completion and its
     end-of-turn token."""
@@ -504,16 +510,6 @@ class PreferenceMessages(Kind):
     kind = ExampleKind.PREFERENCE_CHAT
     is_chat = True
     trained = LossMasking.COMPLETIONS
-    column_type = MESSAGES_TYPE
-    options = frozenset({"--drop-dangling-turns", "--keep-dangling-turns"})
-
-    @property
-    def messages_columns(self) -> tuple[str, ...]:
-        return self.columns
-
-    @property
-    def text_columns(self) -> tuple[str, ...]:
-        return ()
 
     @property
     def template(self) -> str:
