@@ -154,16 +154,21 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     "torch": torch.__version__, "config": asdict(config),
                     "tokens_per_step": f"{config.batch_rows} rows a step"}
+    def keep() -> None:
+        """Write what is measured so far: a run stopped at its time limit keeps it."""
+        if config.out:
+            Path(config.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(config.out).write_text(json.dumps(result, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         result["bench"] = bench(config, workdir)
+        keep()
         reference = result["bench"]["tokens_per_s"]
         for name, flags in (("train_py", config.train_flags), ("trainer", config.trainer_flags)):
             result[name] = user_run(config, workdir, name, flags, reference)
             result[f"{name}_vs_bench"], result[f"{name}_vs_bench_range"] = after_warm_up(result[name])
-    if config.out:
-        Path(config.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.out).write_text(json.dumps(result, indent=2) + "\n")
+            keep()
     print(json.dumps(result))
 
 
