@@ -1,7 +1,7 @@
 """``pack`` on many cores: throughput and scaling against ``datasets.map`` + TRL's ``pack_dataset``.
 
     python scripts/bench_pipeline.py --workers 1,2,4,8,16 [--examples 3000000] [--examples-per-worker 25000]
-        [--dask-workers 16] [--dask-examples N] [--baseline-procs 16] [--out FILE]
+        [--dask-workers 16] [--dask-examples N] [--baseline-procs 16] [--parts sweep,full,baseline,dask] [--out FILE]
 
 Every build is ``python -m pipeline.pack --dataset synthetic-flan --num-examples N`` in a fresh process, wall
 clock from start to exit (Python and Beam start-up, generating the texts, tokenizing, packing, writing shards
@@ -23,7 +23,8 @@ Peak RSS: every process of a run is sampled every 0.2 s for its high-water mark 
 ``/proc/PID/status``); ``peak_rss_worker_bytes`` is the largest among the workers, ``peak_rss_main_bytes``
 the command's own. The largest sweep point and ``direct_full`` give the workers' peak at two dataset sizes.
 Tokens are those the build packed (its manifest), BOS and EOS included; the baseline's are its ``input_ids``.
-The last line is one JSON object; ``--out`` writes it to a file too.
+The last line is one JSON object; ``--out`` writes it to a file too. ``--parts`` runs some of the four (the ratios
+need all of them).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from schemas import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.2
+PARTS = ("sweep", "full", "baseline", "dask")
 
 
 def _high_water_mark(pid: int) -> int | None:
@@ -246,8 +248,12 @@ def main() -> None:
     parser.add_argument("--dask-examples", type=int, help="default: --examples")
     parser.add_argument("--baseline-procs", type=int, help="num_proc of datasets and TRL (default: the most workers)")
     parser.add_argument("--max-len", type=int, default=PackConfig.max_len)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which runs, comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--out", type=Path, help="also write the JSON object here")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        parser.error(f"--parts {args.parts}: choose among {', '.join(PARTS)}")
     counts = sorted({int(n) for n in args.workers.split(",")})
     most = counts[-1]
     if most > len(os.sched_getaffinity(0)):
@@ -269,28 +275,35 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        for n in counts:
+        for n in counts if "sweep" in parts else []:
             run = time_pack(n * args.examples_per_worker, tmp / f"w{n}", direct(n), n, args.max_len)
             per_worker = result["workers"].get(str(counts[0]), run)["tokens_per_s"] / counts[0]
             run["efficiency"] = round(run["tokens_per_s"] / (n * per_worker), 4)
             result["workers"][str(n)] = run
             record(f"{n} workers", run)
-        if args.examples == most * args.examples_per_worker:  # the sweep's last build was this one
+        if "full" not in parts:
+            pass
+        elif "sweep" in parts and args.examples == most * args.examples_per_worker:  # the sweep's last build was this one
             result["direct_full"] = {"workers": most, **result["workers"][str(most)]}
             del result["direct_full"]["efficiency"]
         else:
             result["direct_full"] = {"workers": most, **time_pack(args.examples, tmp / "full", direct(most), most, args.max_len)}
-        record("direct_full", result["direct_full"])
-        procs = args.baseline_procs or most
-        texts = write_texts(args.examples, tmp, procs)
-        result["datasets_trl"] = {"num_proc": procs, **time_datasets_trl(texts, procs, args.max_len)}
-        record("datasets_trl", result["datasets_trl"])
-        if args.dask_workers:
+        if "full" in parts:
+            record("direct_full", result["direct_full"])
+        if "baseline" in parts:
+            procs = args.baseline_procs or most
+            texts = write_texts(args.examples, tmp, procs)
+            result["datasets_trl"] = {"num_proc": procs, **time_datasets_trl(texts, procs, args.max_len)}
+            record("datasets_trl", result["datasets_trl"])
+        if args.dask_workers and "dask" in parts:
             dask_examples = args.dask_examples or args.examples
             result["dask"] = {"workers": args.dask_workers,
                               **time_dask(dask_examples, tmp / "dask", args.dask_workers, args.max_len)}
             record("dask", result["dask"])
 
+    if parts != set(PARTS):  # a partial run: the ratios need every part
+        print(json.dumps(result))
+        return
     full, baseline = result["direct_full"], result["datasets_trl"]
     result["efficiency"] = result["workers"][str(most)]["efficiency"]
     result["vs_datasets_trl"] = round(baseline["wall_s"] / full["wall_s"], 4)
