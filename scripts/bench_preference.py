@@ -9,13 +9,14 @@ shape of UltraFeedback-style data, prompt about 2x a completion), with a frozen 
 
 - ``separate``: the pairs packed as prompt+chosen, prompt+rejected (FA2 varlen, ``varpack_fa2``);
 - ``shared-prompt``: each prompt once, both answers attending to it (FA2 varlen, K/V gathered);
+- ``separate_compiled``, ``shared-prompt_compiled``: the same with each decoder layer compiled;
 - ``trl_sdpa``, ``trl_sdpa_compiled``, ``trl_fa2``: TRL's ``DPOTrainer.compute_loss`` on its own padded
   batch of the pairs (its collator, its fused LM head, its reference forward), with transformers' sdpa,
   the same with each decoder layer compiled, and with transformers' flash_attention_2 on the padded batch.
 
 A step is forward, backward and the optimizer step; each method runs ``--warmup`` steps, then ``--repeats``
 timings of ``--steps`` steps, and reports the median pairs/s. The last line printed is one JSON object
-with ``pairs_per_s`` per method and ``best_vs_trl`` (the faster varpack layout over the fastest TRL run).
+with ``pairs_per_s`` per method and ``best_vs_trl`` (the fastest varpack method over the fastest TRL run).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from loaders.collate import NUM_PAIRS  # noqa: E402
 from loaders.train import preference  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.loss_head import frozen_copy, use_loss_position_head  # noqa: E402
+from loaders.train.models import compile_layers  # noqa: E402
 from pipeline.write.preference_build import PreferencePair, preference_build  # noqa: E402
 
+LAYOUTS = ("separate", "shared-prompt")
 MODEL_CONFIGS = {
     "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
@@ -73,8 +76,9 @@ def make_model(spec: str, attn: str, device: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).train()
 
 
-def packed_step(pairs, layout: str, spec: str, device: str, capacity: int, beta: float, work: Path) -> tuple[Callable[[], None], int]:
-    """One DPO step of varpack on ``pairs`` packed in ``layout``; and the tokens it runs."""
+def packed_step(pairs, layout: str, compiled: bool, spec: str, device: str, capacity: int, beta: float,
+                work: Path) -> tuple[Callable[[], None], int]:
+    """One DPO step of varpack on ``pairs`` packed in ``layout`` (its decoder layers compiled or not); and the tokens it runs."""
     build = work / layout
     preference_build(build, pairs, layout=layout, capacity=capacity, rows_per_shard=1024,
                      vocab_size=MODEL_CONFIGS[spec]["vocab_size"])
@@ -85,6 +89,8 @@ def packed_step(pairs, layout: str, spec: str, device: str, capacity: int, beta:
     backend = "flash_attn" if device == "cuda" else "sdpa_segments"
     model = use_loss_position_head(make_model(spec, attn_implementation_for(backend), device))
     reference = preference.Reference(frozen_copy(model))
+    if compiled:
+        compile_layers(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     config = preference.PreferenceConfig("dpo", beta=beta)
     inputs = preference.model_inputs(batch)
@@ -104,8 +110,6 @@ def trl_step(pairs, attn: str, compiled: bool, spec: str, device: str, beta: flo
     import transformers
     import trl
     from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from loaders.train.models import compile_layers
 
     vocab = MODEL_CONFIGS[spec]["vocab_size"]
     tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     # The anchor first, so that a run cut short still holds a ratio.
-    parser.add_argument("--methods", default="trl_sdpa,separate,shared-prompt,trl_fa2,trl_sdpa_compiled")
+    parser.add_argument("--methods", default="trl_sdpa,separate,shared-prompt,trl_fa2,trl_sdpa_compiled,separate_compiled,"
+                                             "shared-prompt_compiled")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="", help="also write the result here")
     args = parser.parse_args(argv)
@@ -217,8 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             try:
-                if method in ("separate", "shared-prompt"):
-                    step, tokens = packed_step(packed_pairs, method, args.model_config, args.device, args.capacity,
+                if method.removesuffix("_compiled") in LAYOUTS:
+                    step, tokens = packed_step(packed_pairs, method.removesuffix("_compiled"), method.endswith("_compiled"),
+                                               args.model_config, args.device, args.capacity,
                                                args.beta, Path(tmp))
                 else:
                     attn = {"trl_sdpa": "sdpa", "trl_sdpa_compiled": "sdpa", "trl_fa2": "flash_attention_2"}[method]
