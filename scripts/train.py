@@ -28,61 +28,48 @@ logs carry TRL's ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies`
 from __future__ import annotations
 
 import argparse
-import contextlib
-import difflib
 import itertools
 import json
 import math
 import os
-import random
-import shutil
 import sys
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from safetensors import SafetensorError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset, PackedMixture, load_mixture_file  # noqa: E402
-from loaders.collate import NUM_REAL_TOKENS, SOURCE_IDS  # noqa: E402
+from loaders.collate import SOURCE_IDS  # noqa: E402
 from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
-from loaders.mixture import source_counts  # noqa: E402
-from loaders.train.attention import attn_implementation_for  # noqa: E402
-from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size  # noqa: E402
-from loaders.train.checkpoint import (  # noqa: E402
-    TRAINING_STATE,
-    CheckpointError,
-    checkpoints,
-    incomplete_checkpoints,
-    latest_checkpoint,
-    load_loader_state,
-    load_training_state,
-    loader_state_name,
-    partial_checkpoint,
-    publish_checkpoint,
-    remove_partial_checkpoints,
-    save_loader_state,
-    save_training_state,
-    start_checkpoint,
-)
-from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_position_head  # noqa: E402
 from loaders.train import preference  # noqa: E402
+from loaders.train.attention import attn_implementation_for  # noqa: E402
+from loaders.train.checkpoint import (  # noqa: E402
+    checkpoint_to_resume,
+    refuse_earlier_run,
+    resumable_checkpoint,
+    resume_plain_run,
+    save_training_state,
+    training_state,
+    writing_checkpoint,
+)
+from loaders.train.distributed import finish_distributed_run, init_distributed, world_size  # noqa: E402
+from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_position_head  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     check_trained_tokens,
-    count_on_device,
-    linear_warmup,
+    for_packed_training,
     load_causal_lm,
     model_inputs,
     peak_memory_gib,
 )
-from loaders.train.optim import make_adamw, optimizer_step  # noqa: E402
+from loaders.train.optim import adamw_with_warmup  # noqa: E402
+from loaders.train.random_init import ConfigSpecError, parse_config_spec, random_init_model  # noqa: E402
+from loaders.train.run_log import Logger  # noqa: E402
 from loaders.train.source_loss import SourceLosses  # noqa: E402
 from loaders.train.speed import SpeedOptions  # noqa: E402
+from loaders.train.step import MicroBatchLoss, TrainStep  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
@@ -127,82 +114,19 @@ class TrainConfig:
 # ---- model, data, logs, checkpoints: shared by both loops -----------------------------------
 
 
-def parse_random_init(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"llama:hidden_size=512,num_hidden_layers=4"`` -> ("llama", {...}); values parsed as JSON when they can be."""
-    name, _, overrides = spec.partition(":")
-    values: dict[str, Any] = {}
-    for item in filter(None, overrides.split(",")):
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--random-init {spec!r}: {item!r} is not key=value")
-        try:
-            values[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            values[key.strip()] = raw
-    return name, values
-
-
-def check_config_overrides(spec: str, defaults: Any, overrides: dict[str, Any]) -> None:
-    """Refuse an override the config does not know (``num_hiden_layers``), whose value is not of the kind of the
-    config's default (``hidden_size=abc``), or a size or count below 1 (``hidden_size=-16``)."""
-    from transformers import PretrainedConfig
-
-    known = sorted(defaults.to_dict())
-    own = [key for key in known if key not in PretrainedConfig().to_dict()] or known  # listed without the generic ones
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"--random-init {spec}: {key} is not a setting of the {defaults.model_type} "
-                             f"config{hint}; its settings: {', '.join(own)}")
-    kinds = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"))
-    for key, value in overrides.items():
-        default = getattr(defaults, key, None)
-        sized = key.startswith("num_") or key.endswith("_size")
-        if sized and isinstance(default, int) and isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ValueError(f"--random-init {spec}: {key}={value} must be a positive integer")
-        default = getattr(defaults, key, None)
-        for kind, described in kinds:
-            if isinstance(default, kind):
-                accepted = (int, float) if kind is float else kind
-                if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
-                    raise ValueError(f"--random-init {spec}: {key}={value!r} must be {described} "
-                                     f"(the config's default is {default!r})")
-                break
-
-
 def load_model(config: TrainConfig, vocab_size: int, attn_implementation: str, checkpoint: Path | None = None):
     """The model to train: a checkpoint's weights, a Hub id / directory's weights, or a random init."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-
     if checkpoint is not None or config.model:
         gguf_file = None if checkpoint is not None else config.gguf_file or None
-        source = str(checkpoint or config.model)
-        model = load_causal_lm(source, attn_implementation, torch.float32, gguf_file)
+        model = load_causal_lm(str(checkpoint or config.model), attn_implementation, torch.float32, gguf_file)
     elif config.random_init:
-        name, overrides = parse_random_init(config.random_init)
-        defaults = CONFIG_MAPPING[name]() if name in CONFIG_MAPPING else AutoConfig.from_pretrained(name)
-        check_config_overrides(config.random_init, defaults, overrides)
-        torch.manual_seed(config.seed)
         try:
-            if name in CONFIG_MAPPING:
-                model_config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
-            else:
-                model_config = AutoConfig.from_pretrained(name, **overrides)
-            model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation,
-                                                     dtype=torch.float32)
-        except (StrictDataclassError, RuntimeError) as err:  # the config's own checks, or a size torch refuses
-            reason = [line.strip() for line in str(err).splitlines() if line.strip()][-1:] or [type(err).__name__]
-            raise ValueError(f"--random-init {config.random_init}: no model can be built from it ({reason[0]})") from None
+            model = random_init_model(config.random_init, vocab_size, attn_implementation, config.seed)
+        except ConfigSpecError as err:
+            raise ValueError(f"--random-init {err}") from None
     else:
         raise ValueError("give --model (Hub id or directory) or --random-init (config spec)")
-    if model.config.vocab_size < vocab_size:
-        raise ValueError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the shards' tokenizer's "
-                         f"({vocab_size}): these shards were tokenized for another model")
-    # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
-    model.config.use_cache = False
-    return model
+    return for_packed_training(model, vocab_size)
 
 
 def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
@@ -216,7 +140,11 @@ def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
 def announce_mixture(dataset: PackedIterableDataset) -> None:
     """On a mixture, rank 0 prints its plan: each source's weight, size and epochs per mixture epoch (the repetition)."""
     if isinstance(dataset, PackedMixture) and dataset.rank == 0:
-        print(json.dumps({"mixture_plan": [asdict(source) for source in dataset.plan()]}), flush=True)
+        print_line({"mixture_plan": [asdict(source) for source in dataset.plan()]})
+
+
+def print_line(record: dict) -> None:
+    print(json.dumps(record), flush=True)
 
 
 def speed_options(config: TrainConfig) -> SpeedOptions:
@@ -234,177 +162,25 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     return PackedIterableDataset(config.shards, **options)
 
 
-LOG = "log.jsonl"
+def check_out(config: TrainConfig, out: Path) -> None:
+    """Refuse a log planted as a link, and a new run (no --resume) into an --out holding another run's checkpoints."""
+    Logger.check(out)
+    refuse_earlier_run(out, config.resume)
 
 
-class Logger:
-    """Real tokens/s, loss and peak memory since the last line, as JSON to stdout and OUT/log.jsonl.
-
-    On a mixture, also the real and loss tokens of each source since the last line (``source_tokens``)
-    and each source's mean token loss over them (``source_loss``, summed on ``device``: see
-    ``loaders.train.source_loss``; the plain mean, whatever ``--loss-reduction``).
-    """
-
-    def __init__(self, out: Path, sources: list[str] | None = None, device: torch.device | str = "cpu",
-                 writes: bool = True) -> None:
-        self.path = out / LOG
-        self.writes = writes  # under torchrun, rank 0 writes; every rank counts and starts again at each line
-        self.tokens = 0
-        self.sources = sources or []
-        self.source_tokens = np.zeros((2, len(self.sources)), dtype=np.int64)
-        self.source_losses = SourceLosses(self.sources, device) if self.sources else None
-        self.start = time.perf_counter()
-
-    def add_batch(self, batch: dict) -> None:
-        self.tokens += batch[NUM_REAL_TOKENS]
-        if SOURCE_IDS in batch:
-            counts = source_counts(batch, len(self.sources))
-            self.source_tokens += np.stack((counts["tokens"], counts["loss_tokens"]))
-
-    def log(self, step: int, **values: Any) -> dict:
-        now = time.perf_counter()
-        record = {"step": step, **values, "tokens_per_s": self.tokens / max(now - self.start, 1e-9), "peak_mem_gib": peak_memory_gib()}
-        if self.sources:
-            record["source_tokens"] = {name: {"tokens": int(tokens), "loss_tokens": int(loss)}
-                                       for name, tokens, loss in zip(self.sources, *self.source_tokens)}
-            self.source_tokens[:] = 0
-        if self.source_losses is not None:
-            record["source_loss"] = self.source_losses.pop(distributed=True)
-        self.tokens, self.start = 0, now
-        if self.writes:
-            self.write(record)
-        return record
-
-    def write(self, record: dict) -> None:
-        print(json.dumps(record), flush=True)
-        with open_log(self.path) as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def open_log(path: Path):
-    """``path`` opened to append, never through a link planted there (O_NOFOLLOW): an OSError naming it instead."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as err:
-        if not path.is_symlink():
-            raise
-        raise OSError(f"{path}: is a link, and the log is never written through one; remove it") from err
-    return os.fdopen(fd, "a")
+def check_objective(config: TrainConfig, dataset: PackedIterableDataset) -> None:
+    """Refuse --objective sft on a preference build (it would train on the rejected answers) and a preference
+    objective on any other build."""
+    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
+    preference_build = any(manifest.preference_layout is not None for manifest in manifests)
+    if config.objective == "sft" and preference_build:
+        raise ValueError(f"--objective sft: {config.shards or config.mixture} {preference.NOT_SFT}; give --objective "
+                         f"{', '.join(o.value for o in preference.Objective)}")
+    if config.objective != "sft" and not preference_build:
+        raise ValueError(f"--objective {config.objective} {preference.NOT_PREFERENCE}")
 
 
 # ---- the plain PyTorch loop -----------------------------------------------------------------
-
-
-def init_distributed() -> tuple[int, torch.device]:
-    """Join the process group ``torchrun`` describes (NCCL on GPUs, gloo on CPUs): ``(rank, device)``.
-
-    A plain ``python scripts/train.py`` is rank 0 of one.
-    """
-    import os
-
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return 0, torch.device("cuda" if cuda else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-
-
-def rng_state() -> dict[str, Any]:
-    """torch's, numpy's and Python's RNG states as tensors and plain values (what ``weights_only`` loads)."""
-    numpy_state = np.random.get_state(legacy=False)
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
-                                               "pos": numpy_state["state"]["pos"]}}}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
-                                                  "pos": numpy_state["state"]["pos"]}})
-
-
-def save_plain_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> Path:
-    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position.
-
-    Written into a temporary directory that is renamed ``checkpoint-STEP`` once every rank has written its part.
-    """
-    distributed = world_size() > 1
-    if dataset.rank == 0:
-        start_checkpoint(out, step)
-    if distributed:
-        torch.distributed.barrier()  # the temporary directory exists
-    partial = partial_checkpoint(out, step)
-    try:
-        if dataset.rank == 0:
-            model.save_pretrained(partial)
-            save_training_state(partial, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                          "step": step, "rng": rng_state()})
-        save_loader_state(partial, dataset.rank, dataset.state_dict())
-    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk: safetensors and torch.save raise their own
-        if dataset.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise OSError(f"{out / f'checkpoint-{step}'}: cannot be written ({str(err).splitlines()[0]}); nothing of it "
-                      "is kept: free space (or fix --out) and --resume from the previous checkpoint") from None
-    if distributed:
-        torch.distributed.barrier()  # every rank has written its part
-    path = publish_checkpoint(out, step) if dataset.rank == 0 else out / f"checkpoint-{step}"
-    if distributed:
-        torch.distributed.barrier()  # published before any rank goes on
-    return path
-
-
-def check_out(config: TrainConfig, out: Path) -> None:
-    """Refuse a new run (no --resume) into an --out that holds another run's checkpoints: a later --resume would
-    continue from whichever is newest, of either run."""
-    if (out / LOG).is_symlink():
-        raise OSError(f"{out / LOG}: is a link, and the log is never written through one; remove it")
-    found = checkpoints(out) if out.is_dir() else []
-    if found and not config.resume:
-        names = found[0].name if len(found) == 1 else f"{found[0].name} ... {found[-1].name}"
-        raise CheckpointError(f"--out {out} holds the checkpoints of an earlier run ({names}); pass --resume to "
-                              "continue it, give another --out, or remove them")
-
-
-def resumable_checkpoint(out: Path, ranks: int) -> Path | None:
-    """The newest complete checkpoint in ``out``, or None when it holds none at all; a CheckpointError when it holds
-    checkpoints but none complete, so that --resume never trains from step 0 over them."""
-    latest = latest_checkpoint(out, ranks)
-    found = checkpoints(out) if out.is_dir() else []
-    if latest is None and found:
-        raise CheckpointError(f"--out {out}: --resume found no complete checkpoint among {len(found)} "
-                              f"({', '.join(path.name for path in found)}): each lacks a rank's loader state; remove "
-                              "them to start again, or give another --out")
-    return latest
-
-
-def check_optimizer_shapes(optimizer: torch.optim.Optimizer) -> None:
-    """ValueError unless each parameter's optimizer state tensors (AdamW's moments) have the parameter's shape."""
-    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        for key, value in optimizer.state.get(param, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
-                raise ValueError(f"the optimizer's {key} of parameter {index} has shape {tuple(value.shape)}, the "
-                                 f"parameter {tuple(param.shape)}")
-
-
-def find_checkpoint(out: Path, rank: int) -> Path | None:
-    """The newest complete checkpoint in ``out``; rank 0 says which incomplete ones it passes over and removes
-    the temporary directories of saves that were killed."""
-    ranks = world_size()
-    if rank == 0:
-        for path in remove_partial_checkpoints(out):
-            print(json.dumps({"removed_unfinished_checkpoint": str(path)}), flush=True)
-        for path in incomplete_checkpoints(out, ranks):
-            print(json.dumps({"skipped_incomplete_checkpoint": str(path)}), flush=True)
-    if ranks > 1:
-        torch.distributed.barrier()  # nothing is removed while another rank looks
-    return resumable_checkpoint(out, ranks)
 
 
 @dataclass
@@ -414,6 +190,15 @@ class PreferenceTraining:
     config: preference.PreferenceConfig
     reference: preference.Reference | None
     metrics: preference.RewardMetrics
+
+    def loss(self, model: torch.nn.Module, inputs: Callable[[dict], dict]) -> MicroBatchLoss:
+        """A micro-batch's loss: its pairs' summed losses over the step's pairs; its reward metrics are counted."""
+        def pair_loss(batch: dict, pairs: torch.Tensor) -> torch.Tensor:
+            terms = preference.preference_terms(model, batch, self.config, self.reference,
+                                                preference.model_inputs(inputs(batch)))
+            self.metrics.add(terms)
+            return terms.losses.sum() / pairs
+        return pair_loss
 
 
 def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_size: int,
@@ -437,16 +222,113 @@ def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_
     return PreferenceTraining(objective, reference, preference.RewardMetrics(device))
 
 
-def check_objective(config: TrainConfig, dataset: PackedIterableDataset) -> None:
-    """Refuse --objective sft on a preference build (it would train on the rejected answers) and a preference
-    objective on any other build."""
-    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
-    preference_build = any(manifest.preference_layout is not None for manifest in manifests)
-    if config.objective == "sft" and preference_build:
-        raise ValueError(f"--objective sft: {config.shards or config.mixture} {preference.NOT_SFT}; give --objective "
-                         f"{', '.join(o.value for o in preference.Objective)}")
-    if config.objective != "sft" and not preference_build:
-        raise ValueError(f"--objective {config.objective} {preference.NOT_PREFERENCE}")
+def source_loss(model: torch.nn.Module, inputs: Callable[[dict], dict], losses: SourceLosses) -> MicroBatchLoss:
+    """A mixture's micro-batch loss, each source's loss added up first, so that full logits are not kept for backward."""
+    def loss(batch: dict, num_items: torch.Tensor) -> torch.Tensor:
+        outputs = model(**inputs(batch), num_items_in_batch=num_items)
+        losses.add_outputs(outputs, batch)
+        return outputs.loss
+    return loss
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> None:
+    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position,
+    published as ``checkpoint-STEP`` once every rank has written its part."""
+    with writing_checkpoint(out, step, dataset) as partial:
+        if dataset.rank == 0:
+            model.save_pretrained(partial)
+            save_training_state(partial, training_state(optimizer, scheduler, step))
+
+
+def windows(dataset: PackedIterableDataset, size: int) -> Iterator[list[dict]]:
+    """The dataset's batches in windows of ``size``, epoch after epoch (an ended epoch's state moves to the next)."""
+    batches = iter(dataset)
+    while True:
+        window = []
+        for _ in range(size):
+            batch = next(batches, None)
+            if batch is None:
+                batches = iter(dataset)
+                batch = next(batches)
+            window.append(batch)
+        yield window
+
+
+@dataclass
+class PlainRun:
+    """What the plain loop trains with, set up (and resumed) by ``start_plain_run``."""
+
+    config: TrainConfig
+    out: Path
+    dataset: PackedIterableDataset
+    model: torch.nn.Module
+    step: TrainStep
+    log: Logger
+    pairs: PreferenceTraining | None
+    first_step: int
+
+    def normalizer(self, window: list[dict], step: int) -> float:
+        """The window's pairs (a preference objective) or loss tokens (loss weight); a step training none is refused."""
+        count = preference.pairs_in(window) if self.pairs is not None else sum(batch_normalizer(b) for b in window)
+        if world_size() == 1:  # under torchrun, a rank's share may hold none while others' do
+            check_trained_tokens(count, step, self.dataset.source)
+        return count
+
+    def log_and_save(self, step: int, losses: list[torch.Tensor]) -> None:
+        """Log every --log-every steps (the global batch's loss, every rank's tokens); checkpoint every --save-every."""
+        config, graphed = self.config, self.step.graphed
+        if step % config.log_every == 0 or step == config.max_steps:
+            graphs = {"step_graphs": len(graphed.graphs)} if graphed is not None else {}  # flat once all are captured
+            rewards = self.pairs.metrics.pop(distributed=True) if self.pairs is not None else {}
+            self.log.log_steps(step, losses, lr=float(self.step.scheduler.get_last_lr()[0]), **graphs, **rewards)
+            losses.clear()
+        if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
+            save_checkpoint(self.out, step, self.model, self.step.optimizer, self.step.scheduler, self.dataset)
+
+
+def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> PlainRun:
+    """The dataset, the model (resumed from the newest checkpoint with --resume) with its speed options, prewarmed,
+    and its optimizer step; a refused run leaves no --out behind."""
+    out = Path(config.out)
+    check_out(config, out)
+    dataset = make_dataset(config)
+    check_tokenizer(config, dataset.manifest.inputs.tokenizer)
+    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
+    pairs = preference_setup(config, dataset, vocab_size, device)
+    out.mkdir(parents=True, exist_ok=True)
+    announce_mixture(dataset)
+    checkpoint = checkpoint_to_resume(out, rank, print_line) if config.resume else None
+    model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
+    model.train()
+    speed = speed_options(config)
+    speed.apply(model)
+    optimizer, scheduler = adamw_with_warmup(model.parameters(), config.lr, config.weight_decay, config.warmup_steps,
+                                             device, config.step_graph)
+    first_step = 0
+    if checkpoint is not None:
+        first_step = resume_plain_run(checkpoint, optimizer, scheduler, dataset)
+        if rank == 0:
+            print_line({"resumed_from": str(checkpoint), "step": first_step})
+    autocast_dtype = torch.bfloat16 if config.precision == "bf16" else None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
+        speed.prewarm(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
+    trained = model
+    if world_size() > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    log = Logger(out, getattr(dataset, "names", None), device, writes=rank == 0)
+    # On a mixture the loss-position head also gives each sequence's loss, for the loss per source.
+    per_sequence = {SEQUENCE_LOSSES: True} if log.source_losses is not None and not config.full_logits else {}
+    inputs = lambda batch: {**model_inputs(batch, device, config.full_logits), **per_sequence}  # noqa: E731
+    loss = (pairs.loss(trained, inputs) if pairs is not None
+            else source_loss(trained, inputs, log.source_losses) if log.source_losses is not None else None)
+    graphed = None
+    if config.step_graph:
+        # Every shape of the run's first epoch is captured after step 1, so that no later step stops to capture.
+        shapes = map(inputs, itertools.islice(make_dataset(config), config.max_steps - first_step))
+        graphed = GraphedStep(model, optimizer, config.max_grad_norm, autocast_dtype, shapes=shapes)
+    step = TrainStep(trained, optimizer, scheduler, config.max_grad_norm, loss=loss, autocast_dtype=autocast_dtype,
+                     graphed=graphed, inputs=inputs)
+    return PlainRun(config, out, dataset, model, step, log, pairs, first_step)
 
 
 def train_plain(config: TrainConfig) -> None:
@@ -455,136 +337,16 @@ def train_plain(config: TrainConfig) -> None:
     The loss of a step is the mean over every loss token of the global batch (all micro-batches of
     all ranks), whatever each rank's share of them.
     """
-    rank, device = init_distributed()
-    out = Path(config.out)
-    check_out(config, out)
-    dataset = make_dataset(config)
-    check_tokenizer(config, dataset.manifest.inputs.tokenizer)
-    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
-    pairs = preference_setup(config, dataset, vocab_size, device)  # a refused run leaves no --out behind
-    out.mkdir(parents=True, exist_ok=True)
-    announce_mixture(dataset)
-    checkpoint = find_checkpoint(out, rank) if config.resume else None
-    model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
-    model.train()
-    speed = speed_options(config)
-    speed.apply(model)
-    optimizer = make_adamw(model.parameters(), config.lr, config.weight_decay, device, config.step_graph)
-    scheduler = linear_warmup(optimizer, config.warmup_steps)
-    step = 0
-    if checkpoint is not None:
-        loader_state = load_loader_state(checkpoint, rank)
-        state = load_training_state(checkpoint)
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-            check_optimizer_shapes(optimizer)
-            scheduler.load_state_dict(state["scheduler"])
-            step = state["step"]
-            saved_step = int(checkpoint.name.removeprefix("checkpoint-"))
-            if type(step) is not int or step != saved_step:
-                raise ValueError(f"its step {step!r} is not the checkpoint's, {saved_step}")
-            set_rng_state(state["rng"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as err:
-            raise CheckpointError(f"{checkpoint / TRAINING_STATE}: not a training state of this model and optimizer "
-                                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); resume from "
-                                  "another checkpoint, or start a new --out") from None
-        try:
-            dataset.load_state_dict(loader_state)
-        except ValueError as err:
-            raise CheckpointError(f"{checkpoint / loader_state_name(rank)}: {err}") from None
-        if rank == 0:
-            print(json.dumps({"resumed_from": str(checkpoint), "step": step}), flush=True)
-
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
-    with autocast:
-        speed.prewarm(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
-    ranks = world_size()
-    trained = model
-    if ranks > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    logger = Logger(out, getattr(dataset, "names", None), device, writes=rank == 0)
-    source_losses = logger.source_losses
-    # On a mixture the loss-position head also gives each sequence's loss, for the loss per source.
-    per_sequence = {SEQUENCE_LOSSES: True} if source_losses is not None and not config.full_logits else {}
+    run = start_plain_run(config, *init_distributed())
     losses: list[torch.Tensor] = []
-
-    def micro_batch_loss(batch: dict, num_items: torch.Tensor) -> torch.Tensor:
-        """The loss of one micro-batch, to call backward on; on a mixture its loss per source is added up
-        first, so that a model's full logits are not kept through the backward pass."""
-        if pairs is not None:  # a preference objective: the batch's per-pair losses over the window's pairs
-            inputs = preference.model_inputs(model_inputs(batch, device, config.full_logits))
-            terms = preference.preference_terms(trained, batch, pairs.config, pairs.reference, inputs)
-            pairs.metrics.add(terms)
-            return terms.losses.sum() / num_items
-        outputs = trained(**model_inputs(batch, device, config.full_logits), num_items_in_batch=num_items, **per_sequence)
-        if source_losses is not None:
-            source_losses.add_outputs(outputs, batch)
-        return outputs.loss
-
-    def log_and_save(step: int) -> None:
-        """Log every --log-every steps (the global batch's loss, every rank's tokens); checkpoint every --save-every."""
-        if step % config.log_every == 0 or step == config.max_steps:
-            mean_loss = torch.stack(losses).mean()
-            if ranks > 1:
-                totals = torch.stack([mean_loss, count_on_device(logger.tokens, device)])
-                torch.distributed.all_reduce(totals)
-                mean_loss, logger.tokens = totals[0] / ranks, int(totals[1].item())
-                if logger.sources:
-                    sources = torch.from_numpy(logger.source_tokens).to(device)
-                    torch.distributed.all_reduce(sources)
-                    logger.source_tokens = sources.cpu().numpy()
-            graphs = {"step_graphs": len(graphed.graphs)} if graphed is not None else {}  # flat once all are captured
-            rewards = pairs.metrics.pop(distributed=True) if pairs is not None else {}
-            logger.log(step, loss=mean_loss.item(), lr=float(scheduler.get_last_lr()[0]), **graphs, **rewards)
-            losses.clear()
-        if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
-            save_plain_checkpoint(out, step, model, optimizer, scheduler, dataset)
-
-    graphed = None
-    if config.step_graph:
-        # Every shape of the run's first epoch is captured after step 1, so that no later step stops to capture.
-        shapes = ({**model_inputs(batch, device, False), **per_sequence}
-                  for batch in itertools.islice(make_dataset(config), config.max_steps - step))
-        graphed = GraphedStep(model, optimizer, config.max_grad_norm, torch.bfloat16 if config.precision == "bf16" else None,
-                              shapes=shapes)
-    batches = iter(dataset)
-    while step < config.max_steps:
-        window = []
-        for _ in range(config.grad_accum):
-            batch = next(batches, None)
-            if batch is None:  # end of an epoch: the loader's state moves on to the next one
-                batches = iter(dataset)
-                batch = next(batches)
-            window.append(batch)
-        local_items = preference.pairs_in(window) if pairs is not None else sum(batch_normalizer(b) for b in window)
-        if ranks == 1:  # under torchrun, a rank's share may hold none while others' do
-            check_trained_tokens(local_items, step + 1, dataset.source)
-        if graphed is not None:  # one GPU, one micro-batch: the whole step is a graph replay
-            (batch,) = window
-            losses.append(graphed({**model_inputs(batch, device, False), **per_sequence}, local_items))
-            if source_losses is not None:
-                assert graphed.sequence_losses is not None  # the batch asked for them
-                source_losses.add(graphed.sequence_losses, batch[SOURCE_IDS])
-            logger.add_batch(batch)
-            scheduler.step()
-            step += 1
-            log_and_save(step)
-            continue
-        # DDP averages gradients over ranks: dividing by the global count / ranks makes them the global mean.
-        num_items = step_normalizer(local_items, device) if ranks > 1 else count_on_device(local_items, device)
-        step_loss = torch.zeros((), device=device)
-        for i, batch in enumerate(window):
-            sync = contextlib.nullcontext() if ranks == 1 or i == len(window) - 1 else trained.no_sync()
-            with sync:
-                with autocast:
-                    loss = micro_batch_loss(batch, num_items)
-                loss.backward()
-            step_loss += loss.detach()
-            logger.add_batch(batch)
-        optimizer_step(model.parameters(), optimizer, scheduler, config.max_grad_norm)
-        step += 1
-        losses.append(step_loss)
-        log_and_save(step)
+    for step, window in zip(range(run.first_step + 1, config.max_steps + 1), windows(run.dataset, config.grad_accum)):
+        losses.append(run.step(window, run.normalizer(window, step)))
+        if run.step.graphed is not None and run.log.source_losses is not None:
+            assert run.step.graphed.sequence_losses is not None  # the batch asked for them
+            run.log.source_losses.add(run.step.graphed.sequence_losses, window[0][SOURCE_IDS])
+        for batch in window:
+            run.log.add_batch(batch)
+        run.log_and_save(step, losses)
 
 
 # ---- the Hugging Face Trainer ---------------------------------------------------------------
@@ -707,48 +469,78 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None) -> TrainConfig:
-    parser = make_parser()
-    config = TrainConfig(**vars(parser.parse_args(argv)))
+def counts_problem(config: TrainConfig) -> str | None:
+    """A count below its least: --grad-accum 0, --max-steps -1, --log-every 0, ..."""
     for name, least in (("batch_rows", 1), ("grad_accum", 1), ("max_steps", 1), ("log_every", 1),
                         ("tokens_per_batch", 0), ("save_every", 0), ("warmup_steps", 0)):
         if getattr(config, name) < least:
-            parser.error(f"--{name.replace('_', '-')} is {getattr(config, name)}; give "
-                         + ("a positive integer" if least else "0 or more"))
-    if config.random_init:
-        try:
-            parse_random_init(config.random_init)
-        except ValueError as err:
-            parser.error(str(err))
-    if config.step_graph:
-        needs = [why for why, broken in (
-            ("--compile", not config.compile), ("the loss-position head (drop --full-logits)", config.full_logits),
-            ("--grad-accum 1", config.grad_accum != 1), ("--trainer plain", config.trainer != "plain"),
-            ("a CUDA GPU", not torch.cuda.is_available()),
-            ("one process (not torchrun)", int(os.environ.get("WORLD_SIZE", "1")) > 1)) if broken]
-        if needs:
-            parser.error(f"--step-graph needs {', '.join(needs)}")
+            return (f"--{name.replace('_', '-')} is {getattr(config, name)}; give "
+                    + ("a positive integer" if least else "0 or more"))
+    return None
+
+
+def random_init_problem(config: TrainConfig) -> str | None:
+    """A --random-init spec with an item that is not key=value."""
+    try:
+        parse_config_spec(config.random_init)
+    except ConfigSpecError as err:
+        return f"--random-init {err}"
+    return None
+
+
+def step_graph_problem(config: TrainConfig) -> str | None:
+    """--step-graph without what it needs, all of it named."""
+    needs = [why for why, broken in (
+        ("--compile", not config.compile), ("the loss-position head (drop --full-logits)", config.full_logits),
+        ("--grad-accum 1", config.grad_accum != 1), ("--trainer plain", config.trainer != "plain"),
+        ("a CUDA GPU", not torch.cuda.is_available()),
+        ("one process (not torchrun)", int(os.environ.get("WORLD_SIZE", "1")) > 1)) if broken]
+    return f"--step-graph needs {', '.join(needs)}" if config.step_graph and needs else None
+
+
+def speed_problem(config: TrainConfig) -> str | None:
+    """An activation memory budget out of (0, 1] or without --compile; --full-logits with a loss weighted by the head."""
     if not 0 < config.activation_memory_budget <= 1:
-        parser.error(f"--activation-memory-budget is {config.activation_memory_budget}; give a share in (0, 1]")
+        return f"--activation-memory-budget is {config.activation_memory_budget}; give a share in (0, 1]"
     if config.activation_memory_budget < 1 and not config.compile:
-        parser.error("--activation-memory-budget applies to compiled layers; add --compile")
+        return "--activation-memory-budget applies to compiled layers; add --compile"
     if config.full_logits and config.loss_reduction != "token" and config.trainer == "plain":
-        parser.error(f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
-                     "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")
-    if config.objective != "sft":
-        needs = [why for why, broken in (
-            ("the loss-position head (drop --full-logits)", config.full_logits),
-            ("--shards (not --mixture)", bool(config.mixture)), ("--loss-reduction token", config.loss_reduction != "token"),
-            ("no --step-graph", config.step_graph),
-            ("a finite positive --beta", not (math.isfinite(config.beta) and config.beta > 0))) if broken]
-        if needs:
-            parser.error(f"--objective {config.objective} needs {', '.join(needs)}")
-    if config.reference_log_probs:
-        if config.objective not in preference.NEEDS_REFERENCE:
-            parser.error(f"--reference-log-probs applies to --objective dpo or ipo, not {config.objective} "
-                         "(which uses no reference model)")
-        if not Path(config.reference_log_probs).is_file():
-            parser.error(f"--reference-log-probs {config.reference_log_probs}: no such file")
+        return (f"--loss-reduction {config.loss_reduction} weighs tokens through the loss-position head in the "
+                "plain loop; drop --full-logits (or use --trainer hf, which weighs the model's own logits)")
+    return None
+
+
+def objective_problem(config: TrainConfig) -> str | None:
+    """A preference objective without what it needs, all of it named."""
+    needs = [why for why, broken in (
+        ("the loss-position head (drop --full-logits)", config.full_logits),
+        ("--shards (not --mixture)", bool(config.mixture)), ("--loss-reduction token", config.loss_reduction != "token"),
+        ("no --step-graph", config.step_graph),
+        ("a finite positive --beta", not (math.isfinite(config.beta) and config.beta > 0))) if broken]
+    return f"--objective {config.objective} needs {', '.join(needs)}" if config.objective != "sft" and needs else None
+
+
+def reference_problem(config: TrainConfig) -> str | None:
+    """--reference-log-probs with an objective that uses no reference, or naming no file."""
+    if config.reference_log_probs and config.objective not in preference.NEEDS_REFERENCE:
+        return (f"--reference-log-probs applies to --objective dpo or ipo, not {config.objective} "
+                "(which uses no reference model)")
+    if config.reference_log_probs and not Path(config.reference_log_probs).is_file():
+        return f"--reference-log-probs {config.reference_log_probs}: no such file"
+    return None
+
+
+# Each returns the problem of options that cannot train together, or None; the first found is the error.
+OPTION_CHECKS = (counts_problem, random_init_problem, step_graph_problem, speed_problem, objective_problem,
+                 reference_problem)
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    parser = make_parser()
+    config = TrainConfig(**vars(parser.parse_args(argv)))
+    for check in OPTION_CHECKS:
+        if (problem := check(config)) is not None:
+            parser.error(problem)
     return config
 
 

@@ -1,4 +1,4 @@
-"""Model-side helpers for training on packed batches: loading a causal LM, regional compilation,
+"""Model-side helpers for training on packed batches: loading a causal LM (and readying it), regional compilation,
 bucket prewarming, the batch keys a model takes, counts on the device without a sync, the check that
 a step trains something, the warm-up schedule, peak memory.
 
@@ -40,6 +40,17 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
         # The weights are dequantized already; transformers refuses to save a model that keeps its GGUF quantizer.
         setattr(model, "hf_quantizer", None)
         del model.config.quantization_config
+    return model
+
+
+def for_packed_training(model: torch.nn.Module, vocab_size: int) -> torch.nn.Module:
+    """``model`` ready to train on shards of a ``vocab_size`` tokenizer: a smaller vocabulary is refused (the shards
+    were tokenized for another model), and its cache is off (returned, changed in place)."""
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the shards' tokenizer's "
+                         f"({vocab_size}): these shards were tokenized for another model")
+    # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
+    model.config.use_cache = False
     return model
 
 
