@@ -34,81 +34,81 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loaders import PackedIterableDataset, PackedMixture, load_mixture_file  # noqa: E402
-from loaders.collate import SOURCE_IDS  # noqa: E402
 from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
 from loaders.train import preference  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
-from loaders.train.checkpoint import (  # noqa: E402
-    checkpoint_to_resume,
-    refuse_earlier_run,
-    resumable_checkpoint,
-    resume_plain_run,
-    save_training_state,
-    training_state,
-    writing_checkpoint,
-)
+from loaders.train.checkpoint import (checkpoint_to_resume, refuse_earlier_run, resumable_checkpoint,  # noqa: E402
+                                      resume_plain_run, save_training_state, training_state, writing_checkpoint)
 from loaders.train.distributed import finish_distributed_run, init_distributed, world_size  # noqa: E402
 from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_position_head  # noqa: E402
-from loaders.train.models import (  # noqa: E402
-    check_trained_tokens,
-    for_packed_training,
-    load_causal_lm,
-    model_inputs,
-    peak_memory_gib,
-)
+from loaders.train.models import check_trained_tokens, for_packed_training, load_causal_lm, model_inputs  # noqa: E402
 from loaders.train.optim import adamw_with_warmup  # noqa: E402
 from loaders.train.random_init import ConfigSpecError, parse_config_spec, random_init_model  # noqa: E402
 from loaders.train.run_log import Logger  # noqa: E402
-from loaders.train.source_loss import SourceLosses  # noqa: E402
 from loaders.train.speed import SpeedOptions  # noqa: E402
 from loaders.train.step import MicroBatchLoss, TrainStep  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
 
+def option(default: Any, text: str) -> Any:
+    """A TrainConfig field: its default and what its option does, for --help."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass
 class TrainConfig:
     """One training run; the CLI maps onto it one to one."""
 
-    shards: str = "shards"
-    mixture: str = ""  # a JSON mixture file (sources, weights, unit, max_epochs): read instead of --shards
-    model: str = ""  # Hub id or local directory: fine-tune its weights
-    gguf_file: str = ""  # a GGUF file in --model to load the weights from
-    random_init: str = ""  # "llama", "llama:key=value,...", or a Hub id / directory whose config is used
-    trainer: str = "plain"  # plain | hf
-    attn: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_segments | sdpa | a transformers implementation
-    out: str = "runs/train"
-    batch_rows: int = 1
-    tokens_per_batch: int = 0  # 0: batch_rows rows per batch
-    grad_accum: int = 1
-    max_steps: int = 100
-    lr: float = 2e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    precision: str = "bf16"  # bf16 | fp32
-    compile: bool = False  # per-layer torch.compile on fixed-shape batches (pad_to_fixed_shape, bucket_shapes)
-    step_graph: bool = False  # with --compile: each step one CUDA graph replay (loaders.train.step_graph); one GPU
-    activation_memory_budget: float = 1.0  # with --compile: share of the activations compiled layers keep for backward
-    full_logits: bool = False  # the model's own LM head and loss over every token, not only labelled ones
-    loss_reduction: str = "token"  # token | sequence (loaders/loss_weights.py)
-    log_every: int = 10
-    save_every: int = 0  # 0: save only at the end
-    resume: bool = False
-    seed: int = 0
-    allow_tokenizer_mismatch: bool = False  # train although --model's tokenizer differs from the shards'
-    objective: str = "sft"  # sft | dpo | ipo | simpo | orpo (a preference build's pairs)
-    beta: float = 0.1  # the preference objective's beta (ORPO's lambda)
-    simpo_gamma: float = 0.5  # SimPO's target margin
-    reference_log_probs: str = ""  # DPO/IPO: the reference's log-probs stored beside the build, not a frozen copy
+    shards: str = option("shards", "shard directory or manifest (local, or an fsspec URL such as s3://)")
+    mixture: str = option("", "a JSON mixture file (sources, weights, unit, max_epochs; docs/mixtures.md) read instead of --shards")
+    model: str = option("", "Hub id or local directory whose weights are fine-tuned")
+    gguf_file: str = option("", "GGUF file in the --model directory to take the weights from (dequantized; checkpoints are saved as "
+                                "plain safetensors)")
+    random_init: str = option("", "random init from a config: a model type with overrides (llama:hidden_size=512,...) or a Hub id / "
+                                  "directory whose config is used")
+    trainer: str = option("plain", "training loop: plain (PyTorch) or hf (Hugging Face Trainer)")
+    attn: str = option("auto", "attention backend: auto (the best here), flash_attn, torch_varlen, sdpa_segments (per example; the CPU "
+                               "choice), sdpa, or a transformers implementation such as flash_attention_2")
+    out: str = option("runs/train", "directory for log.jsonl and checkpoints")
+    batch_rows: int = option(1, "packed rows per batch (ignored with --tokens-per-batch)")
+    tokens_per_batch: int = option(0, "tokens per batch instead of a fixed row count; 0 uses --batch-rows")
+    grad_accum: int = option(1, "batches per optimizer step")
+    max_steps: int = option(100, "optimizer steps to train for")
+    lr: float = option(2e-5, "learning rate (AdamW), constant after the warm-up")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    warmup_steps: int = option(0, "linear warm-up steps")
+    max_grad_norm: float = option(1.0, "gradient clipping norm")
+    precision: str = option("bf16", "bf16 (autocast, fp32 weights) or fp32")
+    compile: bool = option(False, "fixed-shape batches and per-layer torch.compile")
+    step_graph: bool = option(False, "with --compile: each optimizer step (forward, backward, clipping, AdamW) replayed as one CUDA "
+                                     "graph per batch shape; one GPU, --grad-accum 1, the plain loop")
+    activation_memory_budget: float = option(1.0, "with --compile: the share of their activations the compiled layers keep for "
+                                                  "backward, recomputing the rest (0.9 cut peak memory by a quarter at 32k tokens a "
+                                                  "step for 1%% of the speed)")
+    full_logits: bool = option(False, "use the model's own LM head and loss over every token, not only the labelled ones")
+    loss_reduction: str = option("token", "token: every trained token weighs the same; sequence: every example weighs the same (the "
+                                          "plain loop needs the loss-position head for it)")
+    log_every: int = option(10, "log every N optimizer steps")
+    save_every: int = option(0, "checkpoint every N steps; 0 saves only at the end")
+    resume: bool = option(False, "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)")
+    seed: int = option(0, "seed of the model init and the loader's shuffle")
+    allow_tokenizer_mismatch: bool = option(False, "train although the tokenizer in the --model directory differs from the one the "
+                                                   "shards were built with")
+    objective: str = option("sft", "sft (next-token loss), or on a preference build's pairs dpo (sigmoid), ipo, simpo or orpo")
+    beta: float = option(0.1, "the preference objective's beta (DPO, IPO, SimPO; ORPO's lambda)")
+    simpo_gamma: float = option(0.5, "SimPO's target reward margin (TRL's simpo_gamma)")
+    reference_log_probs: str = option("", "dpo, ipo: the reference model's log-probs stored beside the build "
+                                          "(loaders.train.preference.write_reference_log_probs) instead of a frozen copy of the model")
 
 
 # ---- model, data, logs, checkpoints: shared by both loops -----------------------------------
@@ -222,15 +222,6 @@ def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_
     return PreferenceTraining(objective, reference, preference.RewardMetrics(device))
 
 
-def source_loss(model: torch.nn.Module, inputs: Callable[[dict], dict], losses: SourceLosses) -> MicroBatchLoss:
-    """A mixture's micro-batch loss, each source's loss added up first, so that full logits are not kept for backward."""
-    def loss(batch: dict, num_items: torch.Tensor) -> torch.Tensor:
-        outputs = model(**inputs(batch), num_items_in_batch=num_items)
-        losses.add_outputs(outputs, batch)
-        return outputs.loss
-    return loss
-
-
 def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> None:
     """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position,
     published as ``checkpoint-STEP`` once every rank has written its part."""
@@ -241,17 +232,9 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: 
 
 
 def windows(dataset: PackedIterableDataset, size: int) -> Iterator[list[dict]]:
-    """The dataset's batches in windows of ``size``, epoch after epoch (an ended epoch's state moves to the next)."""
-    batches = iter(dataset)
-    while True:
-        window = []
-        for _ in range(size):
-            batch = next(batches, None)
-            if batch is None:
-                batches = iter(dataset)
-                batch = next(batches)
-            window.append(batch)
-        yield window
+    """The dataset's batches in windows of ``size``, epoch after epoch (each new pass reads on into the next epoch)."""
+    batches = itertools.chain.from_iterable(itertools.repeat(dataset))
+    return iter(lambda: list(itertools.islice(batches, size)), [])
 
 
 @dataclass
@@ -319,15 +302,13 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
     # On a mixture the loss-position head also gives each sequence's loss, for the loss per source.
     per_sequence = {SEQUENCE_LOSSES: True} if log.source_losses is not None and not config.full_logits else {}
     inputs = lambda batch: {**model_inputs(batch, device, config.full_logits), **per_sequence}  # noqa: E731
-    loss = (pairs.loss(trained, inputs) if pairs is not None
-            else source_loss(trained, inputs, log.source_losses) if log.source_losses is not None else None)
     graphed = None
     if config.step_graph:
         # Every shape of the run's first epoch is captured after step 1, so that no later step stops to capture.
         shapes = map(inputs, itertools.islice(make_dataset(config), config.max_steps - first_step))
         graphed = GraphedStep(model, optimizer, config.max_grad_norm, autocast_dtype, shapes=shapes)
-    step = TrainStep(trained, optimizer, scheduler, config.max_grad_norm, loss=loss, autocast_dtype=autocast_dtype,
-                     graphed=graphed, inputs=inputs)
+    step = TrainStep(trained, optimizer, scheduler, config.max_grad_norm, autocast_dtype=autocast_dtype, graphed=graphed,
+                     inputs=inputs, source_losses=log.source_losses, loss=pairs.loss(trained, inputs) if pairs is not None else None)
     return PlainRun(config, out, dataset, model, step, log, pairs, first_step)
 
 
@@ -341,9 +322,6 @@ def train_plain(config: TrainConfig) -> None:
     losses: list[torch.Tensor] = []
     for step, window in zip(range(run.first_step + 1, config.max_steps + 1), windows(run.dataset, config.grad_accum)):
         losses.append(run.step(window, run.normalizer(window, step)))
-        if run.step.graphed is not None and run.log.source_losses is not None:
-            assert run.step.graphed.sequence_losses is not None  # the batch asked for them
-            run.log.source_losses.add(run.step.graphed.sequence_losses, window[0][SOURCE_IDS])
         for batch in window:
             run.log.add_batch(batch)
         run.log_and_save(step, losses)
@@ -361,40 +339,24 @@ def train_hf(config: TrainConfig) -> None:
     out = Path(config.out)
     check_out(config, out)
     args = TrainingArguments(
-        output_dir=str(out),
-        max_steps=config.max_steps,
+        output_dir=str(out), max_steps=config.max_steps, seed=config.seed, report_to="none",
         per_device_train_batch_size=1,  # a micro-batch is one batch of the dataset (--batch-rows, --tokens-per-batch)
-        gradient_accumulation_steps=config.grad_accum,
-        learning_rate=config.lr,
-        weight_decay=config.weight_decay,
-        warmup_steps=config.warmup_steps,
-        lr_scheduler_type="constant_with_warmup",
-        max_grad_norm=config.max_grad_norm,
-        bf16=config.precision == "bf16",
-        logging_steps=config.log_every,
-        save_steps=config.save_every or config.max_steps,
-        seed=config.seed,
-        report_to="none",
-        use_cpu=not torch.cuda.is_available(),
-    )
+        gradient_accumulation_steps=config.grad_accum, learning_rate=config.lr, weight_decay=config.weight_decay,
+        warmup_steps=config.warmup_steps, lr_scheduler_type="constant_with_warmup", max_grad_norm=config.max_grad_norm,
+        bf16=config.precision == "bf16", logging_steps=config.log_every, save_steps=config.save_every or config.max_steps,
+        use_cpu=not torch.cuda.is_available())
     dataset = make_dataset(config)  # after the arguments, which start torch.distributed under torchrun
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     check_objective(config, dataset)
     announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
-    logger = Logger(out)
-    sources = getattr(dataset, "names", [])
+    logger = Logger(out, getattr(dataset, "names", None))
 
     class LogToFile(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
-                record = {"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
-                          "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()}
-                record.update({name: logs[name] for name in preference.REWARD_METRICS if name in logs})
-                if sources:  # PackedTrainer's train_NAME_loss
-                    record["source_loss"] = {name: logs.get(f"train_{name}_loss") for name in sources}
-                logger.write(record)
+                logger.write(logger.trainer_record(state.global_step, logs))
 
     if config.objective == "sft":
         trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()], speed=speed_options(config))
@@ -408,49 +370,6 @@ def train_hf(config: TrainConfig) -> None:
     trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
 
 
-# What each option of TrainConfig does, for --help.
-OPTION_HELP = {
-    "shards": "shard directory or manifest (local, or an fsspec URL such as s3://)",
-    "mixture": "a JSON mixture file (sources, weights, unit, max_epochs; docs/mixtures.md) read instead of --shards",
-    "model": "Hub id or local directory whose weights are fine-tuned",
-    "gguf_file": "GGUF file in the --model directory to take the weights from (dequantized; checkpoints are saved as "
-                 "plain safetensors)",
-    "random_init": "random init from a config: a model type with overrides (llama:hidden_size=512,...) "
-                   "or a Hub id / directory whose config is used",
-    "trainer": "training loop: plain (PyTorch) or hf (Hugging Face Trainer)",
-    "attn": "attention backend: auto (the best here), flash_attn, torch_varlen, sdpa_segments (per example; "
-            "the CPU choice), sdpa, or a transformers implementation such as flash_attention_2",
-    "out": "directory for log.jsonl and checkpoints",
-    "batch_rows": "packed rows per batch (ignored with --tokens-per-batch)",
-    "tokens_per_batch": "tokens per batch instead of a fixed row count; 0 uses --batch-rows",
-    "grad_accum": "batches per optimizer step",
-    "max_steps": "optimizer steps to train for",
-    "lr": "learning rate (AdamW), constant after the warm-up",
-    "weight_decay": "AdamW weight decay",
-    "warmup_steps": "linear warm-up steps",
-    "max_grad_norm": "gradient clipping norm",
-    "precision": "bf16 (autocast, fp32 weights) or fp32",
-    "compile": "fixed-shape batches and per-layer torch.compile",
-    "step_graph": "with --compile: each optimizer step (forward, backward, clipping, AdamW) replayed as one CUDA graph "
-                  "per batch shape; one GPU, --grad-accum 1, the plain loop",
-    "activation_memory_budget": "with --compile: the share of their activations the compiled layers keep for backward, "
-                                "recomputing the rest (0.9 cut peak memory by a quarter at 32k tokens a step for 1%% "
-                                "of the speed)",
-    "full_logits": "use the model's own LM head and loss over every token, not only the labelled ones",
-    "loss_reduction": "token: every trained token weighs the same; sequence: every example weighs the same "
-                      "(the plain loop needs the loss-position head for it)",
-    "log_every": "log every N optimizer steps",
-    "save_every": "checkpoint every N steps; 0 saves only at the end",
-    "resume": "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)",
-    "seed": "seed of the model init and the loader's shuffle",
-    "allow_tokenizer_mismatch": "train although the tokenizer in the --model directory differs from the one the shards "
-                                "were built with",
-    "objective": "sft (next-token loss), or on a preference build's pairs dpo (sigmoid), ipo, simpo or orpo",
-    "beta": "the preference objective's beta (DPO, IPO, SimPO; ORPO's lambda)",
-    "simpo_gamma": "SimPO's target reward margin (TRL's simpo_gamma)",
-    "reference_log_probs": "dpo, ipo: the reference model's log-probs stored beside the build "
-                           "(loaders.train.preference.write_reference_log_probs) instead of a frozen copy of the model",
-}
 CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction),
            "objective": ("sft", *(objective.value for objective in preference.Objective))}
 
@@ -458,10 +377,11 @@ CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_redu
 def make_parser() -> argparse.ArgumentParser:
     """The command line: one option per TrainConfig field, each described with its default."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(TrainConfig()).items():
+    for option_field in fields(TrainConfig):
+        name, value = option_field.name, option_field.default
         flag = "--" + name.replace("_", "-")
         shown = "off" if value is False else value if value != "" else "none"
-        text = f"{OPTION_HELP[name]} (default: {shown})"
+        text = f"{option_field.metadata['help']} (default: {shown})"
         if isinstance(value, bool):
             parser.add_argument(flag, action="store_true", help=text)
         else:

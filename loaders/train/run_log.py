@@ -27,6 +27,7 @@ from loaders.collate import NUM_REAL_TOKENS, SOURCE_IDS
 from loaders.mixture import source_counts
 from loaders.train.distributed import world_size
 from loaders.train.models import count_on_device, peak_memory_gib
+from loaders.train.preference import REWARD_METRICS
 from loaders.train.source_loss import SourceLosses
 
 LOG = "log.jsonl"
@@ -87,6 +88,16 @@ class Logger:
         self.tokens, self.start = 0, now
         if self.writes:
             self.write(record)
+        return record
+
+    def trainer_record(self, step: int, logs: dict[str, Any]) -> dict:
+        """The line of a ``PackedTrainer`` training log (``loss`` and ``real_tokens_per_s`` in ``logs``): the same keys,
+        with a preference objective's reward metrics and, on a mixture, its ``train_NAME_loss`` as ``source_loss``."""
+        record = {"step": step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
+                  "tokens_per_s": logs["real_tokens_per_s"], "peak_mem_gib": peak_memory_gib()}
+        record.update({name: logs[name] for name in REWARD_METRICS if name in logs})
+        if self.sources:
+            record["source_loss"] = {name: logs.get(f"train_{name}_loss") for name in self.sources}
         return record
 
     def write(self, record: dict) -> None:
