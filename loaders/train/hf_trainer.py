@@ -77,8 +77,8 @@ from loaders.train.checkpoint import (
     LOADER_STATE,
     CheckpointError,
     latest_checkpoint,
-    load_loader_state,
     loader_state_name,
+    restore_loader_state,
     save_loader_state,
 )
 from loaders.train.distributed import global_loss_tokens, world_size
@@ -259,13 +259,7 @@ class PackedTrainerMixin(_TrainerBase):
             resume_from_checkpoint = str(latest) if latest is not None else True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_trainer_state(Path(resume_from_checkpoint))
-            rank = self.packed_dataset.rank
-            try:
-                self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, rank))
-            except CheckpointError:
-                raise
-            except ValueError as err:
-                raise CheckpointError(f"{Path(resume_from_checkpoint) / loader_state_name(rank)}: {err}") from None
+            restore_loader_state(self.packed_dataset, resume_from_checkpoint)
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
         self._run_tokens, self._run_sequences = 0, 0
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,11 +47,12 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
 def for_packed_training(model: torch.nn.Module, vocab_size: int) -> torch.nn.Module:
     """``model`` ready to train on shards of a ``vocab_size`` tokenizer: a smaller vocabulary is refused (the shards
     were tokenized for another model), and its cache is off (returned, changed in place)."""
-    if model.config.vocab_size < vocab_size:
-        raise ValueError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the shards' tokenizer's "
+    config: Any = model.config
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"the model's vocabulary ({config.vocab_size}) is smaller than the shards' tokenizer's "
                          f"({vocab_size}): these shards were tokenized for another model")
     # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
-    model.config.use_cache = False
+    config.use_cache = False
     return model
 
 
@@ -109,7 +111,7 @@ def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
 
 
-def count_on_device(count: int, device: torch.device) -> torch.Tensor:
+def count_on_device(count: float, device: torch.device) -> torch.Tensor:
     """``count`` as a float32 scalar on ``device``, copied without waiting for the GPU to drain."""
     value = torch.tensor(float(count))
     if device.type == "cuda":
