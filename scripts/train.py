@@ -33,7 +33,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ from loaders.train.optim import adamw_with_warmup  # noqa: E402
 from loaders.train.random_init import ConfigSpecError, parse_config_spec, random_init_model  # noqa: E402
 from loaders.train.run_log import Logger  # noqa: E402
 from loaders.train.speed import SpeedOptions  # noqa: E402
-from loaders.train.step import MicroBatchLoss, TrainStep  # noqa: E402
+from loaders.train.step import TrainStep  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
@@ -162,12 +162,6 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     return PackedIterableDataset(config.shards, **options)
 
 
-def check_out(config: TrainConfig, out: Path) -> None:
-    """Refuse a log planted as a link, and a new run (no --resume) into an --out holding another run's checkpoints."""
-    Logger.check(out)
-    refuse_earlier_run(out, config.resume)
-
-
 def check_objective(config: TrainConfig, dataset: PackedIterableDataset) -> None:
     """Refuse --objective sft on a preference build (it would train on the rejected answers) and a preference
     objective on any other build."""
@@ -183,26 +177,8 @@ def check_objective(config: TrainConfig, dataset: PackedIterableDataset) -> None
 # ---- the plain PyTorch loop -----------------------------------------------------------------
 
 
-@dataclass
-class PreferenceTraining:
-    """A preference objective's settings, reference and reward metrics for the plain loop."""
-
-    config: preference.PreferenceConfig
-    reference: preference.Reference | None
-    metrics: preference.RewardMetrics
-
-    def loss(self, model: torch.nn.Module, inputs: Callable[[dict], dict]) -> MicroBatchLoss:
-        """A micro-batch's loss: its pairs' summed losses over the step's pairs; its reward metrics are counted."""
-        def pair_loss(batch: dict, pairs: torch.Tensor) -> torch.Tensor:
-            terms = preference.preference_terms(model, batch, self.config, self.reference,
-                                                preference.model_inputs(inputs(batch)))
-            self.metrics.add(terms)
-            return terms.losses.sum() / pairs
-        return pair_loss
-
-
 def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_size: int,
-                     device: torch.device) -> PreferenceTraining | None:
+                     device: torch.device) -> preference.PairLoss | None:
     """None for --objective sft; else the objective, and for DPO and IPO the reference: the stored log-probs of
     --reference-log-probs, or the starting model (--model or the seeded --random-init, never a resumed checkpoint),
     frozen."""
@@ -219,16 +195,7 @@ def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_
             reference = preference.Reference(stored=stored)
         else:
             reference = preference.Reference(frozen_copy(start).to(device))
-    return PreferenceTraining(objective, reference, preference.RewardMetrics(device))
-
-
-def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, dataset: PackedIterableDataset) -> None:
-    """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader position,
-    published as ``checkpoint-STEP`` once every rank has written its part."""
-    with writing_checkpoint(out, step, dataset) as partial:
-        if dataset.rank == 0:
-            model.save_pretrained(partial)
-            save_training_state(partial, training_state(optimizer, scheduler, step))
+    return preference.PairLoss(objective, reference, preference.RewardMetrics(device))
 
 
 def windows(dataset: PackedIterableDataset, size: int) -> Iterator[list[dict]]:
@@ -239,7 +206,7 @@ def windows(dataset: PackedIterableDataset, size: int) -> Iterator[list[dict]]:
 
 @dataclass
 class PlainRun:
-    """What the plain loop trains with, set up (and resumed) by ``start_plain_run``."""
+    """The plain loop's dataset, model, optimizer step and log, set up (and resumed) by ``start_plain_run``."""
 
     config: TrainConfig
     out: Path
@@ -247,7 +214,7 @@ class PlainRun:
     model: torch.nn.Module
     step: TrainStep
     log: Logger
-    pairs: PreferenceTraining | None
+    pairs: preference.PairLoss | None
     first_step: int
 
     def normalizer(self, window: list[dict], step: int) -> float:
@@ -266,14 +233,23 @@ class PlainRun:
             self.log.log_steps(step, losses, lr=float(self.step.scheduler.get_last_lr()[0]), **graphs, **rewards)
             losses.clear()
         if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
-            save_checkpoint(self.out, step, self.model, self.step.optimizer, self.step.scheduler, self.dataset)
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Weights, optimizer, scheduler and RNG from rank 0 (the same on every rank), and every rank's loader
+        position, published as ``checkpoint-STEP`` once every rank has written its part."""
+        with writing_checkpoint(self.out, step, self.dataset) as partial:
+            if self.dataset.rank == 0:
+                self.model.save_pretrained(partial)
+                save_training_state(partial, training_state(self.step.optimizer, self.step.scheduler, step))
 
 
 def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> PlainRun:
     """The dataset, the model (resumed from the newest checkpoint with --resume) with its speed options, prewarmed,
     and its optimizer step; a refused run leaves no --out behind."""
     out = Path(config.out)
-    check_out(config, out)
+    Logger.check(out)  # a link planted as the log, or
+    refuse_earlier_run(out, config.resume)  # a new run into an --out holding another run's checkpoints
     dataset = make_dataset(config)
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
@@ -307,8 +283,9 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
         # Every shape of the run's first epoch is captured after step 1, so that no later step stops to capture.
         shapes = map(inputs, itertools.islice(make_dataset(config), config.max_steps - first_step))
         graphed = GraphedStep(model, optimizer, config.max_grad_norm, autocast_dtype, shapes=shapes)
+    pair_loss = (lambda batch, num_pairs: pairs(trained, batch, inputs(batch), num_pairs)[0]) if pairs is not None else None
     step = TrainStep(trained, optimizer, scheduler, config.max_grad_norm, autocast_dtype=autocast_dtype, graphed=graphed,
-                     inputs=inputs, source_losses=log.source_losses, loss=pairs.loss(trained, inputs) if pairs is not None else None)
+                     inputs=inputs, source_losses=log.source_losses, loss=pair_loss)
     return PlainRun(config, out, dataset, model, step, log, pairs, first_step)
 
 
@@ -332,12 +309,13 @@ def train_plain(config: TrainConfig) -> None:
 
 def train_hf(config: TrainConfig) -> None:
     """The same run through ``loaders.train.hf_trainer.PackedTrainer`` (transformers' Trainer, accelerate)."""
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainingArguments
 
     from loaders.train.hf_trainer import PackedTrainer
 
     out = Path(config.out)
-    check_out(config, out)
+    Logger.check(out)  # a link planted as the log, or
+    refuse_earlier_run(out, config.resume)  # a new run into an --out holding another run's checkpoints
     args = TrainingArguments(
         output_dir=str(out), max_steps=config.max_steps, seed=config.seed, report_to="none",
         per_device_train_batch_size=1,  # a micro-batch is one batch of the dataset (--batch-rows, --tokens-per-batch)
@@ -351,20 +329,14 @@ def train_hf(config: TrainConfig) -> None:
     announce_mixture(dataset)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
     model = load_model(config, vocab_size, attn_implementation_for(config.attn))
-    logger = Logger(out, getattr(dataset, "names", None))
-
-    class LogToFile(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs and "loss" in logs:
-                logger.write(logger.trainer_record(state.global_step, logs))
-
+    callbacks = [Logger(out, getattr(dataset, "names", None)).trainer_callback()]
     if config.objective == "sft":
-        trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()], speed=speed_options(config))
+        trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks, speed=speed_options(config))
     else:
         from loaders.train.hf_trainer import PackedDPOTrainer
 
         objective = preference.PreferenceConfig(config.objective, beta=config.beta, simpo_gamma=config.simpo_gamma)
-        trainer = PackedDPOTrainer(model=model, args=args, train_dataset=dataset, callbacks=[LogToFile()],
+        trainer = PackedDPOTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,
                                    preference_config=objective, reference_log_probs=config.reference_log_probs or None)
     out.mkdir(parents=True, exist_ok=True)  # after the checks of a preference run, which leave no --out behind
     trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
@@ -408,14 +380,19 @@ def random_init_problem(config: TrainConfig) -> str | None:
     return None
 
 
+def needs(option: str, requirements: tuple[tuple[str, bool], ...]) -> str | None:
+    """``OPTION needs ...``, naming every requirement that is not met (``(what, missing)``), or None."""
+    missing = [what for what, broken in requirements if broken]
+    return f"{option} needs {', '.join(missing)}" if missing else None
+
+
 def step_graph_problem(config: TrainConfig) -> str | None:
     """--step-graph without what it needs, all of it named."""
-    needs = [why for why, broken in (
+    return needs("--step-graph", (
         ("--compile", not config.compile), ("the loss-position head (drop --full-logits)", config.full_logits),
         ("--grad-accum 1", config.grad_accum != 1), ("--trainer plain", config.trainer != "plain"),
         ("a CUDA GPU", not torch.cuda.is_available()),
-        ("one process (not torchrun)", int(os.environ.get("WORLD_SIZE", "1")) > 1)) if broken]
-    return f"--step-graph needs {', '.join(needs)}" if config.step_graph and needs else None
+        ("one process (not torchrun)", int(os.environ.get("WORLD_SIZE", "1")) > 1))) if config.step_graph else None
 
 
 def speed_problem(config: TrainConfig) -> str | None:
@@ -432,12 +409,11 @@ def speed_problem(config: TrainConfig) -> str | None:
 
 def objective_problem(config: TrainConfig) -> str | None:
     """A preference objective without what it needs, all of it named."""
-    needs = [why for why, broken in (
+    return needs(f"--objective {config.objective}", (
         ("the loss-position head (drop --full-logits)", config.full_logits),
         ("--shards (not --mixture)", bool(config.mixture)), ("--loss-reduction token", config.loss_reduction != "token"),
         ("no --step-graph", config.step_graph),
-        ("a finite positive --beta", not (math.isfinite(config.beta) and config.beta > 0))) if broken]
-    return f"--objective {config.objective} needs {', '.join(needs)}" if config.objective != "sft" and needs else None
+        ("a finite positive --beta", not (math.isfinite(config.beta) and config.beta > 0)))) if config.objective != "sft" else None
 
 
 def reference_problem(config: TrainConfig) -> str | None:

@@ -438,6 +438,7 @@ def _packed_dpo_trainer() -> type:
             if self.preference.objective in preference.NEEDS_REFERENCE:
                 self.reference = stored or self._make_reference(ref_model)
             self._reward_metrics = preference.RewardMetrics(self.args.device)
+            self._pair_loss = preference.PairLoss(self.preference, self.reference, self._reward_metrics)
 
         def _stored_reference(self, model: Any, ref_model: Any, dataset: Any,
                               path: str | os.PathLike[str] | None) -> Any:
@@ -470,12 +471,7 @@ def _packed_dpo_trainer() -> type:
             return float(preference.pairs_in(batches))
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            model_inputs = preference.model_inputs(self.model_inputs(model, inputs))
-            terms = preference.preference_terms(model, inputs, self.preference, self.reference, model_inputs)
-            pairs = num_items_in_batch if num_items_in_batch is not None else terms.losses.numel()
-            loss = terms.losses.sum() / pairs
-            if model.training:
-                self._reward_metrics.add(terms)
+            loss, terms = self._pair_loss(model, inputs, self.model_inputs(model, inputs), num_items_in_batch)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * world_size()
             return (loss, terms) if return_outputs else loss

@@ -266,6 +266,25 @@ class RewardMetrics:
         return {name: float(value) / pairs if pairs else 0.0 for name, value in zip(REWARD_METRICS, totals[:-1].tolist())}
 
 
+@dataclass
+class PairLoss:
+    """A micro-batch's preference loss: its pairs' summed losses over the step's pairs, so that the loss of a step is
+    the mean over all its pairs; a training batch's reward metrics are added to ``metrics``. Both of varpack's loops
+    (``scripts/train.py``'s and ``PackedDPOTrainer``) take it."""
+
+    config: PreferenceConfig
+    reference: Reference | None
+    metrics: RewardMetrics
+
+    def __call__(self, model: torch.nn.Module, batch: dict, inputs: dict,
+                 pairs: torch.Tensor | float | None = None) -> tuple[torch.Tensor, PreferenceTerms]:
+        """The loss and terms of ``batch`` (``inputs``: its model inputs on the device); ``pairs`` defaults to its own."""
+        terms = preference_terms(model, batch, self.config, self.reference, model_inputs(inputs))
+        if model.training:
+            self.metrics.add(terms)
+        return terms.losses.sum() / (terms.losses.numel() if pairs is None else pairs), terms
+
+
 # ---- reference log-probs stored beside the build ---------------------------------------------------
 
 REFERENCE_FILE = "reference_log_probs-{fingerprint}-{reference}.arrow"

@@ -9,7 +9,8 @@ the loss reduction). Under ``torchrun`` every rank counts and rank 0 writes::
     log.add_batch(batch)                          # each micro-batch trained
     log.log_steps(step, losses, lr=...)           # the mean of the steps' losses, all ranks' tokens
 
-The log is never written through a link planted at its path.
+``PackedTrainer`` logs through ``callbacks=[log.trainer_callback()]``, with the same keys. The log is
+never written through a link planted at its path.
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ class Logger:
         if self.writes:
             self.write(record)
         return record
+
+    def trainer_callback(self) -> Any:
+        """A transformers ``TrainerCallback`` that writes each training log of rank 0 as a line (``trainer_record``)."""
+        from transformers import TrainerCallback
+
+        log = self
+
+        class LogToFile(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if state.is_world_process_zero and logs and "loss" in logs:
+                    log.write(log.trainer_record(state.global_step, logs))
+
+        return LogToFile()
 
     def trainer_record(self, step: int, logs: dict[str, Any]) -> dict:
         """The line of a ``PackedTrainer`` training log (``loss`` and ``real_tokens_per_s`` in ``logs``): the same keys,
