@@ -33,7 +33,6 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from loaders.train import preference  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.train.checkpoint import (checkpoint_to_resume, refuse_earlier_run, resumable_checkpoint,  # noqa: E402
                                       resume_plain_run, save_training_state, training_state, writing_checkpoint)
-from loaders.train.distributed import finish_distributed_run, init_distributed, world_size  # noqa: E402
+from loaders.train.distributed import data_parallel, finish_distributed_run, init_distributed, world_size  # noqa: E402
 from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_position_head  # noqa: E402
 from loaders.train.models import check_trained_tokens, for_packed_training, load_causal_lm, model_inputs  # noqa: E402
 from loaders.train.optim import adamw_with_warmup  # noqa: E402
@@ -162,11 +161,16 @@ def make_dataset(config: TrainConfig) -> PackedIterableDataset:
     return PackedIterableDataset(config.shards, **options)
 
 
+def check_out(config: TrainConfig, out: Path) -> None:
+    """Refuse a link planted as the log, and a new run (no --resume) into an --out holding another run's checkpoints."""
+    Logger.check(out)
+    refuse_earlier_run(out, config.resume)
+
+
 def check_objective(config: TrainConfig, dataset: PackedIterableDataset) -> None:
     """Refuse --objective sft on a preference build (it would train on the rejected answers) and a preference
     objective on any other build."""
-    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
-    preference_build = any(manifest.preference_layout is not None for manifest in manifests)
+    preference_build = preference.is_preference_build(dataset)
     if config.objective == "sft" and preference_build:
         raise ValueError(f"--objective sft: {config.shards or config.mixture} {preference.NOT_SFT}; give --objective "
                          f"{', '.join(o.value for o in preference.Objective)}")
@@ -196,12 +200,6 @@ def preference_setup(config: TrainConfig, dataset: PackedIterableDataset, vocab_
         else:
             reference = preference.Reference(frozen_copy(start).to(device))
     return preference.PairLoss(objective, reference, preference.RewardMetrics(device))
-
-
-def windows(dataset: PackedIterableDataset, size: int) -> Iterator[list[dict]]:
-    """The dataset's batches in windows of ``size``, epoch after epoch (each new pass reads on into the next epoch)."""
-    batches = itertools.chain.from_iterable(itertools.repeat(dataset))
-    return iter(lambda: list(itertools.islice(batches, size)), [])
 
 
 @dataclass
@@ -248,8 +246,7 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
     """The dataset, the model (resumed from the newest checkpoint with --resume) with its speed options, prewarmed,
     and its optimizer step; a refused run leaves no --out behind."""
     out = Path(config.out)
-    Logger.check(out)  # a link planted as the log, or
-    refuse_earlier_run(out, config.resume)  # a new run into an --out holding another run's checkpoints
+    check_out(config, out)
     dataset = make_dataset(config)
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
@@ -271,9 +268,6 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
     autocast_dtype = torch.bfloat16 if config.precision == "bf16" else None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
         speed.prewarm(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
-    trained = model
-    if world_size() > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     log = Logger(out, getattr(dataset, "names", None), device, writes=rank == 0)
     # On a mixture the loss-position head also gives each sequence's loss, for the loss per source.
     per_sequence = {SEQUENCE_LOSSES: True} if log.source_losses is not None and not config.full_logits else {}
@@ -283,9 +277,8 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
         # Every shape of the run's first epoch is captured after step 1, so that no later step stops to capture.
         shapes = map(inputs, itertools.islice(make_dataset(config), config.max_steps - first_step))
         graphed = GraphedStep(model, optimizer, config.max_grad_norm, autocast_dtype, shapes=shapes)
-    pair_loss = (lambda batch, num_pairs: pairs(trained, batch, inputs(batch), num_pairs)[0]) if pairs is not None else None
-    step = TrainStep(trained, optimizer, scheduler, config.max_grad_norm, autocast_dtype=autocast_dtype, graphed=graphed,
-                     inputs=inputs, source_losses=log.source_losses, loss=pair_loss)
+    step = TrainStep(data_parallel(model, device), optimizer, scheduler, config.max_grad_norm, autocast_dtype=autocast_dtype,
+                     graphed=graphed, inputs=inputs, source_losses=log.source_losses, loss=pairs)
     return PlainRun(config, out, dataset, model, step, log, pairs, first_step)
 
 
@@ -296,8 +289,16 @@ def train_plain(config: TrainConfig) -> None:
     all ranks), whatever each rank's share of them.
     """
     run = start_plain_run(config, *init_distributed())
+    batches = iter(run.dataset)
     losses: list[torch.Tensor] = []
-    for step, window in zip(range(run.first_step + 1, config.max_steps + 1), windows(run.dataset, config.grad_accum)):
+    for step in range(run.first_step + 1, config.max_steps + 1):
+        window = []
+        for _ in range(config.grad_accum):
+            batch = next(batches, None)
+            if batch is None:  # end of an epoch: the loader's state moves on to the next one
+                batches = iter(run.dataset)
+                batch = next(batches)
+            window.append(batch)
         losses.append(run.step(window, run.normalizer(window, step)))
         for batch in window:
             run.log.add_batch(batch)
@@ -314,8 +315,7 @@ def train_hf(config: TrainConfig) -> None:
     from loaders.train.hf_trainer import PackedTrainer
 
     out = Path(config.out)
-    Logger.check(out)  # a link planted as the log, or
-    refuse_earlier_run(out, config.resume)  # a new run into an --out holding another run's checkpoints
+    check_out(config, out)
     args = TrainingArguments(
         output_dir=str(out), max_steps=config.max_steps, seed=config.seed, report_to="none",
         per_device_train_batch_size=1,  # a micro-batch is one batch of the dataset (--batch-rows, --tokens-per-batch)

@@ -40,6 +40,13 @@ def init_distributed() -> tuple[int, torch.device]:
     return dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` under ``DistributedDataParallel`` when several processes train, else ``model`` itself."""
+    if world_size() == 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def world_size() -> int:
     """The data-parallel world size: torch.distributed's when it is initialised, else 1."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -318,9 +318,9 @@ def _packed_trainer() -> type:
                 if model is None:
                     raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
                 speed.apply(model)
-            if isinstance(train_dataset, PackedIterableDataset) and _is_preference(train_dataset):
-                from loaders.train.preference import NOT_SFT
+            from loaders.train.preference import NOT_SFT, is_preference_build
 
+            if isinstance(train_dataset, PackedIterableDataset) and is_preference_build(train_dataset):
                 raise ValueError(f"PackedTrainer: the dataset {NOT_SFT}; train it with PackedDPOTrainer")
             self.speed = speed
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
@@ -471,7 +471,7 @@ def _packed_dpo_trainer() -> type:
             return float(preference.pairs_in(batches))
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss, terms = self._pair_loss(model, inputs, self.model_inputs(model, inputs), num_items_in_batch)
+            loss, terms = self._pair_loss.loss_and_terms(model, inputs, self.model_inputs(model, inputs), num_items_in_batch)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * world_size()
             return (loss, terms) if return_outputs else loss
@@ -500,12 +500,6 @@ def _check_dpo_settings(args: Any) -> None:
     if changed:
         raise ValueError(f"PackedDPOTrainer does not run DPOConfig's {', '.join(changed)}: they change TRL's loss; "
                          "leave them at their defaults")
-
-
-def _is_preference(dataset: PackedIterableDataset) -> bool:
-    """Whether ``dataset`` (or a source of a mixture) is a build of preference pairs."""
-    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
-    return any(manifest.preference_layout is not None for manifest in manifests)
 
 
 def _preference_from_args(args: Any) -> Any:

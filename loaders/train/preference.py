@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from loaders.collate import CHOSEN, KEY_INDEX, NUM_PAIRS, PAIR_IDS, PREFERENCE_KEYS, REJECTED, ROLES
 from loaders.dataset import PackedIterableDataset
+from loaders.mixture import PackedMixture
 from loaders.train.attention import check_key_index_attention
 from loaders.train.loss_head import SEQUENCE_LOG_PROBS
 from schemas.row import PreferenceLayout
@@ -276,9 +277,14 @@ class PairLoss:
     reference: Reference | None
     metrics: RewardMetrics
 
-    def __call__(self, model: torch.nn.Module, batch: dict, inputs: dict,
-                 pairs: torch.Tensor | float | None = None) -> tuple[torch.Tensor, PreferenceTerms]:
-        """The loss and terms of ``batch`` (``inputs``: its model inputs on the device); ``pairs`` defaults to its own."""
+    def __call__(self, model: torch.nn.Module, batch: dict, inputs: dict, pairs: torch.Tensor | float | None = None
+                 ) -> torch.Tensor:
+        """The loss of ``batch`` (``inputs``: its model inputs on the device); ``pairs`` defaults to its own."""
+        return self.loss_and_terms(model, batch, inputs, pairs)[0]
+
+    def loss_and_terms(self, model: torch.nn.Module, batch: dict, inputs: dict, pairs: torch.Tensor | float | None = None
+                       ) -> tuple[torch.Tensor, PreferenceTerms]:
+        """The loss of ``batch`` and its per-pair terms."""
         terms = preference_terms(model, batch, self.config, self.reference, model_inputs(inputs))
         if model.training:
             self.metrics.add(terms)
@@ -415,3 +421,9 @@ def pairs_in(batches: list[dict[str, Any]]) -> int:
     if any(NUM_PAIRS not in b for b in batches):
         raise ValueError(f"a preference objective {NOT_PREFERENCE}")
     return sum(int(b[NUM_PAIRS]) for b in batches)
+
+
+def is_preference_build(dataset: PackedIterableDataset) -> bool:
+    """Whether ``dataset`` (or a source of a mixture) is a build of preference pairs."""
+    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
+    return any(manifest.preference_layout is not None for manifest in manifests)

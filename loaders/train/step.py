@@ -28,15 +28,16 @@ from loaders.train.optim import optimizer_step
 from loaders.train.source_loss import SourceLosses
 from loaders.train.step_graph import GraphedStep
 
-# The loss of one micro-batch given the step's normaliser on the device, to call backward on.
-MicroBatchLoss = Callable[[dict, torch.Tensor], torch.Tensor]
+# The loss of one micro-batch to call backward on: (model, batch, the batch's model inputs, the step's normaliser).
+MicroBatchLoss = Callable[[torch.nn.Module, dict, dict, torch.Tensor], torch.Tensor]
 
 
 class TrainStep:
     """``step(window, normalizer)``: forward and backward over the window's micro-batches, then one optimizer step.
 
     ``model`` is what the forward runs through: the model, or its ``DistributedDataParallel`` wrapper.
-    ``loss``: the loss of a micro-batch (default: ``model(**batch, num_items_in_batch=...).loss``).
+    ``loss``: the loss of a micro-batch (default: ``model(**inputs, num_items_in_batch=...).loss``), such as a
+    preference objective's ``loaders.train.preference.PairLoss``.
     ``autocast_dtype``: forward under ``torch.autocast`` to that dtype (fp32 weights trained in bf16).
     ``graphed``: a ``GraphedStep`` of the same model and optimizer, to replay instead of running the step eagerly;
     ``inputs`` turns a batch into what the model takes (default: the batch as it is).
@@ -61,10 +62,10 @@ class TrainStep:
         self.autocast = torch.autocast(self.device.type, dtype=autocast_dtype or torch.bfloat16,
                                        enabled=autocast_dtype is not None)
 
-    def model_loss(self, batch: dict, num_items: torch.Tensor) -> torch.Tensor:
+    def model_loss(self, model: torch.nn.Module, batch: dict, inputs: dict, num_items: torch.Tensor) -> torch.Tensor:
         """The model's own loss of ``batch``, its summed token loss divided by ``num_items``; on a mixture each
         source's loss is added up first, so that full logits are not kept through the backward pass."""
-        outputs = self.model(**self.inputs(batch), num_items_in_batch=num_items)
+        outputs = model(**inputs, num_items_in_batch=num_items)
         if self.source_losses is not None:
             self.source_losses.add_outputs(outputs, batch)
         return outputs.loss
@@ -85,7 +86,7 @@ class TrainStep:
         for index, batch in enumerate(window):
             with self._gradient_sync(last=index == len(window) - 1):
                 with self.autocast:
-                    loss = self.loss(batch, num_items)
+                    loss = self.loss(self.model, batch, self.inputs(batch), num_items)
                 loss.backward()
             total += loss.detach()
         optimizer_step(self.model.parameters(), self.optimizer, self.scheduler, self.max_grad_norm)
