@@ -435,6 +435,14 @@ def make_train_step(model, config: BenchConfig, mode: Mode) -> TrainStep:
     return TrainStep(model, optimizer, scheduler, MAX_GRAD_NORM, graphed=graphed)
 
 
+def prewarmed(model, steps: Iterator[Step]) -> Iterator[Step]:
+    """Compile every bucket shape on the first step's batch, as train.py's prewarm does (``SpeedOptions.prewarm``:
+    ``prewarm_buckets``), before any step trains; the steps, the first included."""
+    first = next(steps)
+    prewarm_buckets(model, first.micro_batches[0])
+    return itertools.chain([first], steps)
+
+
 def train_step(train: TrainStep, step: Step, mode: Mode) -> torch.Tensor:
     """Forward and backward over the step's micro-batches, then one optimizer step (a CUDA graph replay for a
     step-graph mode); the loss (per trained token, averaged over the whole step) stays on the device."""
@@ -530,9 +538,7 @@ class ModeRun:
         assert self.model is not None
         self._phase("build")
         if self.mode.shapes == "buckets":
-            first = next(steps)
-            prewarm_buckets(self.model, first.micro_batches[0])
-            steps = itertools.chain([first], steps)
+            steps = prewarmed(self.model, steps)
             self._phase("prewarm")
         for index, step in enumerate(itertools.islice(steps, self.cell.warmup)):
             self.train(step)
@@ -779,9 +785,7 @@ def convergence(source: str, config: BenchConfig) -> dict:
         # Mode padded trains on the examples of ours' batches; its model never sees the counts.
         steps = (packed_step(batch, ours) for batch in packed_batches(source, config, config.rows_per_step, ours.shapes))
         if mode.shapes == "buckets":
-            first = next(steps)
-            prewarm_buckets(model, first.micro_batches[0])
-            steps = itertools.chain([first], steps)
+            steps = prewarmed(model, steps)
         losses, tokens = [], []
         start = time.perf_counter()
         for step in itertools.islice(steps, config.convergence_steps):
