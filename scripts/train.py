@@ -12,11 +12,11 @@
 Batches come from ``PackedIterableDataset`` as FA2 varlen kwargs (``cu_seq_lens_q`` ...; no
 attention mask) with their real-token and loss-token counts as Python ints, so a step never waits
 on the GPU to count them. The loss is averaged per trained token over each optimizer step, in both
-loops, and computed by ``loaders.train.loss_head`` at labelled positions only (``--full-logits``: the
-model's own LM head over every token).
-Logs (one JSON object a line, also in ``OUT/log.jsonl``): loss, real tokens/s, peak memory
-(GPU memory allocated; on CPU the process's peak resident memory); on a mixture, each source's
-tokens (plain loop) and mean token loss (``source_loss``, both loops) since the last line.
+loops (the plain loop's step: ``loaders.train.step``), and computed by ``loaders.train.loss_head``
+at labelled positions only (``--full-logits``: the model's own LM head over every token).
+Logs (``loaders.train.run_log``, one JSON object a line, also in ``OUT/log.jsonl``): loss, real
+tokens/s, peak memory (GPU memory allocated; on CPU the process's peak resident memory); on a
+mixture, each source's tokens (plain loop) and mean token loss (``source_loss``, both loops).
 Weights stay in fp32; ``--precision bf16`` (default) runs forward and backward under bf16 autocast.
 
 On a preference build, ``--objective dpo|ipo|simpo|orpo --beta B`` trains on its pairs
@@ -59,9 +59,9 @@ from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import TokenizerInputs, VarpackError  # noqa: E402
 
 
-def option(default: Any, text: str) -> Any:
-    """A TrainConfig field: its default and what its option does, for --help."""
-    return field(default=default, metadata={"help": text})
+def option(default: Any, text: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A TrainConfig field: its default, what its option does (for --help) and the values it takes, if only some."""
+    return field(default=default, metadata={"help": text, "choices": choices})
 
 
 @dataclass
@@ -75,7 +75,7 @@ class TrainConfig:
                                 "plain safetensors)")
     random_init: str = option("", "random init from a config: a model type with overrides (llama:hidden_size=512,...) or a Hub id / "
                                   "directory whose config is used")
-    trainer: str = option("plain", "training loop: plain (PyTorch) or hf (Hugging Face Trainer)")
+    trainer: str = option("plain", "training loop: plain (PyTorch) or hf (Hugging Face Trainer)", ("plain", "hf"))
     attn: str = option("auto", "attention backend: auto (the best here), flash_attn, torch_varlen, sdpa_segments (per example; the CPU "
                                "choice), sdpa, or a transformers implementation such as flash_attention_2")
     out: str = option("runs/train", "directory for log.jsonl and checkpoints")
@@ -87,7 +87,7 @@ class TrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay")
     warmup_steps: int = option(0, "linear warm-up steps")
     max_grad_norm: float = option(1.0, "gradient clipping norm")
-    precision: str = option("bf16", "bf16 (autocast, fp32 weights) or fp32")
+    precision: str = option("bf16", "bf16 (autocast, fp32 weights) or fp32", ("bf16", "fp32"))
     compile: bool = option(False, "fixed-shape batches and per-layer torch.compile")
     step_graph: bool = option(False, "with --compile: each optimizer step (forward, backward, clipping, AdamW) replayed as one CUDA "
                                      "graph per batch shape; one GPU, --grad-accum 1, the plain loop")
@@ -96,14 +96,15 @@ class TrainConfig:
                                                   "step for 1%% of the speed)")
     full_logits: bool = option(False, "use the model's own LM head and loss over every token, not only the labelled ones")
     loss_reduction: str = option("token", "token: every trained token weighs the same; sequence: every example weighs the same (the "
-                                          "plain loop needs the loss-position head for it)")
+                                          "plain loop needs the loss-position head for it)", tuple(LossReduction))
     log_every: int = option(10, "log every N optimizer steps")
     save_every: int = option(0, "checkpoint every N steps; 0 saves only at the end")
     resume: bool = option(False, "resume from the latest checkpoint in --out (weights, optimizer, scheduler, loader position)")
     seed: int = option(0, "seed of the model init and the loader's shuffle")
     allow_tokenizer_mismatch: bool = option(False, "train although the tokenizer in the --model directory differs from the one the "
                                                    "shards were built with")
-    objective: str = option("sft", "sft (next-token loss), or on a preference build's pairs dpo (sigmoid), ipo, simpo or orpo")
+    objective: str = option("sft", "sft (next-token loss), or on a preference build's pairs dpo (sigmoid), ipo, simpo or orpo",
+                            ("sft", *(objective.value for objective in preference.Objective)))
     beta: float = option(0.1, "the preference objective's beta (DPO, IPO, SimPO; ORPO's lambda)")
     simpo_gamma: float = option(0.5, "SimPO's target reward margin (TRL's simpo_gamma)")
     reference_log_probs: str = option("", "dpo, ipo: the reference model's log-probs stored beside the build "
@@ -139,11 +140,7 @@ def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
 def announce_mixture(dataset: PackedIterableDataset) -> None:
     """On a mixture, rank 0 prints its plan: each source's weight, size and epochs per mixture epoch (the repetition)."""
     if isinstance(dataset, PackedMixture) and dataset.rank == 0:
-        print_line({"mixture_plan": [asdict(source) for source in dataset.plan()]})
-
-
-def print_line(record: dict) -> None:
-    print(json.dumps(record), flush=True)
+        print(json.dumps({"mixture_plan": [asdict(source) for source in dataset.plan()]}), flush=True)
 
 
 def speed_options(config: TrainConfig) -> SpeedOptions:
@@ -253,18 +250,15 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
     pairs = preference_setup(config, dataset, vocab_size, device)
     out.mkdir(parents=True, exist_ok=True)
     announce_mixture(dataset)
-    checkpoint = checkpoint_to_resume(out, rank, print_line) if config.resume else None
-    model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device)
-    model.train()
+    checkpoint = checkpoint_to_resume(out, rank, lambda line: print(json.dumps(line), flush=True)) if config.resume else None
+    model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device).train()
     speed = speed_options(config)
     speed.apply(model)
     optimizer, scheduler = adamw_with_warmup(model.parameters(), config.lr, config.weight_decay, config.warmup_steps,
                                              device, config.step_graph)
-    first_step = 0
-    if checkpoint is not None:
-        first_step = resume_plain_run(checkpoint, optimizer, scheduler, dataset)
-        if rank == 0:
-            print_line({"resumed_from": str(checkpoint), "step": first_step})
+    first_step = resume_plain_run(checkpoint, optimizer, scheduler, dataset) if checkpoint is not None else 0
+    if checkpoint is not None and rank == 0:
+        print(json.dumps({"resumed_from": str(checkpoint), "step": first_step}), flush=True)
     autocast_dtype = torch.bfloat16 if config.precision == "bf16" else None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
         speed.prewarm(model, model_inputs(next(iter(make_dataset(config))), device, config.full_logits))
@@ -327,8 +321,7 @@ def train_hf(config: TrainConfig) -> None:
     check_tokenizer(config, dataset.manifest.inputs.tokenizer)
     check_objective(config, dataset)
     announce_mixture(dataset)
-    vocab_size = dataset.manifest.inputs.tokenizer.vocab_size
-    model = load_model(config, vocab_size, attn_implementation_for(config.attn))
+    model = load_model(config, dataset.manifest.inputs.tokenizer.vocab_size, attn_implementation_for(config.attn))
     callbacks = [Logger(out, getattr(dataset, "names", None)).trainer_callback()]
     if config.objective == "sft":
         trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks, speed=speed_options(config))
@@ -342,10 +335,6 @@ def train_hf(config: TrainConfig) -> None:
     trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
 
 
-CHOICES = {"trainer": ("plain", "hf"), "precision": ("bf16", "fp32"), "loss_reduction": tuple(LossReduction),
-           "objective": ("sft", *(objective.value for objective in preference.Objective))}
-
-
 def make_parser() -> argparse.ArgumentParser:
     """The command line: one option per TrainConfig field, each described with its default."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -357,7 +346,7 @@ def make_parser() -> argparse.ArgumentParser:
         if isinstance(value, bool):
             parser.add_argument(flag, action="store_true", help=text)
         else:
-            parser.add_argument(flag, type=type(value), default=value, choices=CHOICES.get(name), help=text)
+            parser.add_argument(flag, type=type(value), default=value, choices=option_field.metadata["choices"], help=text)
     return parser
 
 
