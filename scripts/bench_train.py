@@ -92,13 +92,12 @@ from loaders import PackedIterableDataset  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
 from loaders.collate import NUM_LOSS_TOKENS, NUM_REAL_TOKENS  # noqa: E402
 from loaders.train.loss_head import use_loss_position_head  # noqa: E402
-from loaders.train.optim import make_adamw, optimizer_step  # noqa: E402
+from loaders.train.optim import adamw_with_warmup  # noqa: E402
+from loaders.train.step import TrainStep  # noqa: E402
 from loaders.train.step_graph import GraphedStep  # noqa: E402
 from schemas import read_manifest  # noqa: E402
 from loaders.train.models import (  # noqa: E402
     compile_layers,
-    count_on_device,
-    linear_warmup,
     load_causal_lm,
     model_inputs,
     peak_memory_gib,
@@ -427,31 +426,29 @@ def mode_steps(mode: Mode, cell: Cell, config: BenchConfig, references: DataLoad
 # ---- training ----------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, scheduler, step: Step, mode: Mode, graphed: GraphedStep | None = None) -> torch.Tensor:
-    """Forward and backward over the step's micro-batches, then one optimizer step; the loss
-    (per trained token, averaged over the whole step) stays on the device. With ``graphed``, the
-    step (one micro-batch) is a CUDA graph replay."""
-    if graphed is not None:
-        (batch,) = step.micro_batches
-        loss = graphed(batch, step.loss_tokens)
-        scheduler.step()
-        return loss
+def make_train_step(model, config: BenchConfig, mode: Mode) -> TrainStep:
+    """train.py's optimizer step (``loaders.train.step``): its AdamW and warm-up over the trained weights, capturable
+    and replayed as CUDA graphs for a step-graph mode."""
+    optimizer, scheduler = adamw_with_warmup(model.parameters(), config.lr, 0.0, config.warmup_lr_steps, DEVICE,
+                                             mode.step_graph)
+    graphed = GraphedStep(model, optimizer, MAX_GRAD_NORM) if mode.step_graph else None
+    return TrainStep(model, optimizer, scheduler, MAX_GRAD_NORM, graphed=graphed)
+
+
+def prewarmed(model, steps: Iterator[Step]) -> Iterator[Step]:
+    """Compile every bucket shape on the first step's batch, as train.py's prewarm does (``SpeedOptions.prewarm``:
+    ``prewarm_buckets``), before any step trains; the steps, the first included."""
+    first = next(steps)
+    prewarm_buckets(model, first.micro_batches[0])
+    return itertools.chain([first], steps)
+
+
+def train_step(train: TrainStep, step: Step, mode: Mode) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches, then one optimizer step (a CUDA graph replay for a
+    step-graph mode); the loss (per trained token, averaged over the whole step) stays on the device."""
     if mode.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
-    num_items = count_on_device(step.loss_tokens, DEVICE)
-    total = torch.zeros((), device=DEVICE)
-    for batch in step.micro_batches:
-        loss = model(**batch, num_items_in_batch=num_items).loss
-        loss.backward()
-        total += loss.detach()
-    optimizer_step(model.parameters(), optimizer, scheduler, MAX_GRAD_NORM)
-    return total
-
-
-def make_optimizer(model, config: BenchConfig, mode: Mode):
-    """train.py's AdamW over the trained weights (``loaders.train.optim``), capturable for a step graph."""
-    optimizer = make_adamw(model.parameters(), config.lr, 0.0, DEVICE, mode.step_graph)
-    return optimizer, linear_warmup(optimizer, config.warmup_lr_steps)
+    return train(step.micro_batches, step.loss_tokens)
 
 
 def free_gpu() -> None:
@@ -503,9 +500,7 @@ class ModeRun:
         self.references = reference_loader(self.mode, cell, config) if self.mode.reference else None
         self.repetitions = 0
         self.model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-        self.graphed: GraphedStep | None = None
+        self.step: TrainStep | None = None
         self.shapes_ahead: Iterator[Batch] | None = None
         self.phase_peaks: dict[str, float] = {}
 
@@ -521,19 +516,17 @@ class ModeRun:
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
         self.model = prepare_model(self.mode, self.config, self.cell.vocab_size)
-        self.optimizer, self.scheduler = make_optimizer(self.model, self.config, self.mode)
-        self.graphed = None
+        self.step = make_train_step(self.model, self.config, self.mode)
         if self.mode.step_graph:
             # Every shape of the run captured after the first step, as train.py captures an epoch's shapes at its
             # start: from a pass over the same (seeded) batches in this process.
             batches = itertools.islice(packed_dataset(self.cell.source, self.config, self.cell.rows, self.mode.shapes),
                                        self.cell.warmup + self.cell.timed)
             self.shapes_ahead = (packed_step(batch, self.mode).micro_batches[0] for batch in batches)
-            self.graphed = GraphedStep(self.model, self.optimizer, MAX_GRAD_NORM)
 
     def _free(self) -> float:
         """Drop the model, optimizer and graphs and return their memory to the card; the GiB still allocated after."""
-        self.model = self.optimizer = self.scheduler = self.graphed = self.shapes_ahead = None
+        self.model = self.step = self.shapes_ahead = None
         free_gpu()
         return torch.cuda.memory_allocated() / 2**30 if CUDA else 0.0
 
@@ -545,9 +538,7 @@ class ModeRun:
         assert self.model is not None
         self._phase("build")
         if self.mode.shapes == "buckets":
-            first = next(steps)
-            prewarm_buckets(self.model, first.micro_batches[0])
-            steps = itertools.chain([first], steps)
+            steps = prewarmed(self.model, steps)
             self._phase("prewarm")
         for index, step in enumerate(itertools.islice(steps, self.cell.warmup)):
             self.train(step)
@@ -563,8 +554,12 @@ class ModeRun:
         return time.perf_counter() - start
 
     def train(self, step: Step) -> torch.Tensor:
-        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
-        return train_step(self.model, self.optimizer, self.scheduler, step, self.mode, self.graphed)
+        assert self.step is not None
+        return train_step(self.step, step, self.mode)
+
+    @property
+    def graphed(self) -> GraphedStep | None:
+        return self.step.graphed if self.step is not None else None
 
     def repetition(self) -> dict:
         """One repetition: the warm-up steps, then the timed steps as the DataLoader delivers them."""
@@ -715,27 +710,36 @@ def bench_cell(cell: Cell, config: BenchConfig, modes: list[str]) -> dict:
     summaries = {name: {**asdict(MODES[name]), "attn_implementation": MODES[name].attn_implementation,
                         **summarize(runs[name]), "runs": runs[name], **({"profile": profiles[name]} if name in profiles else {})}
                  for name in modes}
+    comparison = compare_modes(summaries)
+    return {"rows_per_step": cell.rows, "mean_square_length": cell.mean_square_length, "repeats": config.repeats,
+            "best_reference": comparison.pop("best_reference"), "best_ours": comparison.pop("best_ours"),
+            "modes": summaries, **comparison}
+
+
+def compare_modes(summaries: dict[str, dict]) -> dict:
+    """The best reference and varpack's best mode by median throughput; each mode's speed and memory against that
+    reference (added to its summary), and the best mode's, with the range over the repetitions."""
     ok = {k: v for k, v in summaries.items() if "tokens_per_s" in v}
     fastest = lambda names: max(names, key=lambda k: ok[k]["tokens_per_s"]) if names else None  # noqa: E731
     reference = fastest([k for k in ok if MODES[k].reference])
     best = fastest([k for k in ok if not MODES[k].reference])
-    cell_result = {"rows_per_step": cell.rows, "mean_square_length": cell.mean_square_length, "repeats": config.repeats,
-                   "best_reference": reference, "best_ours": best, "modes": summaries}
-    if reference is not None:
-        ref = ok[reference]
-        for result in ok.values():
-            result["speed_vs_best_reference"] = result["tokens_per_s"] / ref["tokens_per_s"]
-            result["mem_vs_best_reference"] = result["peak_mem_gib"] / ref["peak_mem_gib"] if ref["peak_mem_gib"] else None
-        if best is not None:
-            ours = ok[best]
-            cell_result["best_speed_vs_best_reference"] = ours["speed_vs_best_reference"]
-            # The worst and best case over the repetitions: slowest of ours against fastest reference and back.
-            cell_result["best_speed_vs_best_reference_range"] = [ours["tokens_per_s_range"][0] / ref["tokens_per_s_range"][1],
-                                                                 ours["tokens_per_s_range"][1] / ref["tokens_per_s_range"][0]]
-            cell_result["best_mem_vs_best_reference"] = ours["mem_vs_best_reference"]
-            cell_result["best_mfu"] = ours["mfu"]
-            cell_result["best_reference_mfu"] = ref["mfu"]
-    return cell_result
+    comparison: dict = {"best_reference": reference, "best_ours": best}
+    if reference is None:
+        return comparison
+    ref = ok[reference]
+    for result in ok.values():
+        result["speed_vs_best_reference"] = result["tokens_per_s"] / ref["tokens_per_s"]
+        result["mem_vs_best_reference"] = result["peak_mem_gib"] / ref["peak_mem_gib"] if ref["peak_mem_gib"] else None
+    if best is not None:
+        ours = ok[best]
+        comparison["best_speed_vs_best_reference"] = ours["speed_vs_best_reference"]
+        # The worst and best case over the repetitions: slowest of ours against fastest reference and back.
+        comparison["best_speed_vs_best_reference_range"] = [ours["tokens_per_s_range"][0] / ref["tokens_per_s_range"][1],
+                                                            ours["tokens_per_s_range"][1] / ref["tokens_per_s_range"][0]]
+        comparison["best_mem_vs_best_reference"] = ours["mem_vs_best_reference"]
+        comparison["best_mfu"] = ours["mfu"]
+        comparison["best_reference_mfu"] = ref["mfu"]
+    return comparison
 
 
 def make_cell(source: str, config: BenchConfig, rows: int, warmup: int, timed: int) -> Cell:
@@ -777,20 +781,17 @@ def convergence(source: str, config: BenchConfig) -> dict:
     for label, mode in (("ours", ours), ("padded", MODES["padded"])):
         free_gpu()
         model = prepare_model(mode, config, vocab_size)
-        optimizer, scheduler = make_optimizer(model, config, mode)
-        graphed = GraphedStep(model, optimizer, MAX_GRAD_NORM) if mode.step_graph else None
+        train = make_train_step(model, config, mode)
         # Mode padded trains on the examples of ours' batches; its model never sees the counts.
         steps = (packed_step(batch, ours) for batch in packed_batches(source, config, config.rows_per_step, ours.shapes))
         if mode.shapes == "buckets":
-            first = next(steps)
-            prewarm_buckets(model, first.micro_batches[0])
-            steps = itertools.chain([first], steps)
+            steps = prewarmed(model, steps)
         losses, tokens = [], []
         start = time.perf_counter()
         for step in itertools.islice(steps, config.convergence_steps):
             if label == "padded":
                 step = unpack_to_padded(step, config.padded_token_cap)
-            losses.append(train_step(model, optimizer, scheduler, step, mode, graphed))
+            losses.append(train_step(train, step, mode))
             tokens.append(step.real_tokens)
         synchronize()
         elapsed = time.perf_counter() - start
@@ -800,7 +801,7 @@ def convergence(source: str, config: BenchConfig) -> dict:
                           "mean_loss_last20": float(np.mean(values[-20:])),
                           "peak_mem_gib": peak_memory_gib()}
         print(json.dumps({"convergence": label, **summary[label]}), flush=True)
-        del model, optimizer, scheduler, graphed, steps
+        del model, train, steps
     if config.convergence_csv:
         Path(config.convergence_csv).parent.mkdir(parents=True, exist_ok=True)
         with open(config.convergence_csv, "w", newline="") as f:

@@ -11,20 +11,42 @@ renames it when every rank has written its part, so a run killed mid-save leaves
 checkpoints as they were. transformers' ``Trainer`` writes its directory in place; its loader
 states are written last, so a checkpoint is complete once every rank's loader state is there.
 ``latest_checkpoint`` takes the newest complete one.
+
+The plain loop's side, shared by ``scripts/train.py`` and whatever loop saves the same way::
+
+    refuse_earlier_run(out, resume)                    # a new run never mixes with an earlier one's checkpoints
+    checkpoint = checkpoint_to_resume(out, rank, print) if resume else None
+    step = resume_plain_run(checkpoint, optimizer, scheduler, dataset) if checkpoint else 0
+    ...
+    with writing_checkpoint(out, step, dataset) as partial:   # published once every rank has written its part
+        if dataset.rank == 0:
+            model.save_pretrained(partial)
+            save_training_state(partial, training_state(optimizer, scheduler, step))
+
+``PackedTrainer`` restores its loader position with the same ``restore_loader_state``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from loaders.train.distributed import world_size
+
+if TYPE_CHECKING:
+    from loaders.dataset import PackedIterableDataset
 
 CHECKPOINT_PREFIX = "checkpoint-"
 LOADER_STATE = "loader_state.json"
@@ -208,3 +230,149 @@ def remove_partial_checkpoints(out: Path) -> list[Path]:
         else:
             shutil.rmtree(path)
     return found
+
+
+# ---- the plain loop's checkpoints: a run's output directory, saving, resuming --------------------
+
+
+def refuse_earlier_run(out: Path, resume: bool) -> None:
+    """Refuse a new run (``resume`` False) into an ``out`` that holds another run's checkpoints: a later resume would
+    continue from whichever is newest, of either run."""
+    found = checkpoints(out) if out.is_dir() else []
+    if found and not resume:
+        names = found[0].name if len(found) == 1 else f"{found[0].name} ... {found[-1].name}"
+        raise CheckpointError(f"--out {out} holds the checkpoints of an earlier run ({names}); pass --resume to "
+                              "continue it, give another --out, or remove them")
+
+
+def resumable_checkpoint(out: Path, ranks: int) -> Path | None:
+    """The newest complete checkpoint in ``out``, or None when it holds none at all; a CheckpointError when it holds
+    checkpoints but none complete, so that a resume never trains from step 0 over them."""
+    latest = latest_checkpoint(out, ranks)
+    found = checkpoints(out) if out.is_dir() else []
+    if latest is None and found:
+        raise CheckpointError(f"--out {out}: --resume found no complete checkpoint among {len(found)} "
+                              f"({', '.join(path.name for path in found)}): each lacks a rank's loader state; remove "
+                              "them to start again, or give another --out")
+    return latest
+
+
+def checkpoint_to_resume(out: Path, rank: int, report: Callable[[dict[str, str]], None]) -> Path | None:
+    """The newest complete checkpoint in ``out`` (``resumable_checkpoint``); rank 0 first removes the temporary
+    directories of saves that were killed and ``report``s each, and each incomplete checkpoint it passes over."""
+    ranks = world_size()
+    if rank == 0:
+        for path in remove_partial_checkpoints(out):
+            report({"removed_unfinished_checkpoint": str(path)})
+        for path in incomplete_checkpoints(out, ranks):
+            report({"skipped_incomplete_checkpoint": str(path)})
+    if ranks > 1:
+        torch.distributed.barrier()  # nothing is removed while another rank looks
+    return resumable_checkpoint(out, ranks)
+
+
+@contextlib.contextmanager
+def writing_checkpoint(out: Path, step: int, dataset: PackedIterableDataset) -> Iterator[Path]:
+    """The temporary directory of ``step``'s checkpoint, for rank 0 to write the weights and training state into;
+    then every rank's loader position is added and, once all have written, it is published as ``checkpoint-STEP``.
+
+    A write that fails (a full disk) removes the temporary directory and raises an OSError of one line.
+    """
+    from safetensors import SafetensorError  # comes with transformers, which writes the weights
+
+    distributed = world_size() > 1
+    if dataset.rank == 0:
+        start_checkpoint(out, step)
+    if distributed:
+        torch.distributed.barrier()  # the temporary directory exists
+    partial = partial_checkpoint(out, step)
+    try:
+        yield partial
+        save_loader_state(partial, dataset.rank, dataset.state_dict())
+    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk: safetensors and torch.save raise their own
+        if dataset.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise OSError(f"{out / f'{CHECKPOINT_PREFIX}{step}'}: cannot be written ({str(err).splitlines()[0]}); nothing "
+                      "of it is kept: free space (or fix --out) and --resume from the previous checkpoint") from None
+    if distributed:
+        torch.distributed.barrier()  # every rank has written its part
+    if dataset.rank == 0:
+        publish_checkpoint(out, step)
+    if distributed:
+        torch.distributed.barrier()  # published before any rank goes on
+
+
+def training_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                   step: int) -> dict[str, Any]:
+    """What ``training_state.pt`` holds: the optimizer, scheduler, step and RNG states (tensors and plain values)."""
+    return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "rng": rng_state()}
+
+
+def resume_plain_run(checkpoint: Path, optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, dataset: PackedIterableDataset) -> int:
+    """Restore the optimizer, scheduler, RNG and this rank's loader position from ``checkpoint``; its step.
+
+    The model's weights are the checkpoint's already (loaded from it). A CheckpointError names the file at fault.
+    """
+    loader_state = load_loader_state(checkpoint, dataset.rank)  # a missing or corrupt one is named first
+    state = load_training_state(checkpoint)
+    try:
+        step = _restore_training_state(checkpoint, state, optimizer, scheduler)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{checkpoint / TRAINING_STATE}: not a training state of this model and optimizer "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); resume from "
+                              "another checkpoint, or start a new --out") from None
+    restore_loader_state(dataset, checkpoint, loader_state)
+    return step
+
+
+def _restore_training_state(checkpoint: Path, state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
+    optimizer.load_state_dict(state["optimizer"])
+    check_optimizer_shapes(optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    step = state["step"]
+    saved_step = int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
+    if type(step) is not int or step != saved_step:
+        raise ValueError(f"its step {step!r} is not the checkpoint's, {saved_step}")
+    set_rng_state(state["rng"])
+    return step
+
+
+def restore_loader_state(dataset: PackedIterableDataset, checkpoint: str | os.PathLike[str],
+                         state: dict[str, Any] | None = None) -> None:
+    """Put ``dataset`` at the position its rank saved in ``checkpoint`` (``state``: that position, read already);
+    a CheckpointError naming the file when the dataset refuses it."""
+    rank = dataset.rank
+    try:
+        dataset.load_state_dict(load_loader_state(checkpoint, rank) if state is None else state)
+    except CheckpointError:
+        raise
+    except ValueError as err:
+        raise CheckpointError(f"{Path(checkpoint) / loader_state_name(rank)}: {err}") from None
+
+
+def check_optimizer_shapes(optimizer: torch.optim.Optimizer) -> None:
+    """ValueError unless each parameter's optimizer state tensors (AdamW's moments) have the parameter's shape."""
+    for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(f"the optimizer's {key} of parameter {index} has shape {tuple(value.shape)}, the "
+                                 f"parameter {tuple(param.shape)}")
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's, numpy's and Python's RNG states as tensors and plain values (what ``weights_only`` loads)."""
+    numpy_state = np.random.get_state(legacy=False)
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
+                                               "pos": numpy_state["state"]["pos"]}}}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states ``rng_state`` gave."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+                                                  "pos": numpy_state["state"]["pos"]}})

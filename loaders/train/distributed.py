@@ -25,6 +25,28 @@ import torch
 import torch.distributed as dist
 
 
+def init_distributed() -> tuple[int, torch.device]:
+    """Join the process group ``torchrun`` describes (NCCL on GPUs, gloo on CPUs): ``(rank, device)``.
+
+    A plain ``python scripts/train.py`` is rank 0 of one.
+    """
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` under ``DistributedDataParallel`` when several processes train, else ``model`` itself."""
+    if world_size() == 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def world_size() -> int:
     """The data-parallel world size: torch.distributed's when it is initialised, else 1."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

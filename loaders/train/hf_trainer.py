@@ -77,8 +77,8 @@ from loaders.train.checkpoint import (
     LOADER_STATE,
     CheckpointError,
     latest_checkpoint,
-    load_loader_state,
     loader_state_name,
+    restore_loader_state,
     save_loader_state,
 )
 from loaders.train.distributed import global_loss_tokens, world_size
@@ -259,13 +259,7 @@ class PackedTrainerMixin(_TrainerBase):
             resume_from_checkpoint = str(latest) if latest is not None else True
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             check_trainer_state(Path(resume_from_checkpoint))
-            rank = self.packed_dataset.rank
-            try:
-                self.packed_dataset.load_state_dict(load_loader_state(resume_from_checkpoint, rank))
-            except CheckpointError:
-                raise
-            except ValueError as err:
-                raise CheckpointError(f"{Path(resume_from_checkpoint) / loader_state_name(rank)}: {err}") from None
+            restore_loader_state(self.packed_dataset, resume_from_checkpoint)
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
         self._run_tokens, self._run_sequences = 0, 0
         try:
@@ -324,9 +318,9 @@ def _packed_trainer() -> type:
                 if model is None:
                     raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
                 speed.apply(model)
-            if isinstance(train_dataset, PackedIterableDataset) and _is_preference(train_dataset):
-                from loaders.train.preference import NOT_SFT
+            from loaders.train.preference import NOT_SFT, is_preference_build
 
+            if isinstance(train_dataset, PackedIterableDataset) and is_preference_build(train_dataset):
                 raise ValueError(f"PackedTrainer: the dataset {NOT_SFT}; train it with PackedDPOTrainer")
             self.speed = speed
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
@@ -444,6 +438,7 @@ def _packed_dpo_trainer() -> type:
             if self.preference.objective in preference.NEEDS_REFERENCE:
                 self.reference = stored or self._make_reference(ref_model)
             self._reward_metrics = preference.RewardMetrics(self.args.device)
+            self._pair_loss = preference.PairLoss(self.preference, self.reference, self._reward_metrics)
 
         def _stored_reference(self, model: Any, ref_model: Any, dataset: Any,
                               path: str | os.PathLike[str] | None) -> Any:
@@ -476,12 +471,7 @@ def _packed_dpo_trainer() -> type:
             return float(preference.pairs_in(batches))
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            model_inputs = preference.model_inputs(self.model_inputs(model, inputs))
-            terms = preference.preference_terms(model, inputs, self.preference, self.reference, model_inputs)
-            pairs = num_items_in_batch if num_items_in_batch is not None else terms.losses.numel()
-            loss = terms.losses.sum() / pairs
-            if model.training:
-                self._reward_metrics.add(terms)
+            loss, terms = self._pair_loss.loss_and_terms(model, inputs, self.model_inputs(model, inputs), num_items_in_batch)
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * world_size()
             return (loss, terms) if return_outputs else loss
@@ -510,12 +500,6 @@ def _check_dpo_settings(args: Any) -> None:
     if changed:
         raise ValueError(f"PackedDPOTrainer does not run DPOConfig's {', '.join(changed)}: they change TRL's loss; "
                          "leave them at their defaults")
-
-
-def _is_preference(dataset: PackedIterableDataset) -> bool:
-    """Whether ``dataset`` (or a source of a mixture) is a build of preference pairs."""
-    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
-    return any(manifest.preference_layout is not None for manifest in manifests)
 
 
 def _preference_from_args(args: Any) -> Any:

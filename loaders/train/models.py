@@ -1,4 +1,4 @@
-"""Model-side helpers for training on packed batches: loading a causal LM, regional compilation,
+"""Model-side helpers for training on packed batches: loading a causal LM (and readying it), regional compilation,
 bucket prewarming, the batch keys a model takes, counts on the device without a sync, the check that
 a step trains something, the warm-up schedule, peak memory.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,18 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
         # The weights are dequantized already; transformers refuses to save a model that keeps its GGUF quantizer.
         setattr(model, "hf_quantizer", None)
         del model.config.quantization_config
+    return model
+
+
+def for_packed_training(model: torch.nn.Module, vocab_size: int) -> torch.nn.Module:
+    """``model`` ready to train on shards of a ``vocab_size`` tokenizer: a smaller vocabulary is refused (the shards
+    were tokenized for another model), and its cache is off (returned, changed in place)."""
+    config: Any = model.config
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"the model's vocabulary ({config.vocab_size}) is smaller than the shards' tokenizer's "
+                         f"({vocab_size}): these shards were tokenized for another model")
+    # A cache makes transformers' sdpa path ignore packed boundaries; training never needs one.
+    config.use_cache = False
     return model
 
 
@@ -98,7 +111,7 @@ def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
 
 
-def count_on_device(count: int, device: torch.device) -> torch.Tensor:
+def count_on_device(count: float, device: torch.device) -> torch.Tensor:
     """``count`` as a float32 scalar on ``device``, copied without waiting for the GPU to drain."""
     value = torch.tensor(float(count))
     if device.type == "cuda":

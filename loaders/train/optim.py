@@ -4,8 +4,8 @@ AdamW over the trained parameters, fused on CUDA; for the whole-step CUDA graph
 (``loaders.train.step_graph``) capturable, with its learning rate a tensor on the GPU that the
 scheduler fills, so the captured steps see the schedule::
 
-    optimizer = make_adamw(model.parameters(), lr=3e-4, weight_decay=0.0, device=device)
-    scheduler = linear_warmup(optimizer, warmup_steps)
+    optimizer, scheduler = adamw_with_warmup(model.parameters(), lr=3e-4, weight_decay=0.0, warmup_steps=10,
+                                             device=device)
     ...                                        # forward and backward of the step's micro-batches
     optimizer_step(model.parameters(), optimizer, scheduler, max_grad_norm=1.0)
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from loaders.train.models import linear_warmup
 
 
 def make_adamw(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device: torch.device,
@@ -28,6 +30,14 @@ def make_adamw(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay
         return torch.optim.AdamW(trained, lr=torch.tensor(lr, device=device), weight_decay=weight_decay, fused=True,
                                  capturable=True)
     return torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
+
+
+def adamw_with_warmup(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, warmup_steps: int,
+                      device: torch.device, step_graph: bool = False,
+                      ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """``make_adamw`` and its schedule: a linear warm-up over ``warmup_steps``, then ``lr``."""
+    optimizer = make_adamw(parameters, lr, weight_decay, device, step_graph)
+    return optimizer, linear_warmup(optimizer, warmup_steps)
 
 
 def optimizer_step(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer,

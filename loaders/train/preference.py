@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from loaders.collate import CHOSEN, KEY_INDEX, NUM_PAIRS, PAIR_IDS, PREFERENCE_KEYS, REJECTED, ROLES
 from loaders.dataset import PackedIterableDataset
+from loaders.mixture import PackedMixture
 from loaders.train.attention import check_key_index_attention
 from loaders.train.loss_head import SEQUENCE_LOG_PROBS
 from schemas.row import PreferenceLayout
@@ -266,6 +267,30 @@ class RewardMetrics:
         return {name: float(value) / pairs if pairs else 0.0 for name, value in zip(REWARD_METRICS, totals[:-1].tolist())}
 
 
+@dataclass
+class PairLoss:
+    """A micro-batch's preference loss: its pairs' summed losses over the step's pairs, so that the loss of a step is
+    the mean over all its pairs; a training batch's reward metrics are added to ``metrics``. Both of varpack's loops
+    (``scripts/train.py``'s and ``PackedDPOTrainer``) take it."""
+
+    config: PreferenceConfig
+    reference: Reference | None
+    metrics: RewardMetrics
+
+    def __call__(self, model: torch.nn.Module, batch: dict, inputs: dict, pairs: torch.Tensor | float | None = None
+                 ) -> torch.Tensor:
+        """The loss of ``batch`` (``inputs``: its model inputs on the device); ``pairs`` defaults to its own."""
+        return self.loss_and_terms(model, batch, inputs, pairs)[0]
+
+    def loss_and_terms(self, model: torch.nn.Module, batch: dict, inputs: dict, pairs: torch.Tensor | float | None = None
+                       ) -> tuple[torch.Tensor, PreferenceTerms]:
+        """The loss of ``batch`` and its per-pair terms."""
+        terms = preference_terms(model, batch, self.config, self.reference, model_inputs(inputs))
+        if model.training:
+            self.metrics.add(terms)
+        return terms.losses.sum() / (terms.losses.numel() if pairs is None else pairs), terms
+
+
 # ---- reference log-probs stored beside the build ---------------------------------------------------
 
 REFERENCE_FILE = "reference_log_probs-{fingerprint}-{reference}.arrow"
@@ -396,3 +421,9 @@ def pairs_in(batches: list[dict[str, Any]]) -> int:
     if any(NUM_PAIRS not in b for b in batches):
         raise ValueError(f"a preference objective {NOT_PREFERENCE}")
     return sum(int(b[NUM_PAIRS]) for b in batches)
+
+
+def is_preference_build(dataset: PackedIterableDataset) -> bool:
+    """Whether ``dataset`` (or a source of a mixture) is a build of preference pairs."""
+    manifests = dataset.manifests().values() if isinstance(dataset, PackedMixture) else [dataset.manifest]
+    return any(manifest.preference_layout is not None for manifest in manifests)
