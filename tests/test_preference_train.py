@@ -848,6 +848,10 @@ def test_packed_dpo_trainer_refuses_an_eval_dataset_that_is_not_one_preference_b
     for dataset, error, refused in refusals:
         with pytest.raises(error, match=refused):
             trainer.evaluate(dataset)
+    with pytest.raises(ValueError, match="no eval dataset; pass eval_dataset="):
+        trainer.evaluate()
+    by_name = trainer.evaluate({"held_out": train})  # a dict of builds: each under its name, as Trainer.evaluate does
+    assert by_name["eval_held_out_loss"] == pytest.approx(math.log(2), abs=1e-6) and "eval_held_out_rewards/margins" in by_name
 
 
 def test_stored_reference_log_probs_evaluate_another_build_only_with_its_own_file(pairs, tmp_path):
