@@ -758,7 +758,7 @@ def test_packed_dpo_trainer_evaluates_the_dpo_loss_ln2_at_step_zero(layout, tmp_
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_packed_dpo_trainer_evaluation_equals_each_pair_unpacked(layout, pairs, tmp_path):
     """After 2 steps, the evaluation eval_strategy="steps" logs is each held-out pair run unpacked through the plain
-    model, TRL's formulas applied per pair and averaged, every pair once; the model is left in eval mode."""
+    model, TRL's formulas applied per pair and averaged, every pair once."""
     from loaders.train.hf_trainer import PackedDPOTrainer
 
     build_preference_dir(tmp_path / "build", pairs, layout=layout, capacity=CAPACITY)
