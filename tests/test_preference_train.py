@@ -258,34 +258,38 @@ def perturbed(model: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> tor
     return other
 
 
+def trl_formulas(policy: torch.nn.Module, reference: torch.nn.Module, pairs: list[PreferencePair], ids: list[int],
+                 config: PreferenceConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair of ``ids``, computed unpacked: TRL's loss of ``config``'s objective and its chosen and rejected rewards
+    (DPOTrainer's sigmoid and IPO; CPOTrainer's SimPO, gamma/beta subtracted; ORPOTrainer's odds ratio and NLL)."""
+    F = torch.nn.functional
+    with torch.no_grad():
+        pc, pr = unpacked_pairs(policy, pairs, ids)
+        rc, rr = unpacked_pairs(reference, pairs, ids)
+    nc = torch.tensor([float(len(pairs[i].chosen)) for i in ids])
+    nr = torch.tensor([float(len(pairs[i].rejected)) for i in ids])
+    beta, objective = config.beta, config.objective
+    if objective == "dpo":
+        return -F.logsigmoid(beta * ((pc - rc) - (pr - rr))), beta * (pc - rc), beta * (pr - rr)
+    if objective == "ipo":
+        return ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * beta)) ** 2, beta * (pc - rc), beta * (pr - rr)
+    ac, ar = pc / nc, pr / nr
+    if objective == "simpo":
+        return -F.logsigmoid(beta * (ac - ar - config.simpo_gamma / beta)), beta * ac, beta * ar
+    log_odds = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
+    return -ac - beta * F.logsigmoid(log_odds), beta * ac, beta * ar
+
+
 @pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "orpo"])
 def test_losses_equal_trl_formulas_on_unpacked_log_probs(build, pairs, objective):
-    """Each objective on packed per-pair sums equals TRL's formula on log-probs computed unpacked, pair by pair
-    (DPOTrainer's sigmoid and IPO; CPOTrainer's SimPO, gamma/beta subtracted; ORPOTrainer's odds ratio and NLL)."""
+    """Each objective on packed per-pair sums equals TRL's formula on log-probs computed unpacked, pair by pair."""
     _, path = build
     policy = use_loss_position_head(tiny_llama())
     reference_model = use_loss_position_head(perturbed(tiny_llama()))
     config = PreferenceConfig(objective, beta=0.5, simpo_gamma=0.3)
-    F = torch.nn.functional
     for batch in batches(path):
         terms = preference_terms(policy, batch, config, Reference(reference_model))
-        ids = batch[PAIR_IDS][batch[ROLES] == CHOSEN].tolist()
-        with torch.no_grad():
-            pc, pr = unpacked_pairs(policy, pairs, ids)
-            rc, rr = unpacked_pairs(reference_model, pairs, ids)
-        nc = torch.tensor([float(len(pairs[i].chosen)) for i in ids])
-        nr = torch.tensor([float(len(pairs[i].rejected)) for i in ids])
-        beta = config.beta
-        if objective == "dpo":
-            expected = -F.logsigmoid(beta * ((pc - rc) - (pr - rr)))
-        elif objective == "ipo":
-            expected = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * beta)) ** 2
-        elif objective == "simpo":
-            expected = -F.logsigmoid(beta * (pc / nc - pr / nr - config.simpo_gamma / beta))
-        else:
-            ac, ar = pc / nc, pr / nr
-            log_odds = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
-            expected = -ac - beta * F.logsigmoid(log_odds)
+        expected, _, _ = trl_formulas(policy, reference_model, pairs, batch[PAIR_IDS][batch[ROLES] == CHOSEN].tolist(), config)
         torch.testing.assert_close(terms.losses.detach(), expected, rtol=1e-4, atol=1e-5)
 
 
@@ -703,3 +707,179 @@ def test_bench_preference_runs_on_cpu_with_its_trl_anchor(tmp_path):
     assert result["best_vs_trl"] > 0 and result["shared_prompt_vs_separate"] > 0
     assert result["methods"]["shared-prompt"]["tokens_per_step"] < result["methods"]["separate"]["tokens_per_step"]
     assert json.loads((tmp_path / "bench.json").read_text()) == result
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+
+EVAL_PAIRS = 13
+EVAL_ROWS = 4  # a batch; the eval builds' 6 rows are not a multiple of it
+
+
+def dpo_args(tmp_path, **kwargs):
+    """TRL's DPOConfig for a few CPU steps of SGD, beta 0.5, one log per step."""
+    trl = pytest.importorskip("trl")
+    return trl.DPOConfig(**{"output_dir": str(tmp_path / "run"), "beta": 0.5, "max_steps": 2, "learning_rate": 0.5,
+                            "optim": "sgd", "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "logging_steps": 1,
+                            "save_strategy": "no", "report_to": "none", "use_cpu": True, "seed": 0, "disable_tqdm": True,
+                            "bf16": False, "per_device_train_batch_size": 1, **kwargs})
+
+
+def eval_build(tmp_path, layout: str = "separate", name: str = "eval") -> tuple[list[PreferencePair], object]:
+    """A held-out preference build of EVAL_PAIRS pairs in ``layout``, read EVAL_ROWS rows a batch in order."""
+    held_out = random_pairs(EVAL_PAIRS, seed=7)
+    build_preference_dir(tmp_path / name, held_out, layout=layout, capacity=CAPACITY)
+    return held_out, PackedIterableDataset(tmp_path / name, batch_rows=EVAL_ROWS, shuffle=False)
+
+
+def expected_metrics(policy, reference, pairs: list[PreferencePair], config: PreferenceConfig) -> dict[str, float]:
+    """The loss and TRL's reward metrics of every pair computed unpacked, averaged over pairs."""
+    losses, chosen, rejected = trl_formulas(policy, reference, pairs, list(range(len(pairs))), config)
+    return {"loss": losses.mean().item(), "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+            "rewards/accuracies": (chosen > rejected).double().mean().item(), "rewards/margins": (chosen - rejected).mean().item()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_dpo_trainer_evaluates_the_dpo_loss_ln2_at_step_zero(layout, tmp_path):
+    """evaluate() on a preference build reports the DPO loss, not token cross-entropy: ln 2 with every reward 0
+    while the policy is its reference, under TRL's eval_ names."""
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", random_pairs(6), layout=layout, capacity=CAPACITY)
+    _, held_out = eval_build(tmp_path, layout)
+    trainer = PackedDPOTrainer(model=tiny_llama(), args=dpo_args(tmp_path), eval_dataset=held_out,
+                               train_dataset=PackedIterableDataset(tmp_path / "build", batch_rows=1))
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for name in ("chosen", "rejected", "accuracies", "margins"):
+        assert metrics[f"eval_rewards/{name}"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["eval_runtime"] > 0 and trainer.state.log_history[-1] == {**metrics, "epoch": 0.0, "step": 0}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_dpo_trainer_evaluation_equals_each_pair_unpacked(layout, pairs, tmp_path):
+    """After 2 steps, the evaluation eval_strategy="steps" logs is each held-out pair run unpacked through the plain
+    model, TRL's formulas applied per pair and averaged, every pair once."""
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout=layout, capacity=CAPACITY)
+    held_out_pairs, held_out = eval_build(tmp_path, layout)
+    trainer = PackedDPOTrainer(model=tiny_llama(), args=dpo_args(tmp_path, eval_strategy="steps", eval_steps=2),
+                               train_dataset=PackedIterableDataset(tmp_path / "build", batch_rows=1, seed=0),
+                               eval_dataset=held_out)
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    expected = expected_metrics(trainer.model, tiny_llama(), held_out_pairs, trainer.preference)
+    assert expected["rewards/margins"] != pytest.approx(0.0, abs=1e-3)  # the policy has moved from its reference
+    for name, value in expected.items():
+        assert logged[f"eval_{name}"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+@pytest.mark.parametrize("objective", ["ipo", "simpo", "orpo"])
+def test_evaluate_preference_counts_every_pair_once_with_each_objective(objective, tmp_path):
+    """Every pair of the build once, the rows of its last, partial batch included, each objective's mean loss and
+    rewards equal to TRL's formulas per pair unpacked; the model's training mode is restored."""
+    from loaders.train.preference_eval import evaluate_preference
+
+    held_out_pairs, held_out = eval_build(tmp_path)
+    assert len(PackedIterableDataset(held_out.source, batch_rows=1)) % EVAL_ROWS != 0
+    policy, reference = use_loss_position_head(tiny_llama()), use_loss_position_head(perturbed(tiny_llama()))
+    config = PreferenceConfig(objective, beta=0.5, simpo_gamma=0.3)
+    result = evaluate_preference(policy.train(), held_out.source, config, Reference(reference), batch_rows=EVAL_ROWS)
+    assert result.pair_ids.tolist() == list(range(EVAL_PAIRS)) and policy.training
+    for name, value in expected_metrics(policy, reference, held_out_pairs, config).items():
+        assert result.metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+def evaluate_preference_rank(rank: int, path: str, init_file: str, out: str) -> None:
+    """One of two gloo ranks: ``evaluate_preference(distributed=True)``, every rank's result saved."""
+    import torch.distributed as dist
+
+    from loaders.train.distributed import finish_distributed_run
+    from loaders.train.preference_eval import evaluate_preference
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    reference = Reference(use_loss_position_head(perturbed(tiny_llama())))
+    result = evaluate_preference(use_loss_position_head(tiny_llama()), path, PreferenceConfig("dpo", beta=0.5), reference,
+                                 batch_rows=EVAL_ROWS, distributed=True)
+    torch.save(result, f"{out}/rank{rank}.pt")
+    finish_distributed_run()
+
+
+def test_ranks_share_the_preference_evaluation_and_each_gets_the_whole_result(tmp_path):
+    import torch.multiprocessing as mp
+
+    from loaders.train.preference_eval import evaluate_preference
+
+    _, held_out = eval_build(tmp_path, "shared-prompt")
+    reference = Reference(use_loss_position_head(perturbed(tiny_llama())))
+    alone = evaluate_preference(use_loss_position_head(tiny_llama()), held_out.source, PreferenceConfig("dpo", beta=0.5),
+                                reference, batch_rows=EVAL_ROWS)
+    mp.spawn(evaluate_preference_rank, args=(held_out.source, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        shared = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert shared.pair_ids.tolist() == alone.pair_ids.tolist() == list(range(EVAL_PAIRS))
+        assert shared.metrics == pytest.approx(alone.metrics, rel=1e-6, abs=1e-9)
+
+
+def test_packed_dpo_trainer_refuses_an_eval_dataset_that_is_not_one_preference_build(pairs, tmp_path):
+    """An SFT build (its eval_loss would be token cross-entropy), a mixture, or another kind of dataset: refused in one
+    line when given, before the output directory is made, and when passed to evaluate()."""
+    from shard_factory import build_shard_dir
+
+    from loaders import PackedMixture
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    train = PackedIterableDataset(tmp_path / "build", batch_rows=1)
+    build_shard_dir(tmp_path / "sft", [20, 30, 40], capacity=CAPACITY, vocab_size=VOCAB)
+    sft = PackedIterableDataset(tmp_path / "sft", batch_rows=1)
+    not_preference = r"the eval dataset .*sft is not a build of preference pairs: its eval_loss would be token cross-entropy"
+    refusals = [(sft, ValueError, not_preference),
+                (PackedMixture({"a": tmp_path / "build", "b": tmp_path / "build"}, weights={"a": 1, "b": 1}), ValueError,
+                 "evaluates one preference build, not a mixture"),
+                ({"held_out": sft}, ValueError, not_preference),
+                ([1, 2, 3], TypeError, "evaluates a PackedIterableDataset of a preference build, got list")]
+    for dataset, error, refused in refusals:
+        with pytest.raises(error, match=refused):
+            PackedDPOTrainer(model=tiny_llama(), args=dpo_args(tmp_path), train_dataset=train, eval_dataset=dataset)
+        assert not (tmp_path / "run").exists()
+    trainer = PackedDPOTrainer(model=tiny_llama(), args=dpo_args(tmp_path), train_dataset=train)
+    for dataset, error, refused in refusals:
+        with pytest.raises(error, match=refused):
+            trainer.evaluate(dataset)
+    with pytest.raises(ValueError, match="no eval dataset; pass eval_dataset="):
+        trainer.evaluate()
+    by_name = trainer.evaluate({"held_out": train})  # a dict of builds: each under its name, as Trainer.evaluate does
+    assert by_name["eval_held_out_loss"] == pytest.approx(math.log(2), abs=1e-6) and "eval_held_out_rewards/margins" in by_name
+
+
+def test_stored_reference_log_probs_evaluate_another_build_only_with_its_own_file(pairs, tmp_path):
+    """reference_log_probs are the training build's: evaluating another build is refused in one line naming
+    eval_reference_log_probs, which takes that build's file (computed by the same reference) and evaluates as the
+    reference model would; a file of another build is refused."""
+    from loaders.train.hf_trainer import PackedDPOTrainer
+    from loaders.train.preference_eval import evaluate_preference
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    _, held_out = eval_build(tmp_path)
+    policy, reference = use_loss_position_head(tiny_llama()), use_loss_position_head(perturbed(tiny_llama()))
+    train_file = write_reference_log_probs(reference, tmp_path / "build", directory=tmp_path)
+    eval_file = write_reference_log_probs(reference, held_out.source, directory=tmp_path)
+    train = PackedIterableDataset(tmp_path / "build", batch_rows=1)
+    common = dict(model=policy, ref_model=reference, args=dpo_args(tmp_path), train_dataset=train, reference_log_probs=train_file)
+    with pytest.raises(ValueError, match="reference_log_probs holds the training build's reference log-probs, not those of "
+                                         "the eval build .*eval: pass eval_reference_log_probs="):
+        PackedDPOTrainer(**common, eval_dataset=held_out)
+    with pytest.raises(ValueError, match="computed on the build"):
+        PackedDPOTrainer(**common, eval_dataset=held_out, eval_reference_log_probs=train_file)
+    with pytest.raises(ValueError, match="eval_reference_log_probs: give reference_log_probs too"):
+        PackedDPOTrainer(model=policy, args=dpo_args(tmp_path), train_dataset=train, eval_reference_log_probs=eval_file)
+    assert not (tmp_path / "run").exists()
+    trainer = PackedDPOTrainer(**common, eval_dataset=held_out, eval_reference_log_probs=eval_file)
+    metrics = trainer.evaluate()
+    expected = evaluate_preference(policy, held_out.source, trainer.preference, Reference(reference), batch_rows=EVAL_ROWS).metrics
+    assert {name: metrics[f"eval_{name}"] for name in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    on_train = trainer.evaluate(train, metric_key_prefix="train_build")  # the training build takes the training file
+    assert on_train["train_build_loss"] == pytest.approx(
+        evaluate_preference(policy, train.source, trainer.preference, Reference(reference)).metrics["loss"], rel=1e-5)

@@ -418,11 +418,19 @@ def _packed_dpo_trainer() -> type:
         loss leaves it unused); any other DPOConfig setting that changes TRL's loss (``DPO_SETTINGS_NOT_RUN``) is
         refused unless left at its default. The loss of a step is the mean
         over all its pairs (every micro-batch of every rank). The model gets the loss-position head.
+
+        ``evaluate()`` (``eval_dataset=``, e.g. with ``eval_strategy="steps"``) on a preference build runs
+        ``loaders.train.preference_eval.evaluate_preference`` over all of its pairs, the ranks sharing them, with
+        the training objective and reference: ``eval_loss`` is the mean loss per pair, beside ``eval_rewards/chosen``,
+        ``eval_rewards/rejected``, ``eval_rewards/accuracies`` and ``eval_rewards/margins``. Stored reference
+        log-probs are of the training build; another eval build takes its own file, ``eval_reference_log_probs``
+        (computed by the same reference). An eval dataset that is not one preference build is refused.
         """
 
         def __init__(self, model: Any = None, ref_model: Any = None, args: Any = None, *,
                      train_dataset: PackedIterableDataset, preference_config: Any = None,
-                     reference_log_probs: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+                     reference_log_probs: str | os.PathLike[str] | None = None,
+                     eval_reference_log_probs: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
             from loaders.train.loss_head import use_loss_position_head
 
             if model is not None and not getattr(model, "varpack_loss_head", False):
@@ -430,8 +438,15 @@ def _packed_dpo_trainer() -> type:
             _check_dpo_settings(args)
             from_args = _preference_from_args(args)  # its settings are checked even when preference_config is given
             self.preference = preference_config or from_args
-            # A stored reference is checked before the Trainer makes its output directory.
+            # A stored reference, and the eval datasets, are checked before the Trainer makes its output directory.
             stored = self._stored_reference(model, ref_model, train_dataset, reference_log_probs)
+            if eval_reference_log_probs is not None and stored is None:
+                raise ValueError("eval_reference_log_probs: give reference_log_probs too (the training build's file, "
+                                 "computed by the same reference)")
+            self._eval_reference_log_probs = eval_reference_log_probs
+            self._eval_references: dict[str, Any] = {}
+            for dataset in _eval_datasets(kwargs.get("eval_dataset")):
+                self._eval_reference(_preference_eval_dataset(dataset, self.preference.objective), stored, train_dataset)
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
             self.reference = None
@@ -467,6 +482,44 @@ def _packed_dpo_trainer() -> type:
                 use_loss_position_head(ref_model)
             return preference.Reference(ref_model.requires_grad_(False).eval().to(self.args.device))
 
+        def _eval_reference(self, dataset: PackedIterableDataset, stored: Any, train_dataset: PackedIterableDataset) -> Any:
+            """The stored reference log-probs of an evaluation on ``dataset`` (None: the training reference serves):
+            the training build's file on that build, else ``eval_reference_log_probs``."""
+            fingerprint = dataset.manifest.fingerprint
+            if stored is None or fingerprint == train_dataset.manifest.fingerprint:
+                return None
+            if fingerprint not in self._eval_references:
+                if self._eval_reference_log_probs is None:
+                    raise ValueError(f"reference_log_probs holds the training build's reference log-probs, not those of the "
+                                     f"eval build {dataset.source}: pass eval_reference_log_probs= the file "
+                                     "write_reference_log_probs(reference, EVAL_BUILD) writes")
+                self._eval_references[fingerprint] = preference.Reference(stored=preference.ReferenceLogProbs(
+                    self._eval_reference_log_probs, dataset.manifest, stored.stored.identity))
+            return self._eval_references[fingerprint]
+
+        def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                     metric_key_prefix: str = "eval") -> dict[str, float]:
+            """``evaluate_preference`` over every pair of the eval build: the mean loss per pair and TRL's reward metrics."""
+            from loaders.train.preference_eval import evaluate_preference
+
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+            if isinstance(dataset, dict):  # each build, under its name, as Trainer.evaluate does
+                return {key: value for name, each in dataset.items()
+                        for key, value in self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}").items()}
+            assert self.model is not None  # Trainer.__init__ sets it
+            dataset = _preference_eval_dataset(dataset, self.preference.objective)
+            stored = self.reference if self.reference is not None and self.reference.stored is not None else None
+            reference = self._eval_reference(dataset, stored, self.packed_dataset) or self.reference
+            with self.compute_loss_context_manager():
+                result = evaluate_preference(self.model, dataset.source, self.preference, reference,
+                                             batch_rows=dataset.batch_rows or 1, distributed=True)
+            metrics = {f"{metric_key_prefix}_{name}": value for name, value in result.metrics.items()}
+            metrics[f"{metric_key_prefix}_runtime"] = result.seconds
+            self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
+            self.log(metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+
         def _window_normalizer(self, batches: list[dict]) -> float:
             return float(preference.pairs_in(batches))
 
@@ -500,6 +553,29 @@ def _check_dpo_settings(args: Any) -> None:
     if changed:
         raise ValueError(f"PackedDPOTrainer does not run DPOConfig's {', '.join(changed)}: they change TRL's loss; "
                          "leave them at their defaults")
+
+
+def _eval_datasets(eval_dataset: Any) -> list[Any]:
+    """The datasets of a Trainer's ``eval_dataset``: none, one, or each of a dict's."""
+    if eval_dataset is None:
+        return []
+    return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+
+
+def _preference_eval_dataset(dataset: Any, objective: str) -> PackedIterableDataset:
+    """``dataset``, refused in one line unless it is a PackedIterableDataset of one preference build."""
+    if dataset is None:
+        raise ValueError("PackedDPOTrainer.evaluate: no eval dataset; pass eval_dataset= here or to the trainer")
+    if not isinstance(dataset, PackedIterableDataset):
+        raise TypeError(f"PackedDPOTrainer evaluates a PackedIterableDataset of a preference build, got {type(dataset).__name__}")
+    if isinstance(dataset, PackedMixture):
+        raise ValueError("PackedDPOTrainer evaluates one preference build, not a mixture: pass "
+                         "eval_dataset={name: PackedIterableDataset(build)} to evaluate each build")
+    if dataset.manifest.preference_layout is None:
+        raise ValueError(f"PackedDPOTrainer: the eval dataset {dataset.source} is not a build of preference pairs: its "
+                         f"eval_loss would be token cross-entropy, not the {objective} loss; evaluate it with "
+                         "PackedTrainer or loaders.train.evaluate.evaluate_packed")
+    return dataset
 
 
 def _preference_from_args(args: Any) -> Any:
