@@ -10,6 +10,8 @@ Three runs, one after the other, each in its own process so that one holds the c
 3. ``train.py --trainer hf`` (``PackedTrainer``) with ``--trainer-flags`` (default ``--compile``),
    the same steps and logs.
 
+``--runs`` picks 2, 3 or both (default both).
+
 Each logged window of 2 and 3 is compared with 1 (``vs_bench``); ``train_py_vs_bench`` and
 ``trainer_vs_bench`` are the median over the windows after the first, which holds the
 compilation, the prewarm and the captures. ``train.py`` keeps fp32 weights and AdamW state under
@@ -60,6 +62,7 @@ class UserPathConfig:
     num_workers: int = 2
     train_flags: str = "--compile --step-graph"
     trainer_flags: str = "--compile"
+    runs: str = "train_py,trainer"
     out: str = ""
 
 
@@ -141,6 +144,8 @@ def parse_args(argv: list[str] | None) -> UserPathConfig:
         else:
             parser.add_argument(flag, type=type(value), default=value, required=name == "shards")
     config = UserPathConfig(**vars(parser.parse_args(argv)))
+    if not config.runs or not set(config.runs.split(",")) <= {"train_py", "trainer"}:
+        parser.error(f"--runs {config.runs!r}: choose train_py, trainer or both, comma-separated")
     if config.steps < 2 * config.log_every:
         parser.error(f"--steps {config.steps} gives fewer than two windows of --log-every {config.log_every}: the first "
                      "holds the warm-up")
@@ -166,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         keep()
         reference = result["bench"]["tokens_per_s"]
         for name, flags in (("train_py", config.train_flags), ("trainer", config.trainer_flags)):
+            if name not in config.runs.split(","):
+                continue
             result[name] = user_run(config, workdir, name, flags, reference)
             result[f"{name}_vs_bench"], result[f"{name}_vs_bench_range"] = after_warm_up(result[name])
             keep()
