@@ -4,12 +4,12 @@ Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a gr
 a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us per
 element through a shuffle.
 
-    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
+    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens and lengths to spill files, counts on
         rejected rows, untrained counts --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
             --> Filtered, joined with the counts and with the manifest's inputs
-        counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
-        lengths --GroupByKey(group)--> PackGroups (best-fit decreasing per group; one plan file
-            per shard, naming the spill files and positions of its segments' tokens)
+        counts --gather--> Layout --> (batch key, first id, group)  --join batches by batch key-->
+        batches --GroupByKey(group)--> PackGroups (reads the group's lengths; best-fit decreasing per
+            group; one plan file per shard, naming the spill files and positions of its segments' tokens)
             --> PackedGroup (statistics, plan files) --gather--> (shard in group, shard index) --+
             --> (shard in group, plan file) --------------------------------------------------+
                     --CoGroupByKey(group, shard in group)--> WriteShard
@@ -18,9 +18,11 @@ element through a shuffle.
 Whole-collection values (the layout, the statistics) are gathered under one key and joined
 with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
 
-Tokens never travel through a shuffle, and neither does the packing plan: WriteShard reads its
+Tokens never travel through a shuffle, and neither do the examples' lengths or the packing plan:
+PackGroups reads its batches' lengths from beside their spill files, and WriteShard reads its
 shard's plan file and gathers the tokens from the spill files (``pipeline/packing/shard_plans.py``,
-``pipeline/packing/spill.py``). What the runner holds is the examples' lengths, 4 bytes each.
+``pipeline/packing/spill.py``). What the runner holds and shuffles is a few hundred bytes per batch
+of ``--batch-size`` examples (plus the batch's bad rows), whatever the size of the dataset.
 """
 
 from __future__ import annotations
@@ -243,13 +245,11 @@ def placements(
 
 
 def assign_group(key: BatchKey, joined: dict):
-    """A batch's kept lengths keyed by its packing group: ``(group, GroupBatch)``."""
+    """A batch that has examples in its kept rows, keyed by its packing group: ``(group, GroupBatch)``."""
     (batch,), (placement,) = joined["batch"], joined["placement"]
     first_row, kept_rows, group = placement
-    kept = int(np.searchsorted(batch.rows, kept_rows))
-    if kept:
-        segments = None if batch.segments is None else batch.segments[:kept]
-        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path, segments)
+    if batch.examples and kept_rows:
+        yield group, GroupBatch(key, first_row, kept_rows, batch.path)
 
 
 def first_shard(groups: list[PackedGroup], group: int) -> int:
@@ -373,7 +373,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
             lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check, b.special_text)
         ),
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
-    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
+    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.examples, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (
         {"counts": _gather("Counts", counts), "filtered": filtered}
@@ -393,10 +393,10 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "AssignGroups" >> beam.FlatMapTuple(assign_group)
         | "GroupLengths" >> beam.GroupByKey()
         | "PackGroups"
-        >> beam.MapTuple(
-            lambda group, batches: pack_group(
+        >> beam.FlatMapTuple(
+            lambda group, batches: filter(None, [pack_group(
                 group, list(batches), config.max_len, config.overflow, config.packing, config.seed, rows_per_shard, spill_dir
-            )
+            )])
         )
     )
     # Shards are first numbered within their group; the group's first shard index joins them

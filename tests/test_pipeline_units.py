@@ -538,6 +538,25 @@ def test_layout_numbers_rows_in_source_order_and_limits():
         make_layout([((0, 0), (0, 3))], limit=None)
 
 
+def test_what_the_runner_holds_per_batch_does_not_grow_with_its_examples(tmp_path):
+    # The runner holds every batch's SpilledBatch and GroupBatch in its shuffles: per-example arrays there made the
+    # pack command's own memory grow with the dataset (8 bytes per example, several times over).
+    from apache_beam import coders
+
+    from pipeline.encode.examples import EncodedBatch
+
+    coder = coders.registry.get_coder(object)  # what Beam encodes these elements with
+    sizes = []
+    for n in (10, 10_000):
+        lengths = np.full(n, 3, dtype=np.int64)
+        batch = EncodedBatch(lengths, np.arange(3 * n, dtype=np.int32), np.ones(3 * n, dtype=np.uint8))
+        spilled = spill(batch, str(tmp_path), f"{n:06d}", n)
+        grouped = GroupBatch((0, 1), 0, n, spilled.path)
+        sizes.append(len(coder.encode(((0, 1), spilled))) + len(coder.encode((0, grouped))))
+        assert (grouped.examples().lengths.tolist(), grouped.examples().rows.tolist()) == (lengths.tolist(), list(range(n)))
+    assert sizes[1] < 1024 and sizes[1] - sizes[0] < 16  # the count's own digits
+
+
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
 def test_routing_places_every_token_once(overflow, tmp_path):
     rng = np.random.default_rng(0)
@@ -555,7 +574,7 @@ def test_routing_places_every_token_once(overflow, tmp_path):
     for key, (lengths, tokens, mask) in batches.items():
         first, kept, group = index[key]
         spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}", lengths.size)
-        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.rows[:kept], spilled.path))
+        grouped.setdefault(group, []).append(GroupBatch(key, first, kept, spilled.path))
     plan_dir = str(tmp_path / "plans")
     groups = [
         pack_group(g, b[::-1], capacity, overflow, "best_fit_decreasing", 0, rows_per_shard, plan_dir)  # any arrival order
