@@ -392,6 +392,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "JoinPlacements" >> beam.CoGroupByKey()
         | "AssignGroups" >> beam.FlatMapTuple(assign_group)
         | "GroupLengths" >> beam.GroupByKey()
+        # A group whose kept rows made no example (all bad rows, or past --num-examples) packs nothing.
         | "PackGroups"
         >> beam.FlatMapTuple(
             lambda group, batches: filter(None, [pack_group(

@@ -1,4 +1,4 @@
-"""Tokenized batches wait in spill files while the dataset is packed; only their lengths travel.
+"""Tokenized batches wait in spill files while the dataset is packed; only their counts travel.
 
 A worker writes each tokenized batch's ``tokens`` and ``loss_mask`` to one uncompressed Arrow
 IPC file under the build's spill directory, and its examples' lengths and source rows to a small
