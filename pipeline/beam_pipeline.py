@@ -4,8 +4,8 @@ Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a gr
 a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us per
 element through a shuffle.
 
-    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens and lengths to spill files, counts on
-        rejected rows, untrained counts --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
+    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens, lengths and rows left out to spill files
+        counts of rows left out and untrained --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
             --> Filtered, joined with the counts and with the manifest's inputs
         counts --gather--> Layout --> (batch key, first id, group)  --join batches by batch key-->
         batches --GroupByKey(group)--> PackGroups (reads the group's lengths; best-fit decreasing per
@@ -21,8 +21,9 @@ with CoGroupByKey, not passed as side inputs: the graph then runs the same on ev
 Tokens never travel through a shuffle, and neither do the examples' lengths or the packing plan:
 PackGroups reads its batches' lengths from beside their spill files, and WriteShard reads its
 shard's plan file and gathers the tokens from the spill files (``pipeline/packing/shard_plans.py``,
-``pipeline/packing/spill.py``). What the runner holds and shuffles is a few hundred bytes per batch
-of ``--batch-size`` examples (plus the batch's bad rows), whatever the size of the dataset.
+``pipeline/packing/spill.py``), and WriteRejected joins the batches' lines of ``rejected.jsonl``
+from beside them. What the runner holds and shuffles is a few hundred bytes per batch of
+``--batch-size`` rows, whatever the size of the dataset and however many of its rows are bad.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
-from pipeline.packing.spill import spill
+from pipeline.packing.spill import SpilledRejects, spill
 from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
 from pipeline.read.inputs import InputsRead
 from pipeline.read.readers import BatchRows
@@ -184,24 +185,25 @@ class Filtered:
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str], CheckCounts, dict]],
+    notes: list[tuple[tuple[int, int], int, SpilledRejects, tuple[int, ...], Counter[str], CheckCounts, dict]],
     out_dir: str,
     max_bad_rows: int | float,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
-    ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained and
+    ``notes`` holds, for each batch, its key, its source rows read, its rows left out, its untrained and
     prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts, what checking its
     tokens found and the special tokens whose text its data holds. The first example whose tokens differ from the reference (under
     ``--on-token-mismatch count``) is logged as a warning.
     """
     notes = sorted(notes, key=lambda note: note[0])
-    bad_rows = [row for _, _, rejected, *_ in notes for row in rejected]
+    rejects: list[SpilledRejects] = [rejected for _, _, rejected, *_ in notes]
     rows_read = sum(rows for _, rows, *_ in notes)
-    bad = [row for row in bad_rows if row.is_bad]
-    if bad and bound_exceeded(len(bad), rows_read, max_bad_rows):
-        raise bound_error(len(bad), rows_read, max_bad_rows, bad[0])
-    write_rejected(bad_rows, out_dir)
+    bad = sum(r.bad for r in rejects)
+    first_bad = next((r.first_bad for r in rejects if r.first_bad is not None), None)
+    if first_bad is not None and bound_exceeded(bad, rows_read, max_bad_rows):
+        raise bound_error(bad, rows_read, max_bad_rows, first_bad)
+    write_rejected([r.path for r in rejects if r.path is not None], out_dir)
     untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _, _, _ in notes))] or [0, 0, 0, 0]
     turns = sum((turns for *_, turns, _, _ in notes), Counter())
     checks = [check for *_, check, _ in notes]
@@ -214,7 +216,7 @@ def finish_filtered(
     if mismatch is not None:
         logging.getLogger("varpack").warning("%s", mismatch)
     return Filtered(
-        summarize(bad_rows), untrained[0], untrained[1], turns, untrained[2], untrained[3],
+        summarize(sum((r.by_reason for r in rejects), Counter())), untrained[0], untrained[1], turns, untrained[2], untrained[3],
         sum(check.checked for check in checks), sum(check.equal for check in checks), special_text,
     )
 

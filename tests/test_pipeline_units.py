@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -551,23 +552,29 @@ def test_layout_numbers_rows_in_source_order_and_limits():
         make_layout([((0, 0), (0, 3))], limit=None)
 
 
-def test_what_the_runner_holds_per_batch_does_not_grow_with_its_examples(tmp_path):
-    # The runner holds every batch's SpilledBatch and GroupBatch in its shuffles: per-example arrays there made the
-    # pack command's own memory grow with the dataset (8 bytes per example, several times over).
+def test_what_the_runner_holds_per_batch_does_not_grow_with_its_examples_or_bad_rows(tmp_path):
+    # The runner holds every batch's SpilledBatch and GroupBatch in its shuffles: per-example arrays and the bad rows
+    # themselves there made the pack command's own memory grow with the dataset.
     from apache_beam import coders
 
+    from pipeline.encode.bad_rows import BadRow, Reason
     from pipeline.encode.examples import EncodedBatch
 
     coder = coders.registry.get_coder(object)  # what Beam encodes these elements with
     sizes = []
     for n in (10, 10_000):
         lengths = np.full(n, 3, dtype=np.int64)
-        batch = EncodedBatch(lengths, np.arange(3 * n, dtype=np.int32), np.ones(3 * n, dtype=np.uint8))
-        spilled = spill(batch, str(tmp_path), f"{n:06d}", n)
-        grouped = GroupBatch((0, 1), 0, n, spilled.path)
+        bad = [BadRow(f"data.jsonl line {i}", Reason.NULL, "column 'prompt' is null", {"prompt": None}) for i in range(n)]
+        batch = EncodedBatch(lengths, np.arange(3 * n, dtype=np.int32), np.ones(3 * n, dtype=np.uint8),
+                             np.arange(n, dtype=np.int64) * 2, bad)
+        spilled = spill(batch, str(tmp_path), f"{n:06d}", 2 * n)
+        grouped = GroupBatch((0, 1), 0, 2 * n, spilled.path)
         sizes.append(len(coder.encode(((0, 1), spilled))) + len(coder.encode((0, grouped))))
-        assert (grouped.examples().lengths.tolist(), grouped.examples().rows.tolist()) == (lengths.tolist(), list(range(n)))
-    assert sizes[1] < 1024 and sizes[1] - sizes[0] < 16  # the count's own digits
+        examples = grouped.examples()
+        assert (examples.lengths.tolist(), examples.rows.tolist()) == (lengths.tolist(), list(range(0, 2 * n, 2)))
+        assert spilled.rejected.by_reason == {"null": n} and spilled.rejected.first_bad == bad[0]
+        assert Path(spilled.rejected.path).read_text(encoding="utf-8") == "".join(row.to_json() + "\n" for row in bad)
+    assert sizes[1] < 2048 and sizes[1] - sizes[0] < 16  # the counts' own digits
 
 
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])

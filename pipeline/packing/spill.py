@@ -1,9 +1,10 @@
 """Tokenized batches wait in spill files while the dataset is packed; only their counts travel.
 
 A worker writes each tokenized batch's ``tokens`` and ``loss_mask`` to one uncompressed Arrow
-IPC file under the build's spill directory, and its examples' lengths and source rows to a small
-file beside it (``SpilledExamples``), and passes on a ``SpilledBatch``: the file's path and the
-batch's counts, a few hundred bytes whatever its size. The packer reads the lengths of its
+IPC file under the build's spill directory, its examples' lengths and source rows to a small
+file beside it (``SpilledExamples``) and its rows left out as their lines of ``rejected.jsonl``
+(``SpilledRejects``), and passes on a ``SpilledBatch``: the file's path and the batch's counts, a
+few hundred bytes whatever its size. The packer reads the lengths of its
 group's batches; the shard writers gather each segment's tokens from the spill files through a
 memory map. So what the runner holds and moves through its shuffles grows with the number of
 batches, not of examples or tokens.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import shutil
+from pathlib import Path
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import storage
+from pipeline.encode.bad_rows import BadRow
 from pipeline.encode.examples import EncodedBatch
 from pipeline.encode.token_check import CheckCounts
 from pipeline.packing.pairs import segments_per_pair
@@ -37,19 +40,30 @@ CLUSTER_SPILL_PREFIX = "varpack-spill-"
 
 
 @dataclass(frozen=True)
+class SpilledRejects:
+    """A batch's rows left out: how many for each reason, how many of them are bad rows (``--max-bad-rows``) and the
+    first of those (named in errors); their lines of ``rejected.jsonl`` are in the file at ``path`` (None: none)."""
+
+    by_reason: Counter[str]
+    bad: int = 0
+    first_bad: BadRow | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class SpilledBatch:
     """A tokenized batch of ``examples`` examples from ``rows_read`` source rows, whose tokens are in the spill
     file at ``path`` and whose lengths and rows are in the file beside it (``read_examples``).
 
-    ``rejected``, ``untrained``, ``turns`` and ``prompt_cut`` are the batch's bad rows and counts (see EncodedBatch);
-    ``token_check`` what checking its tokens against the reference found. Nothing here grows with the batch's
-    examples but its bad rows: the runner holds one of these per batch.
+    ``rejected`` counts the batch's rows left out, ``untrained``, ``turns`` and ``prompt_cut`` its other counts (see
+    EncodedBatch); ``token_check`` what checking its tokens against the reference found. Nothing here grows with
+    the batch's examples or rows: the runner holds one of these per batch.
     """
 
     path: str
     examples: int
     rows_read: int
-    rejected: list = field(default_factory=list)
+    rejected: SpilledRejects = field(default_factory=lambda: SpilledRejects(Counter()))
     untrained: tuple[int, int] = (0, 0)
     turns: Counter[str] = field(default_factory=Counter)
     prompt_cut: tuple[int, int] = (0, 0)
@@ -96,9 +110,20 @@ def spill(
     _write_table(pa.table(examples), examples_path(path))
     release_freed_memory()
     return SpilledBatch(
-        path, int(batch.lengths.size), rows_read, batch.rejected, batch.untrained, batch.turns, batch.prompt_cut,
-        token_check, batch.special_text,
+        path, int(batch.lengths.size), rows_read, spill_rejected(batch.rejected, path), batch.untrained, batch.turns,
+        batch.prompt_cut, token_check, batch.special_text,
     )
+
+
+def spill_rejected(rejected: list[BadRow], path: str) -> SpilledRejects:
+    """Write the lines of ``rejected.jsonl`` for a batch's rows left out beside its spill file ``path``; their counts."""
+    bad = [row for row in rejected if row.is_bad]
+    rejected_path = None
+    if rejected:
+        rejected_path = path.removesuffix(".arrow") + ".rejected.jsonl"
+        lines = "".join(row.to_json() + "\n" for row in rejected).encode("utf-8")
+        storage.write_scratch(rejected_path, lambda local: Path(local).write_bytes(lines))
+    return SpilledRejects(Counter(str(row.reason) for row in rejected), len(bad), bad[0] if bad else None, rejected_path)
 
 
 def examples_path(path: str) -> str:
