@@ -4,12 +4,12 @@ Every element is a batch (a table of up to ``batch_size`` rows, its tokens, a gr
 a shard), never a single example: Beam costs about 0.5 us per element per step and 16 us per
 element through a shuffle.
 
-    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens to a spill file, lengths on
-        rejected rows, untrained counts --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
+    read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens, lengths and rows left out to spill files
+        counts of rows left out and untrained --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
             --> Filtered, joined with the counts and with the manifest's inputs
-        counts --gather--> Layout --> (batch key, first id, group)  --join lengths by batch key-->
-        lengths --GroupByKey(group)--> PackGroups (best-fit decreasing per group; one plan file
-            per shard, naming the spill files and positions of its segments' tokens)
+        counts --gather--> Layout --> (batch key, first id, group)  --join batches by batch key-->
+        batches --GroupByKey(group)--> PackGroups (reads the group's lengths; best-fit decreasing per
+            group; one plan file per shard, naming the spill files and positions of its segments' tokens)
             --> PackedGroup (statistics, plan files) --gather--> (shard in group, shard index) --+
             --> (shard in group, plan file) --------------------------------------------------+
                     --CoGroupByKey(group, shard in group)--> WriteShard
@@ -18,9 +18,12 @@ element through a shuffle.
 Whole-collection values (the layout, the statistics) are gathered under one key and joined
 with CoGroupByKey, not passed as side inputs: the graph then runs the same on every runner.
 
-Tokens never travel through a shuffle, and neither does the packing plan: WriteShard reads its
+Tokens never travel through a shuffle, and neither do the examples' lengths or the packing plan:
+PackGroups reads its batches' lengths from beside their spill files, and WriteShard reads its
 shard's plan file and gathers the tokens from the spill files (``pipeline/packing/shard_plans.py``,
-``pipeline/packing/spill.py``). What the runner holds is the examples' lengths, 4 bytes each.
+``pipeline/packing/spill.py``), and WriteRejected joins the batches' lines of ``rejected.jsonl``
+from beside them. What the runner holds and shuffles is a few hundred bytes per batch of
+``--batch-size`` rows, whatever the size of the dataset and however many of its rows are bad.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
 from pipeline.packing.groups import BatchKey, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
-from pipeline.packing.spill import spill
+from pipeline.packing.spill import SpilledRejects, spill
 from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
 from pipeline.read.inputs import InputsRead
 from pipeline.read.readers import BatchRows
@@ -182,24 +185,25 @@ class Filtered:
 
 
 def finish_filtered(
-    notes: list[tuple[tuple[int, int], int, list[BadRow], tuple[int, ...], Counter[str], CheckCounts, dict]],
+    notes: list[tuple[tuple[int, int], int, SpilledRejects, tuple[int, ...], Counter[str], CheckCounts, dict]],
     out_dir: str,
     max_bad_rows: int | float,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
-    ``notes`` holds, for each batch, its key, its source rows read, its bad rows, its untrained and
+    ``notes`` holds, for each batch, its key, its source rows read, its rows left out, its untrained and
     prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts, what checking its
     tokens found and the special tokens whose text its data holds. The first example whose tokens differ from the reference (under
     ``--on-token-mismatch count``) is logged as a warning.
     """
     notes = sorted(notes, key=lambda note: note[0])
-    bad_rows = [row for _, _, rejected, *_ in notes for row in rejected]
+    rejects: list[SpilledRejects] = [rejected for _, _, rejected, *_ in notes]
     rows_read = sum(rows for _, rows, *_ in notes)
-    bad = [row for row in bad_rows if row.is_bad]
-    if bad and bound_exceeded(len(bad), rows_read, max_bad_rows):
-        raise bound_error(len(bad), rows_read, max_bad_rows, bad[0])
-    write_rejected(bad_rows, out_dir)
+    bad = sum(r.bad for r in rejects)
+    first_bad = next((r.first_bad for r in rejects if r.first_bad is not None), None)
+    if first_bad is not None and bound_exceeded(bad, rows_read, max_bad_rows):
+        raise bound_error(bad, rows_read, max_bad_rows, first_bad)
+    write_rejected([r.path for r in rejects if r.path is not None], out_dir)
     untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _, _, _ in notes))] or [0, 0, 0, 0]
     turns = sum((turns for *_, turns, _, _ in notes), Counter())
     checks = [check for *_, check, _ in notes]
@@ -212,7 +216,7 @@ def finish_filtered(
     if mismatch is not None:
         logging.getLogger("varpack").warning("%s", mismatch)
     return Filtered(
-        summarize(bad_rows), untrained[0], untrained[1], turns, untrained[2], untrained[3],
+        summarize(sum((r.by_reason for r in rejects), Counter())), untrained[0], untrained[1], turns, untrained[2], untrained[3],
         sum(check.checked for check in checks), sum(check.equal for check in checks), special_text,
     )
 
@@ -243,13 +247,11 @@ def placements(
 
 
 def assign_group(key: BatchKey, joined: dict):
-    """A batch's kept lengths keyed by its packing group: ``(group, GroupBatch)``."""
+    """A batch that has examples in its kept rows, keyed by its packing group: ``(group, GroupBatch)``."""
     (batch,), (placement,) = joined["batch"], joined["placement"]
     first_row, kept_rows, group = placement
-    kept = int(np.searchsorted(batch.rows, kept_rows))
-    if kept:
-        segments = None if batch.segments is None else batch.segments[:kept]
-        yield group, GroupBatch(key, first_row, batch.lengths[:kept], batch.rows[:kept], batch.path, segments)
+    if batch.examples and kept_rows:
+        yield group, GroupBatch(key, first_row, kept_rows, batch.path)
 
 
 def first_shard(groups: list[PackedGroup], group: int) -> int:
@@ -373,7 +375,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
             lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check, b.special_text)
         ),
     ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
-    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.lengths.size, batch.rows_read)))
+    counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.examples, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (
         {"counts": _gather("Counts", counts), "filtered": filtered}
@@ -392,11 +394,12 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "JoinPlacements" >> beam.CoGroupByKey()
         | "AssignGroups" >> beam.FlatMapTuple(assign_group)
         | "GroupLengths" >> beam.GroupByKey()
+        # A group whose kept rows made no example (all bad rows, or past --num-examples) packs nothing.
         | "PackGroups"
-        >> beam.MapTuple(
-            lambda group, batches: pack_group(
+        >> beam.FlatMapTuple(
+            lambda group, batches: filter(None, [pack_group(
                 group, list(batches), config.max_len, config.overflow, config.packing, config.seed, rows_per_shard, spill_dir
-            )
+            )])
         )
     )
     # Shards are first numbered within their group; the group's first shard index joins them

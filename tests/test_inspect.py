@@ -190,6 +190,27 @@ def test_plot_writes_the_figure_where_asked(tmp_path: Path, capsys, lengths) -> 
     assert f"wrote {tmp_path / 'figures' / REPORT_NAME}" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's memory maps (Linux)")
+def test_the_report_reads_a_build_one_shard_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    # Every shard stayed mapped until the last was read, and the pages the check touched (a byte per token) with
+    # it: the pack command's memory grew with the build's tokens.
+    from pipeline.report import profile
+
+    manifest, _, _ = random_token_build(tmp_path, np.random.default_rng(0).integers(1, 100, 400), capacity=64,
+                                        rows_per_shard=40)
+    read_shard_table, mapped_before = profile.read_shard_table, []
+
+    def reading(build_dir: str, info, capacity: int) -> pa.Table:
+        maps = Path("/proc/self/maps").read_text()
+        mapped_before.append(sum(str(tmp_path / shard.path) in maps for shard in manifest.shards))
+        return read_shard_table(build_dir, info, capacity)
+
+    monkeypatch.setattr(profile, "read_shard_table", reading)
+    read = profile.read_profile(str(tmp_path), manifest)
+    assert len(manifest.shards) >= 4 and mapped_before == [0] * len(manifest.shards)
+    assert int(read.segment_lengths.sum()) == manifest.stats.tokens and read.row_tokens.size == manifest.stats.rows
+
+
 @pytest.mark.parametrize(
     ("setup", "message"),
     [

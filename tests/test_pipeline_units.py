@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -308,6 +309,19 @@ def test_synthetic_lengths_follow_the_shape_exactly(tokenizer):
     assert generate_block(SHAPES["synthetic-flan"], 0, 300).equals(table)
 
 
+def test_synthetic_tasks_are_parts_of_blocks_that_read_as_the_blocks_whole():
+    # Tasks of a whole block (8,192 examples) left the slowest of 16 workers a third more work than the others.
+    source = resolve_source(PackConfig(dataset="synthetic-orcamath", num_examples=8492))
+    assert [(t.block, t.first, t.rows) for t in source.tasks] == [
+        (0, 0, 2048), (0, 2048, 2048), (0, 4096, 2048), (0, 6144, 2048), (1, 0, 300),
+    ]
+    columns = {"prompt": pa.string(), "response": pa.string()}
+    read = pa.concat_tables(table for task in source.tasks for _, table in task.read(columns, 1000))
+    shape = SHAPES["synthetic-orcamath"]
+    assert read.equals(pa.concat_tables([generate_block(shape, 0), generate_block(shape, 1, 300)]))
+    assert source.tasks[2].batch_rows(5).name(0) == source.tasks[0].batch_rows(4096 + 5).name(0)
+
+
 # --- fingerprints --------------------------------------------------------------------------
 
 
@@ -538,6 +552,31 @@ def test_layout_numbers_rows_in_source_order_and_limits():
         make_layout([((0, 0), (0, 3))], limit=None)
 
 
+def test_what_the_runner_holds_per_batch_does_not_grow_with_its_examples_or_bad_rows(tmp_path):
+    # The runner holds every batch's SpilledBatch and GroupBatch in its shuffles: per-example arrays and the bad rows
+    # themselves there made the pack command's own memory grow with the dataset.
+    from apache_beam import coders
+
+    from pipeline.encode.bad_rows import BadRow, Reason
+    from pipeline.encode.examples import EncodedBatch
+
+    coder = coders.registry.get_coder(object)  # what Beam encodes these elements with
+    sizes = []
+    for n in (10, 10_000):
+        lengths = np.full(n, 3, dtype=np.int64)
+        bad = [BadRow(f"data.jsonl line {i}", Reason.NULL, "column 'prompt' is null", {"prompt": None}) for i in range(n)]
+        batch = EncodedBatch(lengths, np.arange(3 * n, dtype=np.int32), np.ones(3 * n, dtype=np.uint8),
+                             np.arange(n, dtype=np.int64) * 2, bad)
+        spilled = spill(batch, str(tmp_path), f"{n:06d}", 2 * n)
+        grouped = GroupBatch((0, 1), 0, 2 * n, spilled.path)
+        sizes.append(len(coder.encode(((0, 1), spilled))) + len(coder.encode((0, grouped))))
+        examples = grouped.examples()
+        assert (examples.lengths.tolist(), examples.rows.tolist()) == (lengths.tolist(), list(range(0, 2 * n, 2)))
+        assert spilled.rejected.by_reason == {"null": n} and spilled.rejected.first_bad == bad[0]
+        assert Path(spilled.rejected.path).read_text(encoding="utf-8") == "".join(row.to_json() + "\n" for row in bad)
+    assert sizes[1] < 2048 and sizes[1] - sizes[0] < 16  # the counts' own digits
+
+
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
 def test_routing_places_every_token_once(overflow, tmp_path):
     rng = np.random.default_rng(0)
@@ -555,7 +594,7 @@ def test_routing_places_every_token_once(overflow, tmp_path):
     for key, (lengths, tokens, mask) in batches.items():
         first, kept, group = index[key]
         spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}", lengths.size)
-        grouped.setdefault(group, []).append(GroupBatch(key, first, spilled.lengths[:kept], spilled.rows[:kept], spilled.path))
+        grouped.setdefault(group, []).append(GroupBatch(key, first, kept, spilled.path))
     plan_dir = str(tmp_path / "plans")
     groups = [
         pack_group(g, b[::-1], capacity, overflow, "best_fit_decreasing", 0, rows_per_shard, plan_dir)  # any arrival order

@@ -116,15 +116,16 @@ def bound_error(bad: int, rows: int | None, bound: int | float, first: BadRow) -
     )
 
 
-def summarize(bad_rows: Sequence[BadRow]) -> RejectedRows:
+def summarize(by_reason: Counter[str]) -> RejectedRows:
     """The counts the manifest records: rows left out, by reason."""
-    counts = Counter(str(row.reason) for row in bad_rows)
-    return RejectedRows(rows=len(bad_rows), by_reason=dict(sorted(counts.items())))
+    return RejectedRows(rows=sum(by_reason.values()), by_reason=dict(sorted(by_reason.items())))
 
 
-def write_rejected(bad_rows: Sequence[BadRow], out_dir: str) -> None:
-    """Write ``rejected.jsonl`` into the build directory, atomically (nothing when no row was left out)."""
-    if not bad_rows:
+def write_rejected(parts: Sequence[str], out_dir: str) -> None:
+    """Write ``rejected.jsonl`` into the build directory from ``parts``, files of its lines in source order (each
+    batch's, beside its spill file), atomically; nothing when no row was left out."""
+    if not parts:
         return
-    with storage.output(storage.join(out_dir, REJECTED_NAME)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(row.to_json() + "\n" for row in bad_rows)
+    with storage.output(storage.join(out_dir, REJECTED_NAME)) as tmp, open(tmp, "wb") as f:
+        for part in parts:
+            f.write(storage.read_bytes(part))

@@ -6,13 +6,14 @@ source row in the dataset whatever the runner, and stays so when rows before it 
 (``--on-bad-row skip``, ``--overflow truncate``): ids lie in ``[0, rows read)``, which the
 manifest records as ``stats.num_example_ids``. Rows past ``--num-examples`` are left out here.
 
-Packing is best-fit decreasing over all the lengths of a group, on one worker (about 40
-bytes per example while packing). A dataset of more than EXAMPLES_PER_GROUP examples is cut
-into K = ceil(N / EXAMPLES_PER_GROUP) groups of consecutive examples, packed independently
-(in parallel on a cluster). Each group ends with its own partly filled rows, so grouping
-costs a little fill, about 0.6 extra rows per group; ``scripts/bench_pack_groups.py``
-measures it. On 5M FLAN-shaped lengths at L = 4096 (one group: 99.9927% fill) groups of 1M
-examples lose 0.0008% of fill, of 100k 0.009%, of 10k 0.08%: negligible at 50M per group.
+Packing is best-fit decreasing over all the lengths of a group, on one worker (about 100 bytes
+per example while packing: 82 in ``pack`` itself over 1M or 3M FLAN lengths). A dataset of more
+than EXAMPLES_PER_GROUP examples is cut into K = ceil(N / EXAMPLES_PER_GROUP) groups of
+consecutive examples, packed independently (in parallel on a cluster). Each group ends with its
+own partly filled rows, so grouping costs a little fill, about 0.6 extra rows per group;
+``scripts/bench_pack_groups.py`` measures it. On 5M FLAN-shaped lengths at L = 4096 (one group:
+99.9927% fill) groups of 1M examples lose 0.0008% of fill, of 100k 0.009%, of 10k 0.08%:
+negligible at 50M per group.
 """
 
 from __future__ import annotations

@@ -23,27 +23,25 @@ from pipeline.packing.algorithms import PackingPlan, pack
 from pipeline.packing.groups import BatchKey
 from pipeline.packing.pairs import pair_segments, pair_stats
 from pipeline.packing.rows import build_rows
-from pipeline.packing.spill import read_spilled
+from pipeline.packing.spill import SpilledExamples, read_examples, read_spilled
 from pipeline.ranges import gather_index
 from schemas import PackingStats
 
 
 @dataclass(frozen=True)
 class GroupBatch:
-    """One tokenized batch of a packing group: its key, its first source row, its kept examples'
-    lengths and rows within the batch, its spill file, and for preference pairs the segments each becomes in a row.
-    An example's id is ``first_row + rows[i]``."""
+    """One tokenized batch of a packing group: its key, its first source row, how many of its source rows are kept
+    and its spill file. Its examples (``read_examples``) are those of the kept rows; an example's id is
+    ``first_row`` plus its row in the batch."""
 
     key: BatchKey
     first_row: int
-    lengths: np.ndarray  # [examples kept]
-    rows: np.ndarray  # [examples kept]
+    kept_rows: int
     path: str
-    segments: np.ndarray | None = None  # [examples kept]
 
-    @property
-    def example_ids(self) -> np.ndarray:
-        return self.first_row + self.rows.astype(np.int64)
+    def examples(self) -> SpilledExamples:
+        """The lengths, rows and (pairs) segments of the batch's kept examples, read from beside its spill file."""
+        return read_examples(self.path).head(self.kept_rows)
 
 
 @dataclass(frozen=True)
@@ -113,20 +111,27 @@ def pack_group(
     seed: int,
     rows_per_shard: int,
     plan_dir: str,
-) -> PackedGroup:
-    """Pack the examples of a group's batches (consecutive in the dataset) and write one plan file per shard."""
-    batches = sorted(batches, key=lambda b: b.first_row)
-    lengths = np.concatenate([b.lengths for b in batches]).astype(np.int64) if batches else np.zeros(0, np.int64)
+) -> PackedGroup | None:
+    """Pack the examples of a group's batches (consecutive in the dataset) and write one plan file per shard;
+    None when the group's kept rows made no example (all bad rows, or past ``--num-examples``)."""
+    read = [(b, b.examples()) for b in sorted(batches, key=lambda b: b.first_row)]
+    read = [(b, e) for b, e in read if e.lengths.size]
+    if not read:
+        return None
+    batches, examples = [b for b, _ in read], [e for _, e in read]
+    lengths = np.concatenate([e.lengths for e in examples]).astype(np.int64)
     plan = pack(lengths, capacity, overflow=overflow, algorithm=algorithm, seed=seed)
     del lengths
-    if any(b.segments is not None for b in batches):
+    if any(e.segments is not None for e in examples):
         # A pair is one item to pack and two or three segments in its row: the statistics count those.
-        plan = dataclasses.replace(plan, stats=pair_stats(plan, np.concatenate([b.segments for b in batches])))
+        plan = dataclasses.replace(plan, stats=pair_stats(plan, np.concatenate([e.segments for e in examples])))
     # Where each example's tokens start in its batch's spill file.
-    starts = [np.cumsum(b.lengths, dtype=np.int64) - b.lengths for b in batches]
-    example_start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    batch_of_example = np.repeat(np.arange(len(batches)), [b.lengths.size for b in batches])
-    example_ids = np.concatenate([b.example_ids for b in batches]) if batches else np.zeros(0, np.int64)
+    starts = [np.cumsum(e.lengths, dtype=np.int64) - e.lengths for e in examples]
+    example_start = np.concatenate(starts)
+    batch_of_example = np.repeat(np.arange(len(batches)), [e.lengths.size for e in examples])
+    ids = [b.first_row + e.rows.astype(np.int64) for b, e in zip(batches, examples)]
+    example_ids = np.concatenate(ids)
+    del read, examples, starts, ids
     paths = np.array([b.path for b in batches], dtype=str)
     shard_paths = []
     for local, start in enumerate(range(0, plan.num_rows, rows_per_shard)):

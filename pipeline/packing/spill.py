@@ -1,10 +1,13 @@
-"""Tokenized batches wait in spill files while the dataset is packed; only their lengths travel.
+"""Tokenized batches wait in spill files while the dataset is packed; only their counts travel.
 
 A worker writes each tokenized batch's ``tokens`` and ``loss_mask`` to one uncompressed Arrow
-IPC file under the build's spill directory and passes on a ``SpilledBatch``: the file's path
-and the examples' lengths. The packer needs only the lengths; the shard writers gather each
-segment's tokens from the spill files through a memory map. So a build's memory grows with
-its number of examples (their lengths and places), not with its tokens.
+IPC file under the build's spill directory, its examples' lengths and source rows to a small
+file beside it (``SpilledExamples``) and its rows left out as their lines of ``rejected.jsonl``
+(``SpilledRejects``), and passes on a ``SpilledBatch``: the file's path and the batch's counts, a
+few hundred bytes whatever its size. The packer reads the lengths of its
+group's batches; the shard writers gather each segment's tokens from the spill files through a
+memory map. So what the runner holds and moves through its shuffles grows with the number of
+batches, not of examples or tokens.
 
 The spill directory is ``OUT/DATASET-FINGERPRINT/.spill-RUN/`` for a local build, or
 ``TEMP_LOCATION/varpack-spill-RUN/`` (``--temp_location``) on a cluster, where every worker
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import shutil
+from pathlib import Path
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import storage
+from pipeline.encode.bad_rows import BadRow
 from pipeline.encode.examples import EncodedBatch
 from pipeline.encode.token_check import CheckCounts
 from pipeline.packing.pairs import segments_per_pair
@@ -35,26 +40,50 @@ CLUSTER_SPILL_PREFIX = "varpack-spill-"
 
 
 @dataclass(frozen=True)
-class SpilledBatch:
-    """A tokenized batch whose tokens are in the spill file at ``path``; example ``i`` has ``lengths[i]``
-    tokens and comes from row ``rows[i]`` of the ``rows_read`` rows of the batch.
+class SpilledRejects:
+    """A batch's rows left out: how many for each reason, how many of them are bad rows (``--max-bad-rows``) and the
+    first of those (named in errors); their lines of ``rejected.jsonl`` are in the file at ``path`` (None: none)."""
 
-    ``rejected``, ``untrained``, ``turns`` and ``prompt_cut`` are the batch's bad rows and counts (see EncodedBatch);
-    ``token_check`` what checking its tokens against the reference found; ``segments``, for preference pairs, the
-    segments each pair becomes in a row (None for other examples).
+    by_reason: Counter[str]
+    bad: int = 0
+    first_bad: BadRow | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class SpilledBatch:
+    """A tokenized batch of ``examples`` examples from ``rows_read`` source rows, whose tokens are in the spill
+    file at ``path`` and whose lengths and rows are in the file beside it (``read_examples``).
+
+    ``rejected`` counts the batch's rows left out, ``untrained``, ``turns`` and ``prompt_cut`` its other counts (see
+    EncodedBatch); ``token_check`` what checking its tokens against the reference found. Nothing here grows with
+    the batch's examples or rows: the runner holds one of these per batch.
     """
 
     path: str
-    lengths: np.ndarray  # int32 [examples]: the runner holds these for every example, so 4 bytes each
-    rows: np.ndarray  # int32 [examples], ascending
+    examples: int
     rows_read: int
-    rejected: list = field(default_factory=list)
+    rejected: SpilledRejects = field(default_factory=lambda: SpilledRejects(Counter()))
     untrained: tuple[int, int] = (0, 0)
     turns: Counter[str] = field(default_factory=Counter)
     prompt_cut: tuple[int, int] = (0, 0)
     token_check: CheckCounts = CheckCounts()
     special_text: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpilledExamples:
+    """The examples of a spilled batch: example ``i`` has ``lengths[i]`` tokens, comes from row ``rows[i]`` of the
+    batch and, for preference pairs, becomes ``segments[i]`` segments in a row (None for other examples)."""
+
+    lengths: np.ndarray  # int32 [examples]
+    rows: np.ndarray  # int32 [examples], ascending
     segments: np.ndarray | None = None  # int8 [examples]
+
+    def head(self, rows: int) -> SpilledExamples:
+        """The examples from the batch's first ``rows`` source rows."""
+        kept = int(np.searchsorted(self.rows, rows))
+        return SpilledExamples(self.lengths[:kept], self.rows[:kept], None if self.segments is None else self.segments[:kept])
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
@@ -68,20 +97,45 @@ def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
 def spill(
     batch: EncodedBatch, spill_dir: str, name: str, rows_read: int, token_check: CheckCounts = CheckCounts()
 ) -> SpilledBatch:
-    """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow``; ``batch`` came from ``rows_read`` source rows."""
+    """Write ``batch``'s tokens and loss mask to ``spill_dir/name.arrow`` and its examples' lengths and rows beside
+    them; ``batch`` came from ``rows_read`` source rows."""
     columns = {"tokens": batch.tokens, "loss_mask": batch.loss_mask}
     if batch.roles is not None:
         columns["roles"] = batch.roles
-    table = pa.table(columns)
     path = storage.join(spill_dir, f"{name}.arrow")
-    storage.write_scratch(path, lambda local: _write(table, local))
+    _write_table(pa.table(columns), path)
+    examples = {"lengths": batch.lengths.astype(np.int32), "rows": batch.example_rows.astype(np.int32)}
+    if batch.roles is not None:
+        examples["segments"] = segments_per_pair(batch.lengths, batch.roles)
+    _write_table(pa.table(examples), examples_path(path))
     release_freed_memory()
-    rows = batch.example_rows.astype(np.int32)
     return SpilledBatch(
-        path, batch.lengths.astype(np.int32), rows, rows_read, batch.rejected, batch.untrained, batch.turns,
+        path, int(batch.lengths.size), rows_read, spill_rejected(batch.rejected, path), batch.untrained, batch.turns,
         batch.prompt_cut, token_check, batch.special_text,
-        None if batch.roles is None else segments_per_pair(batch.lengths, batch.roles),
     )
+
+
+def spill_rejected(rejected: list[BadRow], path: str) -> SpilledRejects:
+    """Write the lines of ``rejected.jsonl`` for a batch's rows left out beside its spill file ``path``; their counts."""
+    bad = [row for row in rejected if row.is_bad]
+    rejected_path = None
+    if rejected:
+        rejected_path = path.removesuffix(".arrow") + ".rejected.jsonl"
+        lines = "".join(row.to_json() + "\n" for row in rejected).encode("utf-8")
+        storage.write_scratch(rejected_path, lambda local: Path(local).write_bytes(lines))
+    return SpilledRejects(Counter(str(row.reason) for row in rejected), len(bad), bad[0] if bad else None, rejected_path)
+
+
+def examples_path(path: str) -> str:
+    """Where the lengths and rows of the examples whose tokens are in spill file ``path`` are."""
+    return path.removesuffix(".arrow") + ".examples.arrow"
+
+
+def read_examples(path: str) -> SpilledExamples:
+    """The lengths and rows (and for pairs the segments) of the examples whose tokens are in spill file ``path``."""
+    table = open_arrow_file(examples_path(path)).read_all()
+    segments = table.column("segments").to_numpy() if "segments" in table.column_names else None
+    return SpilledExamples(table.column("lengths").to_numpy(), table.column("rows").to_numpy(), segments)
 
 
 def _libc_malloc_trim():
@@ -106,9 +160,14 @@ def release_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def _write(table: pa.Table, path: str) -> None:
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+def _write_table(table: pa.Table, path: str) -> None:
+    """Write ``table`` to ``path`` (a local path or a URL) as one uncompressed Arrow IPC file."""
+
+    def write(local: str) -> None:
+        with pa.OSFile(local, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+
+    storage.write_scratch(path, write)
 
 
 def read_spilled(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

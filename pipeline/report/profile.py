@@ -37,22 +37,32 @@ class Profile:
 
 def read_profile(build_dir: str, manifest: Manifest) -> Profile:
     """Lengths and row sizes of every row of the build, read shard by shard (boundaries only, not tokens)."""
-    segment_lengths, example_ids, row_tokens, row_segments = [], [], [], []
-    for info in manifest.shards:
-        table = read_shard_table(build_dir, info, manifest.capacity)
-        cu_offsets, cu = list_parts(table.column("cu_seqlens"))
-        steps = np.diff(cu)
-        within_row = np.ones(steps.size, dtype=bool)
-        within_row[cu_offsets[1:-1] - 1] = False
-        segment_lengths.append(steps[within_row].astype(np.int64))
-        example_ids.append(list_parts(table.column("example_ids"))[1])
-        row_tokens.append(table.column("num_tokens").to_numpy().astype(np.int64))
-        row_segments.append(np.diff(cu_offsets).astype(np.int64) - 1)
+    split = bool(manifest.stats.examples_split)
+    shards = [_shard_profile(build_dir, info, manifest.capacity, split) for info in manifest.shards]
+    segment_lengths, example_ids, row_tokens, row_segments = (list(parts) for parts in zip(*shards))
     segments = np.concatenate(segment_lengths)
-    ids = np.concatenate(example_ids)
-    if manifest.stats.examples_split:
-        _, example_of_segment = np.unique(ids, return_inverse=True)
+    if split:
+        _, example_of_segment = np.unique(np.concatenate(example_ids), return_inverse=True)
         examples = np.bincount(example_of_segment, weights=segments).astype(np.int64)
     else:
         examples = segments
     return Profile(manifest.capacity, examples, segments, np.concatenate(row_tokens), np.concatenate(row_segments))
+
+
+def _shard_profile(
+    build_dir: str, info: ShardInfo, capacity: int, with_ids: bool
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+    """One shard's segment lengths, example ids (when ``with_ids``), row tokens and row segments, each a copy:
+    the shard is unmapped on return, so reading a build holds one shard's pages at a time, not all of them."""
+    table = read_shard_table(build_dir, info, capacity)
+    cu_offsets, cu = list_parts(table.column("cu_seqlens"))
+    steps = np.diff(cu)
+    within_row = np.ones(steps.size, dtype=bool)
+    within_row[cu_offsets[1:-1] - 1] = False
+    ids = list_parts(table.column("example_ids"))[1].copy() if with_ids else None
+    return (
+        steps[within_row].astype(np.int64),
+        ids,
+        table.column("num_tokens").to_numpy().astype(np.int64),
+        np.diff(cu_offsets).astype(np.int64) - 1,
+    )
