@@ -57,7 +57,7 @@ class Position:
             return self.pass_start  # a pass that named an epoch finished before it
         return min(self.next_batch, num_batches)
 
-    def first_batch(self, worker_id: int, num_workers: int, restored: bool) -> tuple[int, int]:
+    def first_batch(self, worker_id: int, num_workers: int, restored: bool = False) -> tuple[int, int]:
         """(pass_start, first batch) for worker ``worker_id`` of ``num_workers`` resuming here.
 
         ``restored``: this is the worker's own position, given back to it by torchdata, which goes on
