@@ -283,7 +283,9 @@ class PackedIterableDataset(IterableDataset):
 
     Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``. A reader that
     finishes its pass moves on to the next epoch by itself, so persistent workers (which never
-    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order.
+    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order; so do the
+    workers a DataLoader starts for each pass, from the training process's copy, which moves on
+    with them (they tell it, in shared memory, which epoch they read through).
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.

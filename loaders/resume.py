@@ -4,7 +4,9 @@ A position is (epoch, first row, batch): the epoch's rows in their seeded order,
 ranks together had read ``start_row`` when the current list of batches was cut from the rest
 (``partition.py``; 0 unless the run was resumed with another layout), and the rank's next batch
 in that list. A reader that is one of ``num_workers`` DataLoader workers records its own next
-batch; one that reads in the training process (``num_workers == 1``) records the rank's.
+batch; one that reads in the training process (``num_workers == 1``) records the rank's. A worker
+of one records the same fields as the rank: given back to that worker by torchdata, which goes on
+counting the pass's batches from its start, the position is read as the worker's own.
 Because the list of batches does not depend on the number of workers, a rank-level position
 resumes under any number of workers: worker ``w`` starts at ``batch + w``.
 
@@ -233,7 +235,7 @@ def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, A
            != (first.epoch, first.start_row, first.pass_start, saved[0].layout) for s in saved):
         raise ValueError("the StatefulDataLoader's workers disagree on the epoch; the state is inconsistent")
     yielded = _loader_count(snapshot, "_snapshot_step") + _loader_count(state, "_steps_since_snapshot")
-    pass_ended = state.get("_iterator_finished")
+    pass_ended: Any = state.get("_iterator_finished")
     _refuse_unless(isinstance(pass_ended, bool), "_iterator_finished", pass_ended, "true or false")
     position = Position(
         epoch=first.epoch,
