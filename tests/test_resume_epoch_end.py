@@ -165,7 +165,7 @@ def test_a_stateful_dataloader_field_of_the_wrong_type_or_range_is_one_line_nami
     for _ in range(5):
         next(batches)
     state = saved(loader.state_dict())
-    del batches
+    del batches, loader
     (state["_snapshot"] if field == "_snapshot_step" else state)[field] = value
     with pytest.raises(ValueError, match=rf"^loader state: {message}") as refused:
         PackedIterableDataset(build.path, **SETTINGS).load_state_dict(state)
