@@ -283,7 +283,9 @@ class PackedIterableDataset(IterableDataset):
 
     Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``. A reader that
     finishes its pass moves on to the next epoch by itself, so persistent workers (which never
-    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order.
+    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order; so do the
+    workers a DataLoader starts for each pass, from the training process's copy, which moves on
+    with them (they tell it, in shared memory, which epoch they read through).
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.
@@ -420,9 +422,15 @@ class PackedIterableDataset(IterableDataset):
         """The reading state of a new dataset: epoch 0 from its first batch, nothing loaded, no plan cached."""
         self._position = Position(epoch=0)
         self._loaded = False
+        self._restored_in_worker = False  # the loaded position is a DataLoader worker's own, given back by torchdata
+        self._skip_restoring_pass = False
+        self._loader_pass_ended = False  # the loaded state is a StatefulDataLoader's whose pass had run out
         # Set by a DataLoader worker that reads this dataset, in memory the training process shares: the
         # training process's own position then is not the loader's (see state_dict).
         self._read_by_workers: Any = multiprocessing.RawValue("b", 0)
+        # The latest epoch whose pass DataLoader workers read through since this copy's position was set (-1: none),
+        # in the same shared memory: the copies the next workers start from move on from it.
+        self._epoch_read_by_workers: Any = multiprocessing.RawValue("q", -1)
         self._epoch_named = None
         self._plan_cache = None
 
@@ -436,12 +444,12 @@ class PackedIterableDataset(IterableDataset):
         """
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._catch_up_with_workers()
         self._epoch_named = int(epoch)
         if self._loaded and epoch == self._position.epoch:
             return
         if epoch != self._position.epoch or self._position.finished:
-            self._position = Position(epoch=int(epoch))
-            self._loaded = False
+            self._move_to(Position(epoch=int(epoch)))
 
     @property
     def epoch(self) -> int:
@@ -452,6 +460,17 @@ class PackedIterableDataset(IterableDataset):
         a resume under another layout, those of the rest of the epoch)."""
         return len(self._plan(self._position.epoch, self._position.start_row))
 
+    def epochs_read(self) -> float:
+        """The epochs this rank has read: the epoch, plus the share of its rows that all ranks had read (1.2 after
+        6 batches of an epoch of 5). Counted in rows, so that after a resume under another layout, whose batches
+        are cut from the rows after those read before, the rows read before count too."""
+        position = self._position
+        if position.finished:
+            return position.epoch + 1.0
+        plan = self._plan(position.epoch, position.start_row)
+        read = position.start_row + plan.rows_read(position.batches_read(len(plan)))
+        return position.epoch + read / max(position.start_row + plan.rows_read(len(plan)), 1)
+
     # ---- iteration and resume -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
@@ -459,6 +478,11 @@ class PackedIterableDataset(IterableDataset):
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None and self._read_by_workers is not None:
             self._read_by_workers.value = 1
+        if self._skip_restoring_pass:
+            # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
+            self._skip_restoring_pass = False
+            return iter(())
+        self._catch_up_with_workers()
         position = self._position
         if position.finished and self._loaded and self._epoch_named == position.epoch:
             # The loop names the finished epoch: this pass reads nothing, and stays where the epoch finished.
@@ -468,7 +492,7 @@ class PackedIterableDataset(IterableDataset):
             return self._finished_pass()
         if position.finished and (position.num_workers == 1 or not self._loaded):
             position = Position(epoch=position.epoch + 1)
-        pass_start, first = position.first_batch(worker_id, num_workers)
+        pass_start, first = position.first_batch(worker_id, num_workers, self._loaded and self._restored_in_worker)
         # Set the position now, not on the first next(): torchdata reads the state right after iter().
         self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
         self._loaded = False
@@ -480,6 +504,7 @@ class PackedIterableDataset(IterableDataset):
         the loop runs, and both must name the finished epoch (or the second would read the next epoch under its
         number). Once run through, a pass without ``set_epoch`` reads the next epoch."""
         self._loaded = False
+        self._read_through()
         return
         yield
 
@@ -490,6 +515,26 @@ class PackedIterableDataset(IterableDataset):
             self._position = dataclasses.replace(self._position, next_batch=position + num_workers)
             yield batch
         self._position = dataclasses.replace(self._position, finished=True)
+        self._read_through()
+
+    def _read_through(self) -> None:
+        """A DataLoader worker read its pass of the epoch through: the next workers start after it."""
+        if get_worker_info() is not None and self._epoch_read_by_workers is not None:
+            self._epoch_read_by_workers.value = self._position.epoch
+
+    def _catch_up_with_workers(self) -> None:
+        """Stand where the DataLoader workers' latest pass ended, when they read one through from this copy.
+
+        Workers read copies of the dataset, made from the training process's, whose position stays
+        where it was; without this, every pass of new workers (or a later ``set_epoch``) would start
+        from there again instead of moving to the next epoch. A worker's own restored position is its own.
+        """
+        if self._epoch_read_by_workers is None or (self._loaded and self._restored_in_worker):
+            return
+        epoch = int(self._epoch_read_by_workers.value)
+        if epoch >= self._position.epoch:
+            self._position = Position(epoch=epoch, finished=True)
+            self._loaded = False
 
     def state_dict(self) -> dict[str, Any]:
         """Where this reader stands: plain values, for JSON (see the class docstring).
@@ -520,7 +565,7 @@ class PackedIterableDataset(IterableDataset):
         rows = self._epoch_rows(saved.position.epoch)
         self._check_saved_position(saved, rows)
         same = saved.layout == self._layout()
-        self._set_position(saved.position if same else self._elastic_position(saved, rows))
+        self._set_position(saved.position if same else self._elastic_position(saved, rows), saved)
 
     def _read_state(self, state_dict: dict[str, Any]) -> SavedState:
         """The position and layout of ``state_dict``, its identity and layout checked; a rank's own state, or any
@@ -571,19 +616,40 @@ class PackedIterableDataset(IterableDataset):
         plan = self._plan_of(rows[position.start_row:], saved.layout)
         return position.start_row + plan.rows_read(position.batches_read(len(plan)))
 
-    def _set_position(self, position: Position) -> None:
-        """Read from ``position`` next (already checked against its epoch)."""
-        self._position = position
+    def _set_position(self, position: Position, saved: SavedState) -> None:
+        """Read from ``position``, that of ``saved``, next (already checked against its epoch).
+
+        In a DataLoader worker, ``saved`` is the worker's own state, given back by torchdata into a
+        copy of the training process's dataset. When the state loaded there said the loader's pass had
+        run out, torchdata restores through an iterator the loop never sees and then starts the one the
+        loop runs: the worker skips the first and reads the second from where the pass ended, as the
+        training process's copy does (the workers' own states were saved before their pass ended).
+        """
+        in_worker = get_worker_info() is not None
+        if in_worker and self._loader_pass_ended and position.epoch == self._position.epoch:
+            self._skip_restoring_pass = True
+            return
+        self._move_to(position)
         self._loaded = True
-        if get_worker_info() is None and self._read_by_workers is not None:
+        self._restored_in_worker = in_worker
+        self._loader_pass_ended = saved.loader_pass_ended
+        if not in_worker and self._read_by_workers is not None:
             self._read_by_workers.value = 0  # the position is the loader's again
+
+    def _move_to(self, position: Position) -> None:
+        """Read from ``position`` next; in the training process, new DataLoader workers start there too."""
+        self._position = position
+        self._loaded = False
+        self._loader_pass_ended = False
+        if get_worker_info() is None and self._epoch_read_by_workers is not None:
+            self._epoch_read_by_workers.value = -1
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached plan stays behind; a copy made otherwise than for a worker is a dataset of its own.
         state = self.__dict__.copy()
         state["_plan_cache"] = None
         if not _spawning_a_process():
-            state["_read_by_workers"] = None
+            state["_read_by_workers"] = state["_epoch_read_by_workers"] = None
         return state
 
 

@@ -398,7 +398,7 @@ class PackedMixture(PackedIterableDataset):
         if saved.layout == self._layout():  # the rows blended above are this epoch's: keep them
             self._latest_rows = (epoch, rows)
             self._epoch_starts.setdefault(epoch + 1, self._trained_end(rows, start))
-        self._set_position(position)
+        self._set_position(position, saved)
 
     def _saved_weights(self, layout: dict[str, Any]) -> np.ndarray:
         """The weights a state was saved with, in source order, as the run that saved it blended with them."""

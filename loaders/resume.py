@@ -4,7 +4,9 @@ A position is (epoch, first row, batch): the epoch's rows in their seeded order,
 ranks together had read ``start_row`` when the current list of batches was cut from the rest
 (``partition.py``; 0 unless the run was resumed with another layout), and the rank's next batch
 in that list. A reader that is one of ``num_workers`` DataLoader workers records its own next
-batch; one that reads in the training process (``num_workers == 1``) records the rank's.
+batch; one that reads in the training process (``num_workers == 1``) records the rank's. A worker
+of one records the same fields as the rank: given back to that worker by torchdata, which goes on
+counting the pass's batches from its start, the position is read as the worker's own.
 Because the list of batches does not depend on the number of workers, a rank-level position
 resumes under any number of workers: worker ``w`` starts at ``batch + w``.
 
@@ -57,9 +59,13 @@ class Position:
             return self.pass_start  # a pass that named an epoch finished before it
         return min(self.next_batch, num_batches)
 
-    def first_batch(self, worker_id: int, num_workers: int) -> tuple[int, int]:
-        """(pass_start, first batch) for worker ``worker_id`` of ``num_workers`` resuming here."""
-        if self.num_workers == 1:
+    def first_batch(self, worker_id: int, num_workers: int, restored: bool = False) -> tuple[int, int]:
+        """(pass_start, first batch) for worker ``worker_id`` of ``num_workers`` resuming here.
+
+        ``restored``: this is the worker's own position, given back to it by torchdata, which goes on
+        counting the batches from the pass's start; a worker of one records the same fields as a rank.
+        """
+        if self.num_workers == 1 and not restored:
             return self.next_batch, self.next_batch + worker_id
         if (self.worker_id, self.num_workers) == (worker_id, num_workers):
             return self.pass_start, self.next_batch
@@ -78,6 +84,8 @@ class SavedState:
     position: Position
     layout: dict[str, Any]
     rows_read: int | None = None  # of the epoch's rows, by all ranks (a rank-level state of version 3)
+    # A StatefulDataLoader state whose pass had run out: torchdata restores it through one iterator more than the loop's.
+    loader_pass_ended: bool = False
 
 
 def to_state_dict(position: Position, identity: dict[str, Any], layout: dict[str, Any],
@@ -226,12 +234,22 @@ def _from_multiprocess_loader_state(state: dict[str, Any], identity: dict[str, A
     if any((s.position.epoch, s.position.start_row, s.position.pass_start, s.layout)
            != (first.epoch, first.start_row, first.pass_start, saved[0].layout) for s in saved):
         raise ValueError("the StatefulDataLoader's workers disagree on the epoch; the state is inconsistent")
-    yielded = _position_field(snapshot, "_snapshot_step") + _position_field(state, "_steps_since_snapshot")
+    yielded = _loader_count(snapshot, "_snapshot_step") + _loader_count(state, "_steps_since_snapshot")
+    pass_ended: Any = state.get("_iterator_finished")
+    _refuse_unless(isinstance(pass_ended, bool), "_iterator_finished", pass_ended, "true or false")
     position = Position(
         epoch=first.epoch,
         start_row=first.start_row,
         pass_start=first.pass_start,
         next_batch=first.pass_start + yielded,
-        finished=bool(state.get("_iterator_finished", False)),
+        # Every worker finished: their pass named an epoch that had finished, before the loader yielded anything.
+        finished=pass_ended or all(s.position.finished for s in saved),
     )
-    return SavedState(position, saved[0].layout)
+    return SavedState(position, saved[0].layout, loader_pass_ended=pass_ended)
+
+
+def _loader_count(state: dict[str, Any], name: str) -> int:
+    """Field ``name`` of a StatefulDataLoader state, a count of batches it yielded; else ValueError naming it."""
+    count = _position_field(state, name)
+    _refuse_unless(0 <= count < MAX_COUNT, name, count, _count(MAX_COUNT))
+    return int(count)

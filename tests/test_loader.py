@@ -100,6 +100,7 @@ def test_every_row_once_across_ranks_and_dataloader_workers(shards, row_index):
             dataset.set_epoch(epoch)
             batches = list(DataLoader(dataset, batch_size=None, num_workers=2))
             assert len(batches) == len(dataset)
+            dataset.set_epoch(epoch)  # the same epoch again (a full pass moves on), read in the training process
             in_process = list(dataset)
             assert_same_batches(batches, in_process)  # workers do not change the order
             seen += [row for batch in batches for row in batch_row_ids(batch, row_index)]

@@ -191,10 +191,8 @@ class PackedTrainerMixin(_TrainerBase):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _epochs_read(self) -> float:
-        """The epochs of the dataset read so far on this rank: the epoch, plus the share of its batches read."""
-        state = self.packed_dataset.state_dict()
-        batches = len(self.packed_dataset)
-        return state["epoch"] + (1.0 if state["finished"] else min(state["next_batch"], batches) / batches)
+        """The epochs of the dataset read so far on this rank: the epoch, plus the share of its rows read."""
+        return self.packed_dataset.epochs_read()
 
     def _run_rates(self, runtime: float) -> dict[str, float]:
         """This ``train()`` call's sequences (examples, or the pieces of split ones) and real tokens per second,
