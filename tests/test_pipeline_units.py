@@ -309,19 +309,6 @@ def test_synthetic_lengths_follow_the_shape_exactly(tokenizer):
     assert generate_block(SHAPES["synthetic-flan"], 0, 300).equals(table)
 
 
-def test_synthetic_tasks_are_parts_of_blocks_that_read_as_the_blocks_whole():
-    # Tasks of a whole block (8,192 examples) left the slowest of 16 workers a third more work than the others.
-    source = resolve_source(PackConfig(dataset="synthetic-orcamath", num_examples=8492))
-    assert [(t.block, t.first, t.rows) for t in source.tasks] == [
-        (0, 0, 2048), (0, 2048, 2048), (0, 4096, 2048), (0, 6144, 2048), (1, 0, 300),
-    ]
-    columns = {"prompt": pa.string(), "response": pa.string()}
-    read = pa.concat_tables(table for task in source.tasks for _, table in task.read(columns, 1000))
-    shape = SHAPES["synthetic-orcamath"]
-    assert read.equals(pa.concat_tables([generate_block(shape, 0), generate_block(shape, 1, 300)]))
-    assert source.tasks[2].batch_rows(5).name(0) == source.tasks[0].batch_rows(4096 + 5).name(0)
-
-
 # --- fingerprints --------------------------------------------------------------------------
 
 

@@ -65,25 +65,23 @@ class ReadTask(Protocol):
 
 @dataclass(frozen=True)
 class SyntheticTask:
-    """``rows`` examples of a block of a synthetic dataset, from its example ``first``."""
+    """One block of a synthetic dataset."""
 
     shape: str
     block: int
     rows: int
     limit: int | None = None
-    first: int = 0
 
     @property
     def origin(self) -> str:
         return f"{self.shape} block {self.block}"
 
     def batch_rows(self, first_row: int) -> BatchRows:
-        return BatchRows(self.origin, self.first + first_row)
+        return BatchRows(self.origin, first_row)
 
     def read(self, columns: dict[str, pa.DataType], batch_size: int) -> Iterator[tuple[int, pa.Table]]:
         count = self.rows if self.limit is None else min(self.rows, self.limit)
-        shape = synthetic.SHAPES[self.shape]
-        table = synthetic.generate_block(shape, self.block, self.first + count, self.first).select(list(columns))
+        table = synthetic.generate_block(synthetic.SHAPES[self.shape], self.block, count).select(list(columns))
         for offset in range(0, table.num_rows, batch_size):
             yield offset, table.slice(offset, batch_size)
 
@@ -177,11 +175,8 @@ def _gsm8k(config: PackConfig) -> Source:
 def _synthetic(name: str, config: PackConfig) -> Source:
     shape = synthetic.SHAPES[name]
     count = config.num_examples or synthetic.DEFAULT_NUM_EXAMPLES
-    block, part = synthetic.BLOCK_EXAMPLES, synthetic.TASK_EXAMPLES
-    tasks = tuple(
-        SyntheticTask(name, first // block, min(part, block - first % block, count - first), first=first % block)
-        for first in range(0, count, part)
-    )
+    block = synthetic.BLOCK_EXAMPLES
+    tasks = tuple(SyntheticTask(name, b, min(block, count - b * block)) for b in range(-(-count // block)))
     parameters = {
         "shape": dataclasses.asdict(shape),
         "generator_version": synthetic.GENERATOR_VERSION,

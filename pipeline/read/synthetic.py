@@ -4,8 +4,7 @@ Every word of the vocabulary below is one token of the default (Mistral-7B v0.1)
 with or without a leading space, so an example of target length ``n`` (BOS and EOS included)
 has exactly ``n`` tokens with that tokenizer and about ``n`` with other BPE tokenizers. The
 text depends only on the shape, the example index and GENERATOR_VERSION: examples are drawn
-in fixed blocks, each from its own seeded generator, so any block, or any run of examples within
-one, can be made on any worker.
+in fixed blocks, each from its own seeded generator, so any block can be made on any worker.
 """
 
 from __future__ import annotations
@@ -36,9 +35,6 @@ _WORD_STARTS = (np.cumsum(_WORD_CHARS) - _WORD_CHARS).astype(np.int64)
 
 
 TEXT_CHUNK = 1024
-# Examples of one read task: a quarter of a block, so that tasks spread evenly over many workers (the
-# slowest worker, given one task more than the others, waits at most this many examples' work longer).
-TASK_EXAMPLES = 2048
 
 
 @dataclass(frozen=True)
@@ -70,9 +66,8 @@ SHAPES = {
 }
 
 
-def generate_block(shape: LengthShape, block: int, count: int = BLOCK_EXAMPLES, first: int = 0) -> pa.Table:
-    """Examples ``first`` to ``count - 1`` of block ``block`` as a table of ``prompt`` and ``response`` strings: the
-    same examples whatever ``first``, so a block read in parts is the block read whole."""
+def generate_block(shape: LengthShape, block: int, count: int = BLOCK_EXAMPLES) -> pa.Table:
+    """The first ``count`` examples of block ``block`` as a table of ``prompt`` and ``response`` strings."""
     rng = np.random.default_rng([GENERATOR_VERSION, block])
     words_per_example = shape.lengths(rng, BLOCK_EXAMPLES)[:count] - SPECIAL_TOKENS
     prompt_words = np.clip(np.rint(words_per_example * shape.prompt_share).astype(np.int64), 1, words_per_example - 1)
@@ -83,15 +78,15 @@ def generate_block(shape: LengthShape, block: int, count: int = BLOCK_EXAMPLES, 
     # a whole block at once would hold about 300 MB of gather indices.
     text_word_ends = np.cumsum(np.stack([prompt_words, response_words], axis=1).ravel())
     texts: list[str] = []
-    for text in range(2 * first, text_word_ends.size, TEXT_CHUNK):
-        ends = text_word_ends[text : text + TEXT_CHUNK]
-        word_start = int(text_word_ends[text - 1]) if text else 0
+    for first in range(0, text_word_ends.size, TEXT_CHUNK):
+        ends = text_word_ends[first : first + TEXT_CHUNK]
+        word_start = int(text_word_ends[first - 1]) if first else 0
         word_chars = _WORD_CHARS[word_ids[word_start : int(ends[-1])]]
         char_ends = np.cumsum(word_chars, dtype=np.int64)
         gather = np.repeat((_WORD_STARTS[word_ids[word_start : int(ends[-1])]] - (char_ends - word_chars)).astype(np.int32), word_chars)
         gather += np.arange(int(char_ends[-1]), dtype=np.int32)
-        chars = _WORD_BUFFER[gather].tobytes().decode("ascii")
+        text = _WORD_BUFFER[gather].tobytes().decode("ascii")
         stops = char_ends[ends - word_start - 1] - 1
         starts = np.concatenate(([0], stops[:-1] + 1))
-        texts += [chars[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+        texts += [text[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
     return pa.table({"prompt": texts[0::2], "response": texts[1::2]})
