@@ -17,6 +17,8 @@ build of the same directory removes what a killed run left.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ctypes
 import ctypes.util
 import shutil
@@ -123,7 +125,9 @@ def spill_rejected(rejected: list[BadRow], path: str) -> SpilledRejects:
         rejected_path = path.removesuffix(".arrow") + ".rejected.jsonl"
         lines = "".join(row.to_json() + "\n" for row in rejected).encode("utf-8")
         storage.write_scratch(rejected_path, lambda local: Path(local).write_bytes(lines))
-    return SpilledRejects(Counter(str(row.reason) for row in rejected), len(bad), bad[0] if bad else None, rejected_path)
+    # The first bad row travels for the --max-bad-rows error, which names where it is and why: not its values.
+    first = dataclasses.replace(bad[0], row={}) if bad else None
+    return SpilledRejects(Counter(str(row.reason) for row in rejected), len(bad), first, rejected_path)
 
 
 def examples_path(path: str) -> str:
