@@ -44,7 +44,8 @@ What the trainers add to the ones they subclass:
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
-  on a PackedMixture, every build of it, with each source's mean token loss as ``eval_NAME_loss``.
+  on a PackedMixture, every build of it, with each source's mean token loss as ``eval_NAME_loss``. An eval
+  build packed with another tokenizer than the training build's is refused, when given and in ``evaluate()``.
 
 transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
 so ``loaders`` still imports without them.
@@ -433,7 +434,8 @@ def _packed_dpo_trainer() -> type:
         the training objective and reference: ``eval_loss`` is the mean loss per pair, beside ``eval_rewards/chosen``,
         ``eval_rewards/rejected``, ``eval_rewards/accuracies`` and ``eval_rewards/margins``. Stored reference
         log-probs are of the training build; another eval build takes its own file, ``eval_reference_log_probs``
-        (computed by the same reference). An eval dataset that is not one preference build is refused.
+        (computed by the same reference). An eval dataset that is not one preference build, or that was packed with another
+        tokenizer than the training build's, is refused.
         """
 
         def __init__(self, model: Any = None, ref_model: Any = None, args: Any = None, *,
