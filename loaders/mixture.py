@@ -48,7 +48,7 @@ from loaders.dataset import BuildReader, LoaderOptions, PackedIterableDataset
 from loaders.loss_weights import LossReduction, LossWeighting, add_loss_weights
 from loaders.partition import max_rows_per_batch
 from loaders.shard_reader import Shard
-from schemas import ManifestError, VarpackError, one_of, positive_int, storage
+from schemas import Manifest, ManifestError, VarpackError, one_of, positive_int, storage
 
 
 class MixtureUnit(StrEnum):
@@ -528,18 +528,25 @@ def _check_compatible(names: list[str], readers: list[BuildReader]) -> None:
     """ManifestError naming two builds that differ in tokenizer or row capacity."""
     first, base = names[0], readers[0]
     for name, reader in zip(names[1:], readers[1:]):
-        ours, theirs = base.manifest.inputs.tokenizer, reader.manifest.inputs.tokenizer
-        if ours.content_hash != theirs.content_hash:
+        difference = tokenizer_difference(base.manifest, reader.manifest)
+        if difference is not None:
             raise ManifestError(
                 f"mixture sources {first!r} ({base.source}) and {name!r} ({reader.source}) were tokenized differently "
-                f"(tokenizer {ours.name} {ours.content_hash} vs {theirs.name} {theirs.content_hash}); rebuild one "
-                "with the other's tokenizer"
+                f"({difference}); rebuild one with the other's tokenizer"
             )
         if base.capacity != reader.capacity:
             raise ManifestError(
                 f"mixture sources {first!r} ({base.source}) and {name!r} ({reader.source}) have rows of "
                 f"{base.capacity} and {reader.capacity} tokens; rebuild one with the other's max_len"
             )
+
+
+def tokenizer_difference(ours: Manifest, theirs: Manifest) -> str | None:
+    """None when two builds were tokenized by the same tokenizer (its content hash), else both tokenizers, in words."""
+    a, b = ours.inputs.tokenizer, theirs.inputs.tokenizer
+    if a.content_hash == b.content_hash:
+        return None
+    return f"tokenizer {a.name} {a.content_hash} vs {b.name} {b.content_hash}"
 
 
 def _summed_histograms(readers: list[BuildReader]) -> dict[str, int]:

@@ -100,7 +100,7 @@ def make_trainer(kind: str, shards, out, data_kwargs=None, eval_dataset=None, **
 
     train_args = SFTConfig(**training_args(out, **args))
     return PackedSFTTrainer(model=tiny_llama(), args=train_args, train_dataset=dataset(shards, **data_kwargs),
-                            processing_class=tokenizer())
+                            processing_class=tokenizer(), eval_dataset=eval_dataset)
 
 
 def assert_same_weights(actual: dict, expected: dict) -> None:
@@ -174,6 +174,29 @@ def test_evaluation_on_packed_shards_during_training(shards, tmp_path):
     assert evals[-1]["eval_loss"] == pytest.approx(summary["mean_token_loss"], rel=1e-6)
     assert evals[-1]["eval_mean_example_loss"] == pytest.approx(summary["mean_example_loss"], rel=1e-6)
     assert evals[0]["eval_loss"] != pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["hf", "trl"])
+def test_an_eval_build_of_another_tokenizer_is_refused_in_one_line(shards, tmp_path, kind):
+    """An eval build packed with another tokenizer than the training build's (its loss would be of ids the model
+    never learned to read): refused in one line naming both builds and tokenizers, when given (before the output
+    directory is made, alone or in a dict) and when passed to evaluate()."""
+    import re
+
+    if kind == "trl":
+        pytest.importorskip("trl")
+    other = build_shard_dir(tmp_path / "other", [20, 30, 40], capacity=CAPACITY, vocab_size=2 * VOCAB).path
+    refused = re.escape(f"the eval build {other} and the training build {shards} were tokenized differently (tokenizer "
+                        f"synthetic vocab-{VOCAB} vs synthetic vocab-{2 * VOCAB}): evaluate a build packed with the "
+                        "training build's tokenizer")
+    held_out = PackedIterableDataset(other, batch_rows=2)
+    for eval_dataset in (held_out, {"held_out": held_out}):
+        with pytest.raises(ValueError, match=f"^{refused}$"):
+            make_trainer(kind, shards, tmp_path / "run", eval_dataset=eval_dataset)
+        assert not (tmp_path / "run").exists()
+    trainer = make_trainer(kind, shards, tmp_path / "run")
+    with pytest.raises(ValueError, match=f"^{refused}$"):
+        trainer.evaluate(held_out)
 
 
 def test_the_dataset_must_know_the_ranks(shards, tmp_path):

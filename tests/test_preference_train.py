@@ -854,6 +854,58 @@ def test_packed_dpo_trainer_refuses_an_eval_dataset_that_is_not_one_preference_b
     assert by_name["eval_held_out_loss"] == pytest.approx(math.log(2), abs=1e-6) and "eval_held_out_rewards/margins" in by_name
 
 
+def test_packed_dpo_trainer_refuses_an_eval_build_of_another_tokenizer(pairs, tmp_path):
+    """A preference build packed with another tokenizer than the training build's (its rewards would be of ids the
+    model never learned to read): refused in one line naming both builds and tokenizers, when given (before the
+    output directory is made) and when passed to evaluate()."""
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    build_preference_dir(tmp_path / "other", pairs, layout="separate", capacity=CAPACITY, vocab_size=2 * VOCAB)
+    train = PackedIterableDataset(tmp_path / "build", batch_rows=1)
+    other = PackedIterableDataset(tmp_path / "other", batch_rows=2)
+    refused = re.escape(f"the eval build {other.source} and the training build {train.source} were tokenized "
+                        f"differently (tokenizer synthetic vocab-{VOCAB} vs synthetic vocab-{2 * VOCAB}): evaluate a "
+                        "build packed with the training build's tokenizer")
+    for eval_dataset in (other, {"held_out": other}):
+        with pytest.raises(ValueError, match=f"^{refused}$"):
+            PackedDPOTrainer(model=tiny_llama(), args=dpo_args(tmp_path), train_dataset=train, eval_dataset=eval_dataset)
+        assert not (tmp_path / "run").exists()
+    trainer = PackedDPOTrainer(model=tiny_llama(), args=dpo_args(tmp_path), train_dataset=train)
+    for eval_dataset in (other, {"held_out": other}):
+        with pytest.raises(ValueError, match=f"^{refused}$"):
+            trainer.evaluate(eval_dataset)
+
+
+def test_packed_dpo_trainer_puts_the_head_of_a_peft_model_on_its_causal_lm(pairs, tmp_path):
+    """PackedDPOTrainer(model=get_peft_model(base, lora)), the head not put on first: the head goes on the base
+    causal LM (as when put there before PEFT wraps it); evaluate() is ln 2 while the adapter is off (B = 0), one
+    step trains the adapter alone, and the evaluation then equals each held-out pair unpacked, against the base."""
+    peft = pytest.importorskip("peft")
+    from loaders.train.hf_trainer import PackedDPOTrainer
+
+    build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+    held_out_pairs, held_out = eval_build(tmp_path)
+    base = tiny_llama()
+    before = copy.deepcopy(base.state_dict())
+    policy = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       lora_dropout=0.0))
+    trainer = PackedDPOTrainer(model=policy, args=dpo_args(tmp_path, max_steps=1, learning_rate=2.0), eval_dataset=held_out,
+                               train_dataset=PackedIterableDataset(tmp_path / "build", batch_rows=2, seed=0))
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    trainer.train()
+    metrics = trainer.evaluate()
+    merged, unloaded = copy.deepcopy(policy).merge_and_unload(), copy.deepcopy(policy).unload()
+    for name, value in before.items():  # the base weights are frozen: the adapter alone trained
+        torch.testing.assert_close(unloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    reference = tiny_llama()
+    reference.load_state_dict(before)
+    expected = expected_metrics(merged, reference, held_out_pairs, trainer.preference)
+    assert expected["rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # the adapter has moved the policy
+    for name, value in expected.items():
+        assert metrics[f"eval_{name}"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
 def test_stored_reference_log_probs_evaluate_another_build_only_with_its_own_file(pairs, tmp_path):
     """reference_log_probs are the training build's: evaluating another build is refused in one line naming
     eval_reference_log_probs, which takes that build's file (computed by the same reference) and evaluates as the

@@ -407,6 +407,28 @@ def refused(main, args: list[str]) -> str:
 
 
 @pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_resume_over_truncated_weights_is_refused_in_one_line_naming_the_file(shards, tmp_path, trainer):
+    """A checkpoint whose model.safetensors is truncated (a partial copy, a disk error): --resume stops in one line
+    naming the file, writing nothing; with that checkpoint moved away, the earlier one resumes."""
+    if trainer == "hf":
+        pytest.importorskip("accelerate")
+    main = load_script().main
+    out = tmp_path / "run"
+    common = train_args(shards, out, "--trainer", trainer, "--save-every", "1", "--log-every", "1")
+    main([*common, "--max-steps", "2"])
+    weights = out / "checkpoint-2" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(200)
+    assert refused(main, [*common, "--max-steps", "3", "--resume"]) == (
+        f"{weights}: its weights cannot be read (Error while deserializing header: invalid header length): the file is "
+        "truncated or corrupt; restore it, or move this checkpoint out of the way to resume from an earlier one")
+    assert not (out / "checkpoint-3").exists()
+    shutil.move(out / "checkpoint-2", tmp_path / "damaged")
+    main([*common, "--max-steps", "3", "--resume"])
+    assert {2, 3} <= set(losses(out)) and (out / "checkpoint-3").is_dir()  # steps 2 and 3 trained again
+
+
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
 def test_resume_on_another_number_of_processes_continues(shards, tmp_path, trainer):
     """A checkpoint saved by 2 processes resumes on 1 (any rank's loader state places any rank); --resume over
     checkpoints none of which is complete is refused, never a fresh run from step 0 over them (it overwrote them,

@@ -44,7 +44,8 @@ What the trainers add to the ones they subclass:
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
-  on a PackedMixture, every build of it, with each source's mean token loss as ``eval_NAME_loss``.
+  on a PackedMixture, every build of it, with each source's mean token loss as ``eval_NAME_loss``. An eval
+  build packed with another tokenizer than the training build's is refused, when given and in ``evaluate()``.
 
 transformers (and TRL for ``PackedSFTTrainer``) are imported when a trainer class is first used,
 so ``loaders`` still imports without them.
@@ -70,7 +71,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from loaders.collate import NUM_REAL_TOKENS, SOURCE_IDS
 from loaders.dataset import PackedIterableDataset
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, batch_normalizer
-from loaders.mixture import PackedMixture
+from loaders.mixture import PackedMixture, tokenizer_difference
 from loaders.train import models as training
 from loaders.train.checkpoint import (
     CHECKPOINT_PREFIX,
@@ -232,6 +233,7 @@ class PackedTrainerMixin(_TrainerBase):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if not isinstance(dataset, PackedIterableDataset):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        _check_eval_tokenizer(dataset, self.packed_dataset)
         assert self.model is not None  # Trainer.__init__ sets it (from model_init when model is None)
         builds = dataset.builds if isinstance(dataset, PackedMixture) else {"": dataset.source}
         with self.compute_loss_context_manager():
@@ -252,6 +254,8 @@ class PackedTrainerMixin(_TrainerBase):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """``Trainer.train``, restoring this rank's loader position from the checkpoint first."""
+        from safetensors import SafetensorError  # comes with transformers, which reads a checkpoint's weights with it
+
         if resume_from_checkpoint is True:  # the newest complete checkpoint; True: the trainer's error
             latest = latest_checkpoint(self.args.output_dir or ".", world_size())
             resume_from_checkpoint = str(latest) if latest is not None else True
@@ -268,6 +272,10 @@ class PackedTrainerMixin(_TrainerBase):
                 raise
             raise CheckpointError(f"{refused_pickle(resume_from_checkpoint)}: refused: it holds objects other than "
                                   "tensors and plain values, and loading it would run their code") from None
+        except SafetensorError as err:  # a checkpoint's truncated or damaged weights
+            if not isinstance(resume_from_checkpoint, (str, os.PathLike)):
+                raise
+            raise training.unreadable_weights(resume_from_checkpoint, err) from None
 
     def _save_checkpoint(self, model, trial) -> None:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -320,6 +328,8 @@ def _packed_trainer() -> type:
 
             if isinstance(train_dataset, PackedIterableDataset) and is_preference_build(train_dataset):
                 raise ValueError(f"PackedTrainer: the dataset {NOT_SFT}; train it with PackedDPOTrainer")
+            for dataset in _eval_datasets(kwargs.get("eval_dataset")):
+                _check_eval_tokenizer(dataset, train_dataset)
             self.speed = speed
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
@@ -372,6 +382,8 @@ def _packed_sft_trainer() -> type:
             args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
             # Without a collator SFTTrainer builds its padding one; the train loader here needs none.
             kwargs.setdefault("data_collator", _already_collated)
+            for dataset in _eval_datasets(kwargs.get("eval_dataset")):
+                _check_eval_tokenizer(dataset, train_dataset)
             # SFTTrainer takes only a `datasets` dataset, and reads a row to tell the kind of data (text, not
             # images or prompt-completion pairs): a one-row stand-in, replaced by the shards right after.
             import datasets
@@ -422,7 +434,8 @@ def _packed_dpo_trainer() -> type:
         the training objective and reference: ``eval_loss`` is the mean loss per pair, beside ``eval_rewards/chosen``,
         ``eval_rewards/rejected``, ``eval_rewards/accuracies`` and ``eval_rewards/margins``. Stored reference
         log-probs are of the training build; another eval build takes its own file, ``eval_reference_log_probs``
-        (computed by the same reference). An eval dataset that is not one preference build is refused.
+        (computed by the same reference). An eval dataset that is not one preference build, or that was packed with another
+        tokenizer than the training build's, is refused.
         """
 
         def __init__(self, model: Any = None, ref_model: Any = None, args: Any = None, *,
@@ -444,7 +457,8 @@ def _packed_dpo_trainer() -> type:
             self._eval_reference_log_probs = eval_reference_log_probs
             self._eval_references: dict[str, Any] = {}
             for dataset in _eval_datasets(kwargs.get("eval_dataset")):
-                self._eval_reference(_preference_eval_dataset(dataset, self.preference.objective), stored, train_dataset)
+                self._eval_reference(_preference_eval_dataset(dataset, self.preference.objective, train_dataset), stored,
+                                     train_dataset)
             super().__init__(model, args, train_dataset=train_dataset, **kwargs)
             self.packed_dataset = self._check_packed(train_dataset, self.args)
             self.reference = None
@@ -505,7 +519,7 @@ def _packed_dpo_trainer() -> type:
                 return {key: value for name, each in dataset.items()
                         for key, value in self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}").items()}
             assert self.model is not None  # Trainer.__init__ sets it
-            dataset = _preference_eval_dataset(dataset, self.preference.objective)
+            dataset = _preference_eval_dataset(dataset, self.preference.objective, self.packed_dataset)
             stored = self.reference if self.reference is not None and self.reference.stored is not None else None
             reference = self._eval_reference(dataset, stored, self.packed_dataset) or self.reference
             with self.compute_loss_context_manager():
@@ -560,8 +574,9 @@ def _eval_datasets(eval_dataset: Any) -> list[Any]:
     return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
 
 
-def _preference_eval_dataset(dataset: Any, objective: str) -> PackedIterableDataset:
-    """``dataset``, refused in one line unless it is a PackedIterableDataset of one preference build."""
+def _preference_eval_dataset(dataset: Any, objective: str, train_dataset: Any) -> PackedIterableDataset:
+    """``dataset``, refused in one line unless it is a PackedIterableDataset of one preference build tokenized as
+    ``train_dataset``."""
     if dataset is None:
         raise ValueError("PackedDPOTrainer.evaluate: no eval dataset; pass eval_dataset= here or to the trainer")
     if not isinstance(dataset, PackedIterableDataset):
@@ -573,7 +588,19 @@ def _preference_eval_dataset(dataset: Any, objective: str) -> PackedIterableData
         raise ValueError(f"PackedDPOTrainer: the eval dataset {dataset.source} is not a build of preference pairs: its "
                          f"eval_loss would be token cross-entropy, not the {objective} loss; evaluate it with "
                          "PackedTrainer or loaders.train.evaluate.evaluate_packed")
+    _check_eval_tokenizer(dataset, train_dataset)
     return dataset
+
+
+def _check_eval_tokenizer(dataset: Any, train_dataset: Any) -> None:
+    """ValueError in one line when the eval build ``dataset`` was tokenized by another tokenizer than the training
+    build (``loaders.mixture.tokenizer_difference``): its loss would be of ids the model was not trained to read."""
+    if not isinstance(dataset, PackedIterableDataset) or not isinstance(train_dataset, PackedIterableDataset):
+        return
+    difference = tokenizer_difference(train_dataset.manifest, dataset.manifest)
+    if difference is not None:
+        raise ValueError(f"the eval build {dataset.source} and the training build {train_dataset.source} were tokenized "
+                         f"differently ({difference}): evaluate a build packed with the training build's tokenizer")
 
 
 def _preference_from_args(args: Any) -> Any:

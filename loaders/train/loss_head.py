@@ -346,7 +346,11 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     layers, and its ``loss_weights`` (``loaders/loss_weights.py``) weigh the loss, so ``model(**batch)`` needs
     no device sync and compiled layers see no int arguments. ``model(**batch, sequence_losses=True)``
     also returns each sequence's summed token loss and loss tokens as ``.sequence_losses``.
+    On a PEFT model the head goes on its underlying causal LM (``causal_lm``), as when put there before PEFT wraps it.
     """
+    if causal_lm(model) is not model:
+        use_loss_position_head(causal_lm(model), chunk_rows)
+        return model
     check_supported(model)
     full_forward = model.forward
 
@@ -379,6 +383,13 @@ def use_loss_position_head(model: torch.nn.Module, chunk_rows: int | None = None
     return model
 
 
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM whose forward computes the logits: a PEFT model's underlying model (``get_base_model()``), else
+    ``model`` (whose ``base_model`` returns hidden states)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return cast(torch.nn.Module, get_base_model()) if callable(get_base_model) else model
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` without gradients, in eval mode, with its own loss-position head when ``model`` has one
     (a plain deep copy's head would still run the original's forward): a preference loss's reference model."""
@@ -386,6 +397,6 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     frozen = copy.deepcopy(model)
     if getattr(model, "varpack_loss_head", False):
-        del frozen.forward  # the instance attribute use_loss_position_head set, bound to the original
+        del causal_lm(frozen).forward  # the instance attribute use_loss_position_head set, bound to the original
         use_loss_position_head(frozen)
     return frozen.requires_grad_(False).eval()

@@ -24,6 +24,7 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
     ``gguf_file`` names a GGUF file in ``name`` (``--gguf-file``): its weights are dequantized, and
     the model saves as a plain safetensors checkpoint.
     """
+    from safetensors import SafetensorError  # comes with transformers, which reads the weights with it
     from transformers import AutoModelForCausalLM
 
     options = {"gguf_file": gguf_file} if gguf_file else {}
@@ -34,6 +35,8 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
         raise CheckpointError(f"{weights[0] if len(weights) == 1 else name}: its weights are refused: the file holds "
                               "objects other than tensors, and loading them would run their code; use weights saved "
                               "as safetensors") from None
+    except SafetensorError as err:  # a truncated or damaged weights file
+        raise unreadable_weights(name, err) from None
     except (OSError, ValueError) as err:
         raise ValueError(f"--model {name}: cannot load it ({str(err).splitlines()[0]}); give a local directory saved "
                          "with save_pretrained (or holding the --gguf-file), or a Hub id reachable from here") from None
@@ -42,6 +45,15 @@ def load_causal_lm(name: str, attn_implementation: str, dtype: torch.dtype, gguf
         setattr(model, "hf_quantizer", None)
         del model.config.quantization_config
     return model
+
+
+def unreadable_weights(directory: str | Path, err: Exception) -> CheckpointError:
+    """The error of one line for weights in ``directory`` that safetensors cannot read (``err``): a truncated or
+    damaged file, named when it is the directory's only one."""
+    weights = sorted(Path(directory).glob("*.safetensors")) if Path(directory).is_dir() else []
+    return CheckpointError(f"{weights[0] if len(weights) == 1 else directory}: its weights cannot be read "
+                           f"({str(err).splitlines()[0]}): the file is truncated or corrupt; restore it, or move this "
+                           "checkpoint out of the way to resume from an earlier one")
 
 
 def for_packed_training(model: torch.nn.Module, vocab_size: int) -> torch.nn.Module:
