@@ -551,9 +551,9 @@ def test_what_the_runner_holds_per_batch_does_not_grow_with_its_examples_or_bad_
     sizes = []
     for n in (10, 10_000):
         lengths = np.full(n, 3, dtype=np.int64)
-        # The first bad row is long: only where it is and why travel, not its values.
-        bad = [BadRow(f"data.jsonl line {i}", Reason.NULL, "column 'prompt' is null", {"prompt": None, "response": "x" * 100 * n})
-               for i in range(n)]
+        # The first bad row grows with n: only where it is and why travel, not its values.
+        bad = [BadRow(f"data.jsonl line {i}", Reason.NULL, "column 'prompt' is null",
+                      {"prompt": None, "response": "x" * (100 * n if i == 0 else 1)}) for i in range(n)]
         batch = EncodedBatch(lengths, np.arange(3 * n, dtype=np.int32), np.ones(3 * n, dtype=np.uint8),
                              np.arange(n, dtype=np.int64) * 2, bad)
         spilled = spill(batch, str(tmp_path), f"{n:06d}", 2 * n)
