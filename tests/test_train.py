@@ -57,6 +57,32 @@ def test_resume_continues_exactly(shards, tmp_path, trainer):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
+@pytest.mark.parametrize("trainer", ["plain", "hf"])
+def test_bf16_weights_keep_weights_and_adamw_state_in_bf16_and_resume_exactly(shards, tmp_path, trainer):
+    """``--precision bf16-weights``, the benchmarks' setting: the checkpoint's weights and AdamW moments are
+    bf16, the run differs from one over fp32 weights, and a resumed run continues exactly."""
+    from safetensors import safe_open
+
+    main = load_script().main
+    common = ["--shards", str(shards), "--random-init", MODEL, "--trainer", trainer, "--attn", "sdpa", "--lr", "1e-2",
+              "--batch-rows", "2", "--log-every", "1"]
+    bf16 = [*common, "--precision", "bf16-weights"]
+    main([*bf16, "--out", str(tmp_path / "straight"), "--max-steps", "4"])
+    main([*bf16, "--out", str(tmp_path / "resumed"), "--max-steps", "2", "--save-every", "2"])
+    checkpoint = tmp_path / "resumed" / "checkpoint-2"
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+    optimizer = checkpoint / ("optimizer.pt" if trainer == "hf" else "training_state.pt")
+    state = torch.load(optimizer, weights_only=True)
+    state = (state if trainer == "hf" else state["optimizer"])["state"]
+    assert {moments[name].dtype for moments in state.values() for name in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    main([*bf16, "--out", str(tmp_path / "resumed"), "--max-steps", "4", "--save-every", "2", "--resume"])
+    main([*common, "--precision", "fp32", "--out", str(tmp_path / "fp32"), "--max-steps", "4"])
+    straight, resumed, fp32 = losses(tmp_path / "straight"), losses(tmp_path / "resumed"), losses(tmp_path / "fp32")
+    assert [resumed[step] for step in (3, 4)] == [straight[step] for step in (3, 4)]
+    assert straight[4] != fp32[4]
+
+
 def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, capsys):
     main = load_script().main
 

@@ -88,9 +88,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def random_init_model(spec: str, vocab_size: int, attn_implementation: str, seed: int) -> torch.nn.Module:
-    """The causal LM of ``spec``, float32, initialised from ``seed``; a model type gets the shards' ``vocab_size``
-    unless the spec sets one. A ConfigSpecError when it cannot be built."""
+def random_init_model(spec: str, vocab_size: int, attn_implementation: str, seed: int,
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The causal LM of ``spec``, its weights in ``dtype`` (built in it, so RoPE's frequencies stay float32 as in
+    a loaded checkpoint), initialised from ``seed``; a model type gets the shards' ``vocab_size`` unless the spec
+    sets one. A ConfigSpecError when it cannot be built."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
@@ -104,7 +106,7 @@ def random_init_model(spec: str, vocab_size: int, attn_implementation: str, seed
             config = AutoConfig.for_model(name, **{"vocab_size": vocab_size, **overrides})
         else:
             config = AutoConfig.from_pretrained(name, **overrides)
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     except (StrictDataclassError, RuntimeError) as err:  # the config's own checks, or a size torch refuses
         reason = [line.strip() for line in str(err).splitlines() if line.strip()][-1:] or [type(err).__name__]
         raise ConfigSpecError(f"{spec}: no model can be built from it ({reason[0]})") from None
