@@ -6,33 +6,41 @@ ids (source row numbers) lie in [k * N, (k + 1) * N), wherever the batches of ``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline.build import BuildResult, build, plan_build
 from pipeline.config import PackConfig
 from pipeline.read.synthetic import SHAPES, generate_block
-from schemas import FORMAT_VERSION, SCHEMA_PATH, GroupCut, read_manifest
+from schemas import FORMAT_VERSION, SCHEMA_PATH, GroupCut, compute_fingerprint, read_manifest
+from schemas.shard_identity import ShardIdentity
 
 ROWS, EXAMPLES_PER_GROUP = 300, 70
-# Builds of these 300 rows made while groups were cut where a batch started (format 7): the fingerprint and a digest
-# of the shards' sha256s of each one-group build, and the fingerprint of the build of five groups.
-ONE_GROUP = {None: ("74c307ef4573061d", "7a35740148a8543e"), ROWS: ("c6f8b70a2e9b61e6", "f5127a2763b9f5d9")}
-FIVE_GROUPS_CUT_AT_BATCHES = "96c2a20009d19612"
+# Builds of these 300 rows made while groups were cut where a batch started (format 7), by varpack 0.1.0: the
+# fingerprint of each one-group build (with the default group size, and with 300 to a group) and a digest of its
+# shards' rows, the same for both, and the fingerprint of the build of five groups.
+ONE_GROUP = {None: "809056a2434de698", ROWS: "9ebcd945f2824848"}
+ONE_GROUP_ROWS = "480ee31ed892b3cc"
+FIVE_GROUPS_CUT_AT_BATCHES = "b5387d3afa559e10"
 MULTI_PROCESS = ("--direct_running_mode=multi_processing", "--direct_num_workers=2")
 PORTABLE = ("--runner=PortableRunner", "--job_endpoint=embed", "--environment_type=LOOPBACK")
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> Path:
-    """300 synthetic OrcaMath rows in a Parquet file of three row groups (three read tasks)."""
-    path = tmp_path_factory.mktemp("rows") / "orca.parquet"
-    pq.write_table(generate_block(SHAPES["synthetic-orcamath"], 0, ROWS), path, row_group_size=100)
-    return path
+    """300 synthetic OrcaMath rows in three JSON-lines files of 100 (three read tasks), bytes that depend on no library."""
+    records = generate_block(SHAPES["synthetic-orcamath"], 0, ROWS).to_pylist()
+    directory = tmp_path_factory.mktemp("rows") / "orca"
+    directory.mkdir()
+    for part in range(3):
+        lines = "".join(json.dumps(record) + "\n" for record in records[part * 100 : (part + 1) * 100])
+        (directory / f"train-{part:05d}-of-00003.jsonl").write_text(lines, encoding="utf-8")
+    return directory
 
 
 def config(rows: Path, out: Path, **changes) -> PackConfig:
@@ -78,10 +86,22 @@ def test_each_row_of_a_build_of_several_groups_holds_examples_of_one_group_in_gr
 def test_a_build_of_several_groups_records_its_cut_and_is_another_build_than_one_cut_at_batch_starts(grouped, rows, tmp_path):
     manifest = read_manifest(grouped.out_dir)
     assert manifest.inputs.group_cut == GroupCut.EXAMPLE and manifest.format_version == FORMAT_VERSION == 8
-    assert manifest.fingerprint != FIVE_GROUPS_CUT_AT_BATCHES  # a cached build of the old cut is not reused as this one
+    # The cut is all that tells this build's inputs from those of the build cut at batch starts, and it gives them
+    # another fingerprint, so another directory: a cached build of the old cut is never reused as this one.
+    inputs = dataclasses.replace(manifest.inputs, package_version="0.1.0")
+    assert compute_fingerprint(dataclasses.replace(inputs, group_cut=None)) == FIVE_GROUPS_CUT_AT_BATCHES
+    assert compute_fingerprint(inputs) != FIVE_GROUPS_CUT_AT_BATCHES
     assert plan_build(config(rows, tmp_path, examples_per_group=ROWS - 1)).inputs.group_cut == GroupCut.EXAMPLE
     assert plan_build(config(rows, tmp_path, examples_per_group=ROWS)).inputs.group_cut is None
     assert '"enum": ["example"]' in SCHEMA_PATH.read_text() and [cut.value for cut in GroupCut] == ["example"]
+
+
+def rows_digest(result: BuildResult) -> str:
+    """A digest of every row of every shard, in order: the shards' bytes but for the fingerprint each one carries."""
+    digest = hashlib.sha256()
+    for table in shard_tables(result):
+        digest.update(json.dumps(table.to_pydict()).encode())
+    return digest.hexdigest()[:16]
 
 
 @pytest.mark.parametrize(
@@ -90,9 +110,13 @@ def test_a_build_of_several_groups_records_its_cut_and_is_another_build_than_one
 )
 def test_a_build_of_one_group_keeps_its_fingerprint_and_shards_byte_for_byte(rows, tmp_path, examples_per_group, batch_size, beam_args):
     result = build(config(rows, tmp_path, examples_per_group=examples_per_group, batch_size=batch_size, beam_args=beam_args))
-    shards = hashlib.sha256("".join(shard.sha256 for shard in result.manifest.shards).encode()).hexdigest()[:16]
-    assert (result.manifest.fingerprint, shards) == ONE_GROUP[examples_per_group]
     assert result.manifest.inputs.group_cut is None
+    # Another varpack version is another fingerprint; the rest of the inputs must give the one they gave.
+    assert compute_fingerprint(dataclasses.replace(result.manifest.inputs, package_version="0.1.0")) == ONE_GROUP[examples_per_group]
+    assert rows_digest(result) == ONE_GROUP_ROWS
+    for shard, info in enumerate(result.manifest.shards):  # so the files are those bytes with the build's identity
+        identity = ShardIdentity.from_metadata(pa.ipc.open_file(Path(result.out_dir) / info.path).schema.metadata)
+        assert identity == ShardIdentity(result.manifest.fingerprint, shard, last=shard == len(result.manifest.shards) - 1)
 
 
 def test_rows_not_counted_before_reading_may_make_several_groups_unless_num_examples_bounds_them():
