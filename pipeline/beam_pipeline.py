@@ -7,9 +7,10 @@ element through a shuffle.
     read tasks --ReadAndEncode--> (batch key, SpilledBatch)   tokens, lengths and rows left out to spill files
         counts of rows left out and untrained --gather--> WriteRejected (rejected.jsonl, --max-bad-rows)
             --> Filtered, joined with the counts and with the manifest's inputs
-        counts --gather--> Layout --> (batch key, first id, group)  --join batches by batch key-->
-        batches --GroupByKey(group)--> PackGroups (reads the group's lengths; best-fit decreasing per
-            group; one plan file per shard, naming the spill files and positions of its segments' tokens)
+        counts --gather--> Layout --> (batch key, first id, rows kept)  --join batches by batch key-->
+        batches, cut where a group starts --GroupByKey(group)--> PackGroups (reads the group's lengths;
+            best-fit decreasing per group; one plan file per shard, naming the spill files and positions
+            of its segments' tokens)
             --> PackedGroup (statistics, plan files) --gather--> (shard in group, shard index) --+
             --> (shard in group, plan file) --------------------------------------------------+
                     --CoGroupByKey(group, shard in group)--> WriteShard
@@ -54,7 +55,7 @@ from pipeline.encode.preference import PairEncoder, PairTokenChecker
 from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
-from pipeline.packing.groups import BatchKey, make_layout
+from pipeline.packing.groups import BatchKey, group_parts, make_layout
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import SpilledRejects, spill
 from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
@@ -222,10 +223,10 @@ def finish_filtered(
 
 
 def placements(
-    counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, examples_per_group: int, untrained: int = 0, max_len: int = 0,
+    counts: list[tuple[BatchKey, tuple[int, int]]], limit: int | None, untrained: int = 0, max_len: int = 0,
     too_long_pairs: int = 0, rejected: RejectedRows = RejectedRows(), listed_in: str = REJECTED_NAME,
 ):
-    """``(batch key, (first row, rows kept, group))`` for every batch, from all batches' (examples, rows read).
+    """``(batch key, (first row, rows kept))`` for every batch, from all batches' (examples, rows read).
 
     Raises InputError naming --max-len and --overflow when the only examples read were dropped for keeping
     no trained token (``untrained`` of them) within ``max_len``, or naming --max-len when the only preference
@@ -242,16 +243,16 @@ def placements(
             f"nothing to train: every example read ({untrained}) was dropped as untrained: --overflow truncate keeps its "
             f"first --max-len {max_len} tokens, none of them trained; raise --max-len or pass --overflow split"
         )
-    layout = make_layout(counts, limit, examples_per_group, rejected, listed_in)
+    layout = make_layout(counts, limit, rejected, listed_in)
     yield from layout.index().items()
 
 
-def assign_group(key: BatchKey, joined: dict):
-    """A batch that has examples in its kept rows, keyed by its packing group: ``(group, GroupBatch)``."""
-    (batch,), (placement,) = joined["batch"], joined["placement"]
-    first_row, kept_rows, group = placement
-    if batch.examples and kept_rows:
-        yield group, GroupBatch(key, first_row, kept_rows, batch.path)
+def assign_groups(key: BatchKey, joined: dict, examples_per_group: int):
+    """The parts of a batch that has examples, each keyed by its packing group: ``(group, GroupBatch)``."""
+    (batch,), ((first_row, kept_rows),) = joined["batch"], joined["placement"]
+    if batch.examples:
+        for group, start, end in group_parts(first_row, kept_rows, examples_per_group):
+            yield group, GroupBatch(key, first_row, end, batch.path, start)
 
 
 def first_shard(groups: list[PackedGroup], group: int) -> int:
@@ -319,7 +320,7 @@ def write_build_manifest(
     stats.examples_checked, stats.examples_equal = filtered.examples_checked, filtered.examples_equal
     stats.token_check = token_check
     stats.special_token_text = {token: {"examples": n, "first_row": first} for token, (n, first) in filtered.special_text.items()}
-    stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows, _) in part)
+    stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows) in part)
     if inputs.preference_layout is not None:
         stats.pairs, stats.bad_pairs = stats.examples_kept, dict(filtered.rejected.by_reason)
     read.record(stats)
@@ -382,7 +383,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         | "JoinFiltered" >> beam.CoGroupByKey()
         | "Layout" >> beam.FlatMapTuple(
             lambda _, joined: placements(
-                [c for part in joined["counts"] for c in part], config.num_examples, examples_per_group,
+                [c for part in joined["counts"] for c in part], config.num_examples,
                 sum(f.untrained_examples for f in joined["filtered"]), config.max_len,
                 sum(f.rejected.by_reason.get(Reason.PAIR_TOO_LONG, 0) for f in joined["filtered"]),
                 next(iter(joined["filtered"])).rejected, storage.join(out_dir, REJECTED_NAME),
@@ -392,7 +393,7 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
     groups = (
         {"batch": encoded, "placement": placed}
         | "JoinPlacements" >> beam.CoGroupByKey()
-        | "AssignGroups" >> beam.FlatMapTuple(assign_group)
+        | "AssignGroups" >> beam.FlatMapTuple(lambda key, joined: assign_groups(key, joined, examples_per_group))
         | "GroupLengths" >> beam.GroupByKey()
         # A group whose kept rows made no example (all bad rows, or past --num-examples) packs nothing.
         | "PackGroups"

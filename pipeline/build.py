@@ -96,7 +96,8 @@ def plan_build(config: PackConfig) -> BuildPlan:
         end = Encoder(tokenizer, example_format, config.max_len, config.overflow).chat_end_token()
         tokenizer_inputs = dataclasses.replace(tokenizer_inputs, eos_token_id=end)
     inputs = config.build_inputs(
-        source.inputs, tokenizer_inputs, example_format.template, example_format.loss_masking, package_version()
+        source.inputs, tokenizer_inputs, example_format.template, example_format.loss_masking, package_version(),
+        known_rows=source.known_examples,
     )
     fingerprint = compute_fingerprint(inputs)
     out_dir = storage.join(config.out, f"{source.name}-{fingerprint}")

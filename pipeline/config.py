@@ -18,6 +18,7 @@ from schemas import (
     BuildFormat,
     BuildInputs,
     DatasetInputs,
+    GroupCut,
     Overflow,
     PackingAlgorithm,
     PreferenceLayout,
@@ -158,6 +159,12 @@ class PackConfig:
         """Examples packed together as one group: ``examples_per_group``, else 50M."""
         return self.examples_per_group or EXAMPLES_PER_GROUP
 
+    def may_pack_in_groups(self, known_rows: int | None) -> bool:
+        """Whether a build of ``known_rows`` source rows (None: not counted before reading) may be packed in more
+        than one group; bounded by ``--num-examples`` when the rows are not counted."""
+        rows = known_rows if known_rows is not None else self.num_examples
+        return rows is None or rows > self.resolved_examples_per_group
+
     def resolved_overflow(self, chat: bool) -> str:
         """``--overflow``, else split, or for chat data truncate: a conversation keeps its start and is never cut
         into chunks that start mid-conversation (examples truncation leaves untrained are dropped and counted)."""
@@ -173,14 +180,17 @@ class PackConfig:
         return self.format == BuildFormat.PREFERENCE
 
     def build_inputs(
-        self, dataset: DatasetInputs, tokenizer: TokenizerInputs, template: str, loss_masking: str, package_version: str
+        self, dataset: DatasetInputs, tokenizer: TokenizerInputs, template: str, loss_masking: str, package_version: str,
+        *, known_rows: int | None,
     ) -> BuildInputs:
         """What the manifest records of this run and the fingerprint covers.
 
         The dataset, tokenizer and template come resolved (by content, not by name); the
         settings that shape the rows come from here. Settings in RUN_SETTINGS are left out:
         they change how a build runs, never the bytes it writes. ``overflow`` must be resolved
-        (``resolved_overflow``), as ``plan_build`` does.
+        (``resolved_overflow``), as ``plan_build`` does. A build of ``known_rows`` source rows
+        (None: not counted) that may be packed in more than one group records how its groups
+        are cut (``inputs.group_cut``).
         """
         if self.overflow is None:
             raise ValueError("build_inputs needs the resolved --overflow (PackConfig.resolved_overflow)")
@@ -199,6 +209,7 @@ class PackConfig:
             examples_per_group=self.examples_per_group,
             format=BuildFormat.PREFERENCE if self.is_preference else None,
             preference_layout=self.preference_layout if self.is_preference else None,
+            group_cut=GroupCut.EXAMPLE if self.may_pack_in_groups(known_rows) else None,
         )
 
     def validate(self) -> None:

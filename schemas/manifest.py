@@ -34,7 +34,10 @@ FORMAT_NAME = "varpack.shards"
 # 7: the optional inputs.format ("preference") and inputs.preference_layout of a build of preference pairs,
 #    whose shards add a roles column (schemas.row.PREFERENCE_ROW_SCHEMA), and stats.pairs and stats.bad_pairs;
 #    written only for such builds, so other builds' manifests and fingerprints stay as they were.
-FORMAT_VERSION = 7
+# 8: the optional inputs.group_cut ("example") of a build that may be packed in more than one group, whose groups
+#    are cut by example id rather than where a batch started; written only for such builds, so one-group builds keep
+#    their fingerprints and builds of several groups made before are not taken for those made now.
+FORMAT_VERSION = 8
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -79,6 +82,13 @@ class BuildFormat(enum.StrEnum):
 
     SFT = "sft"
     PREFERENCE = "preference"
+
+
+class GroupCut(enum.StrEnum):
+    """Where a build packed in more than one group cuts its groups (``inputs.group_cut``, format 8)."""
+
+    # Group k holds the examples whose ids lie in [k * examples_per_group, (k + 1) * examples_per_group).
+    EXAMPLE = "example"
 
 
 class LossMasking(enum.StrEnum):
@@ -138,10 +148,13 @@ class BuildInputs:
     # A build of preference pairs: "preference" and its layout (schemas.row.PreferenceLayout); None (left out): SFT.
     format: str | None = None
     preference_layout: str | None = None
+    # A build that may be packed in more than one group: "example" (GroupCut); None (left out): one group, or a
+    # build of format 7 or older, whose groups were cut where a batch started.
+    group_cut: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("on_bad_row", "rows_per_shard", "examples_per_group", "format", "preference_layout"):
+        for optional in ("on_bad_row", "rows_per_shard", "examples_per_group", "format", "preference_layout", "group_cut"):
             if data[optional] is None:
                 del data[optional]
         return data
@@ -158,6 +171,7 @@ class BuildInputs:
                 "examples_per_group": data.get("examples_per_group"),
                 "format": data.get("format"),
                 "preference_layout": data.get("preference_layout"),
+                "group_cut": data.get("group_cut"),
             }
         )
 

@@ -20,7 +20,7 @@ from pipeline.encode.examples import Encoder, cuts_between_words, encode_ids, sp
 from pipeline.encode.chat_templates import MISTRAL_INSTRUCT_V01_CHAT_TEMPLATE
 from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import ConfigError, HubUnreachableError, InputError
-from pipeline.packing.groups import make_layout
+from pipeline.packing.groups import group_parts, make_layout
 from pipeline.packing.shard_plans import GroupBatch, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import spill
 from pipeline.read.formats import ExampleFormat
@@ -529,10 +529,13 @@ def test_examples_keep_their_row_when_rows_before_them_are_left_out(tokenizer):
 
 def test_layout_numbers_rows_in_source_order_and_limits():
     # (examples, rows read): batch (0, 1) left a row out; its rows are numbered all the same.
-    layout = make_layout([((1, 0), (5, 5)), ((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=10, examples_per_group=4)
+    layout = make_layout([((1, 0), (5, 5)), ((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=10)
     assert layout.keys == ((0, 0), (0, 1), (1, 0))
     assert layout.first_rows.tolist() == [0, 4, 7] and layout.kept_rows.tolist() == [4, 3, 3]
-    assert layout.num_groups == 3 and layout.groups.tolist() == [0, 1, 2] and layout.num_example_ids == 10
+    assert layout.num_example_ids == 10
+    # Groups of 4 rows: [0, 4), [4, 8), [8, 10); the last batch gives a row to group 1 and two to group 2.
+    parts = [group_parts(first, kept, examples_per_group=4) for first, kept in layout.index().values()]
+    assert parts == [[(0, 0, 4)], [(1, 0, 3)], [(1, 0, 1), (2, 1, 3)]]
     with pytest.raises(InputError, match="no examples"):
         make_layout([((0, 0), (0, 0))], limit=None)
     with pytest.raises(InputError, match="no examples"):
@@ -576,15 +579,16 @@ def test_routing_places_every_token_once(overflow, tmp_path):
         lengths = rng.integers(1, 150, n)
         tokens = rng.integers(0, 30000, int(lengths.sum())).astype(np.int32)
         batches[key] = (lengths, tokens, (tokens % 2).astype(np.uint8))
-    layout = make_layout([(k, (v[0].size, v[0].size)) for k, v in batches.items()], limit=None, examples_per_group=50)
-    index = layout.index()
+    index = make_layout([(k, (v[0].size, v[0].size)) for k, v in batches.items()], limit=None).index()
     from pipeline.encode.examples import EncodedBatch
 
-    grouped = {}
+    grouped = {}  # groups of 50 rows: the second and third batches each fall in two
     for key, (lengths, tokens, mask) in batches.items():
-        first, kept, group = index[key]
+        first, kept = index[key]
         spilled = spill(EncodedBatch(lengths, tokens, mask), str(tmp_path), f"{key[0]}-{key[1]}", lengths.size)
-        grouped.setdefault(group, []).append(GroupBatch(key, first, kept, spilled.path))
+        for group, start, end in group_parts(first, kept, examples_per_group=50):
+            grouped.setdefault(group, []).append(GroupBatch(key, first, end, spilled.path, start))
+    assert [len(parts) for _, parts in sorted(grouped.items())] == [2, 2, 1]
     plan_dir = str(tmp_path / "plans")
     groups = [
         pack_group(g, b[::-1], capacity, overflow, "best_fit_decreasing", 0, rows_per_shard, plan_dir)  # any arrival order

@@ -234,7 +234,7 @@ def test_the_schema_lists_every_field_the_code_writes() -> None:
     # Written only when set: the shard and group sizes (absent, the defaults), chat turns, the source files and columns,
     # and what a preference build records.
     optional = {
-        "inputs": {"rows_per_shard", "examples_per_group", "format", "preference_layout"},
+        "inputs": {"rows_per_shard", "examples_per_group", "format", "preference_layout", "group_cut"},
         "stats": {"chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", "pairs", "bad_pairs", *SOURCE_LISTS},
     }
     for key in ("inputs", "stats"):

@@ -8,11 +8,13 @@ manifest records as ``stats.num_example_ids``. Rows past ``--num-examples`` are 
 
 Packing is best-fit decreasing over all the lengths of a group, on one worker (about 100 bytes
 per example while packing: 82 in ``pack`` itself over 1M or 3M FLAN lengths). A dataset of more
-than EXAMPLES_PER_GROUP examples is cut into K = ceil(N / EXAMPLES_PER_GROUP) groups of
-consecutive examples, packed independently (in parallel on a cluster). Each group ends with its
-own partly filled rows, so grouping costs a little fill, about 0.6 extra rows per group;
-``scripts/bench_pack_groups.py`` measures it. On 5M FLAN-shaped lengths at L = 4096 (one group:
-99.9927% fill) groups of 1M examples lose 0.0008% of fill, of 100k 0.009%, of 10k 0.08%:
+than EXAMPLES_PER_GROUP (N) examples is cut into K = ceil(rows / N) groups, packed independently
+(in parallel on a cluster): group k holds the examples of source rows [k * N, (k + 1) * N), so
+where a group ends depends on the data and N alone, never on ``--batch-size``, the read tasks or
+the runner; a batch across a boundary gives its rows on either side to their groups. Each group
+ends with its own partly filled rows, so grouping costs a little fill, about 0.6 extra rows per
+group; ``scripts/bench_pack_groups.py`` measures it. On 5M FLAN-shaped lengths at L = 4096 (one
+group: 99.9927% fill) groups of 1M examples lose 0.0008% of fill, of 100k 0.009%, of 10k 0.08%:
 negligible at 50M per group.
 """
 
@@ -32,39 +34,32 @@ BatchKey = tuple[int, int]
 
 @dataclass(frozen=True)
 class Layout:
-    """For each batch, in source order: the number of its first source row, how many of its rows are kept, its group."""
+    """For each batch, in source order: the number of its first source row and how many of its rows are kept."""
 
     keys: tuple[BatchKey, ...]
     first_rows: np.ndarray  # int64 [batches]
     kept_rows: np.ndarray  # int64 [batches]
-    groups: np.ndarray  # int64 [batches]; -1 for a batch with nothing kept
-    num_groups: int
 
     @property
     def num_example_ids(self) -> int:
         """The source rows kept: every example id is below it."""
         return int(self.kept_rows.sum())
 
-    def index(self) -> dict[BatchKey, tuple[int, int, int]]:
-        """``key -> (first row, rows kept, group)``."""
-        return {
-            key: (int(f), int(k), int(g))
-            for key, f, k, g in zip(self.keys, self.first_rows.tolist(), self.kept_rows.tolist(), self.groups.tolist())
-        }
+    def index(self) -> dict[BatchKey, tuple[int, int]]:
+        """``key -> (first row, rows kept)``."""
+        return {key: (int(f), int(k)) for key, f, k in zip(self.keys, self.first_rows.tolist(), self.kept_rows.tolist())}
 
 
 def make_layout(
     counts: Iterable[tuple[BatchKey, tuple[int, int]]],
     limit: int | None,
-    examples_per_group: int = EXAMPLES_PER_GROUP,
     rejected: RejectedRows = RejectedRows(),
     listed_in: str = "rejected.jsonl",
 ) -> Layout:
     """The layout of batches with ``counts`` (examples, source rows read) each, keeping the first ``limit`` rows.
 
-    Groups are cut by rows, which bound the examples (a row makes at most one). When the rows kept make
-    no example, raises NothingKeptError naming the rows read and why they were left out (``rejected``,
-    the bad rows, which ``listed_in`` lists), or InputError for a dataset of no rows.
+    When the rows kept make no example, raises NothingKeptError naming the rows read and why they were left
+    out (``rejected``, the bad rows, which ``listed_in`` lists), or InputError for a dataset of no rows.
 
     >>> layout = make_layout([((0, 1), (2, 3)), ((0, 0), (4, 4))], limit=6)
     >>> layout.first_rows.tolist(), layout.kept_rows.tolist(), layout.num_example_ids
@@ -81,9 +76,25 @@ def make_layout(
         raise InputError("the dataset holds no examples")
     if not examples[kept > 0].any():
         raise NothingKeptError(nothing_kept(total, rejected, listed_in))
-    num_groups = -(-total // examples_per_group)
-    groups = np.where(kept > 0, np.minimum(first_rows * num_groups // total, num_groups - 1), -1)
-    return Layout(keys, first_rows, kept, groups, num_groups)
+    return Layout(keys, first_rows, kept)
+
+
+def group_parts(first_row: int, kept_rows: int, examples_per_group: int = EXAMPLES_PER_GROUP) -> list[tuple[int, int, int]]:
+    """The packing groups a batch's kept rows fall in: ``(group, start, end)`` for each, its rows ``[start, end)``.
+
+    Group k holds source rows [k * examples_per_group, (k + 1) * examples_per_group), wherever batches start:
+    a batch of rows 60 to 159, 70 to a group, gives 10 rows to group 0, 70 to group 1 and 20 to group 2.
+
+    >>> group_parts(first_row=60, kept_rows=100, examples_per_group=70)
+    [(0, 0, 10), (1, 10, 80), (2, 80, 100)]
+    >>> group_parts(first_row=60, kept_rows=0, examples_per_group=70)
+    []
+    """
+    if kept_rows == 0:
+        return []
+    groups = np.arange(first_row // examples_per_group, (first_row + kept_rows - 1) // examples_per_group + 1)
+    bounds = np.clip(np.append(groups, groups[-1] + 1) * examples_per_group - first_row, 0, kept_rows).tolist()
+    return list(zip(groups.tolist(), bounds[:-1], bounds[1:]))
 
 
 def nothing_kept(rows: int, rejected: RejectedRows, listed_in: str) -> str:

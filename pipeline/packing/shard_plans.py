@@ -30,18 +30,19 @@ from schemas import PackingStats
 
 @dataclass(frozen=True)
 class GroupBatch:
-    """One tokenized batch of a packing group: its key, its first source row, how many of its source rows are kept
-    and its spill file. Its examples (``read_examples``) are those of the kept rows; an example's id is
-    ``first_row`` plus its row in the batch."""
+    """The rows of one tokenized batch that fall in a packing group: rows ``[start_row, end_row)`` of the batch
+    with key ``key``, first source row ``first_row`` and spill file ``path`` (rows past ``end_row`` are in later
+    groups or past ``--num-examples``). An example's id is ``first_row`` plus its row in the batch."""
 
     key: BatchKey
     first_row: int
-    kept_rows: int
+    end_row: int
     path: str
+    start_row: int = 0
 
     def examples(self) -> SpilledExamples:
-        """The lengths, rows and (pairs) segments of the batch's kept examples, read from beside its spill file."""
-        return read_examples(self.path).head(self.kept_rows)
+        """The lengths, rows and (pairs) segments of the part's examples, read from beside the batch's spill file."""
+        return read_examples(self.path).between(self.start_row, self.end_row)
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,9 @@ def pack_group(
     rows_per_shard: int,
     plan_dir: str,
 ) -> PackedGroup | None:
-    """Pack the examples of a group's batches (consecutive in the dataset) and write one plan file per shard;
-    None when the group's kept rows made no example (all bad rows, or past ``--num-examples``)."""
-    read = [(b, b.examples()) for b in sorted(batches, key=lambda b: b.first_row)]
+    """Pack the examples of a group's parts of batches (consecutive in the dataset) and write one plan file per
+    shard; None when the group's kept rows made no example (all bad rows, or past ``--num-examples``)."""
+    read = [(b, b.examples()) for b in sorted(batches, key=lambda b: b.first_row + b.start_row)]
     read = [(b, e) for b, e in read if e.lengths.size]
     if not read:
         return None
@@ -126,7 +127,7 @@ def pack_group(
         # A pair is one item to pack and two or three segments in its row: the statistics count those.
         plan = dataclasses.replace(plan, stats=pair_stats(plan, np.concatenate([e.segments for e in examples])))
     # Where each example's tokens start in its batch's spill file.
-    starts = [np.cumsum(e.lengths, dtype=np.int64) - e.lengths for e in examples]
+    starts = [e.token_start + np.cumsum(e.lengths, dtype=np.int64) - e.lengths for e in examples]
     example_start = np.concatenate(starts)
     batch_of_example = np.repeat(np.arange(len(batches)), [e.lengths.size for e in examples])
     ids = [b.first_row + e.rows.astype(np.int64) for b, e in zip(batches, examples)]

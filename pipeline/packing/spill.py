@@ -76,16 +76,26 @@ class SpilledBatch:
 @dataclass(frozen=True)
 class SpilledExamples:
     """The examples of a spilled batch: example ``i`` has ``lengths[i]`` tokens, comes from row ``rows[i]`` of the
-    batch and, for preference pairs, becomes ``segments[i]`` segments in a row (None for other examples)."""
+    batch and, for preference pairs, becomes ``segments[i]`` segments in a row (None for other examples). Their
+    tokens follow each other in the spill file from token ``token_start``."""
 
     lengths: np.ndarray  # int32 [examples]
     rows: np.ndarray  # int32 [examples], ascending
     segments: np.ndarray | None = None  # int8 [examples]
+    token_start: int = 0
 
-    def head(self, rows: int) -> SpilledExamples:
-        """The examples from the batch's first ``rows`` source rows."""
-        kept = int(np.searchsorted(self.rows, rows))
-        return SpilledExamples(self.lengths[:kept], self.rows[:kept], None if self.segments is None else self.segments[:kept])
+    def between(self, start: int, end: int) -> SpilledExamples:
+        """The examples from rows ``[start, end)`` of the batch.
+
+        >>> examples = SpilledExamples(np.array([3, 5, 2], dtype=np.int32), np.array([0, 2, 3], dtype=np.int32))
+        >>> part = examples.between(1, 4)
+        >>> part.lengths.tolist(), part.rows.tolist(), part.token_start
+        ([5, 2], [2, 3], 3)
+        """
+        first, stop = np.searchsorted(self.rows, [start, end]).tolist()
+        segments = None if self.segments is None else self.segments[first:stop]
+        skipped = int(self.lengths[:first].sum(dtype=np.int64))
+        return SpilledExamples(self.lengths[first:stop], self.rows[first:stop], segments, self.token_start + skipped)
 
 
 def new_spill_dir(out_dir: str, temp_location: str | None) -> str:
