@@ -598,10 +598,12 @@ class PackedIterableDataset(IterableDataset):
         """A rank-level position of this reader's layout where ``saved`` (of another layout) stands in ``rows``.
 
         The rows all ranks had read come first; this reader's batches are cut from the rest. A
-        finished epoch stays finished there: a loop that names it reads nothing more of it.
+        finished epoch stays finished there: a loop that names it reads nothing more of it. A worker's
+        own state, given back by torchdata (even the one worker's), cannot be placed so: torchdata goes
+        on counting the batches of the pass that saved it.
         """
         position = saved.position
-        if position.num_workers > 1:
+        if position.num_workers > 1 or get_worker_info() is not None:
             raise ValueError(
                 f"this state is DataLoader worker {position.worker_id}'s, saved with world_size "
                 f"{saved.layout['world_size']}, batch_rows {saved.layout['batch_rows']} and tokens_per_batch "

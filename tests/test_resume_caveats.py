@@ -1,0 +1,71 @@
+"""Resumes and passes through DataLoader workers that used to lose or repeat rows without ``set_epoch``.
+
+Each case reads every row of an epoch once, as the training process would, or is refused in one line
+that says what to do: a one-worker loader's state loaded into a loader of another batch size, a copied
+dataset, a pass broken off mid-epoch, and persistent workers started by ``state_dict()`` before the
+loop's first ``set_epoch``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+from shard_factory import build_shard_dir
+from test_resume import CAPACITY, read
+from torch.utils.data import DataLoader
+
+from loaders import PackedIterableDataset
+
+stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+StatefulDataLoader = stateful_dataloader.StatefulDataLoader
+
+SETTINGS = {"batch_rows": 4, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    # Whole examples of random tokens, as test_resume.py's: a segment's tokens name its example.
+    lengths = np.random.default_rng(13).integers(3, CAPACITY + 1, 60)
+    return build_shard_dir(tmp_path_factory.mktemp("caveats"), lengths, capacity=CAPACITY, rows_per_shard=4,
+                           vocab_size=30000)
+
+
+@pytest.fixture(scope="module")
+def example_of(build):
+    """Example id by the tuple of its tokens."""
+    return {tuple(build.example(i)[0].tolist()): i for i in range(build.lengths.size)}
+
+
+def saved(state):
+    """A state as a checkpoint holds it: through JSON."""
+    return json.loads(json.dumps(state))
+
+
+def test_a_one_worker_loader_state_loaded_into_a_loader_of_another_batch_size_is_refused(build, example_of):
+    """A worker's own state cannot place a worker of another layout (torchdata goes on counting the old pass's
+    batches), with one worker as with two: the loader refuses, saying to load the whole state into the dataset,
+    and that resume reads every example of the epoch once."""
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    dataset.set_epoch(0)
+    batches = iter(StatefulDataLoader(dataset, batch_size=None, num_workers=1))
+    head = [example for _ in range(5) for example in read(next(batches), example_of)]
+    state = saved(batches.state_dict())
+    del batches
+    other = {**SETTINGS, "batch_rows": 3}
+    resumed = PackedIterableDataset(build.path, **other)
+    resumed.load_state_dict(copy.deepcopy(state))
+    misused = StatefulDataLoader(resumed, batch_size=None, num_workers=1)
+    misused.load_state_dict(copy.deepcopy(state))
+    resumed.set_epoch(0)
+    with pytest.raises(ValueError, match=r"load the StatefulDataLoader's whole state into the dataset \(dataset"):
+        next(iter(misused))
+    resumed = PackedIterableDataset(build.path, **other)
+    resumed.load_state_dict(copy.deepcopy(state))
+    resumed.set_epoch(0)
+    rest = [read(batch, example_of) for batch in StatefulDataLoader(resumed, batch_size=None, num_workers=1)]
+    examples = head + [example for batch in rest for example in batch]
+    rows = resumed.reader.num_rows
+    assert len(examples) == len(set(examples)) and 5 * 4 + 3 * len(rest) == rows - (rows - 5 * 4) % 3
