@@ -9,7 +9,6 @@ tensors; ``resume`` records where a reader stands. This module ties them togethe
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from loaders.resume import (
 from loaders.shard_reader import Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import checked_shards
+from loaders.worker_ledger import WorkerLedger
 from schemas import Manifest, ManifestError, positive_int
 
 # Shards one shuffle window spans, by default: the window's rows come from about this many shards.
@@ -425,12 +425,8 @@ class PackedIterableDataset(IterableDataset):
         self._restored_in_worker = False  # the loaded position is a DataLoader worker's own, given back by torchdata
         self._skip_restoring_pass = False
         self._loader_pass_ended = False  # the loaded state is a StatefulDataLoader's whose pass had run out
-        # Set by a DataLoader worker that reads this dataset, in memory the training process shares: the
-        # training process's own position then is not the loader's (see state_dict).
-        self._read_by_workers: Any = multiprocessing.RawValue("b", 0)
-        # The latest epoch whose pass DataLoader workers read through since this copy's position was set (-1: none),
-        # in the same shared memory: the copies the next workers start from move on from it.
-        self._epoch_read_by_workers: Any = multiprocessing.RawValue("q", -1)
+        # What DataLoader workers tell this copy (whether they read it, which epoch they read through).
+        self._workers = WorkerLedger()
         self._epoch_named = None
         self._plan_cache = None
 
@@ -476,8 +472,8 @@ class PackedIterableDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None and self._read_by_workers is not None:
-            self._read_by_workers.value = 1
+        if info is not None:
+            self._workers.read_by_workers = True
         if self._skip_restoring_pass:
             # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
             self._skip_restoring_pass = False
@@ -519,8 +515,8 @@ class PackedIterableDataset(IterableDataset):
 
     def _read_through(self) -> None:
         """A DataLoader worker read its pass of the epoch through: the next workers start after it."""
-        if get_worker_info() is not None and self._epoch_read_by_workers is not None:
-            self._epoch_read_by_workers.value = self._position.epoch
+        if get_worker_info() is not None:
+            self._workers.epoch_read = self._position.epoch
 
     def _catch_up_with_workers(self) -> None:
         """Stand where the DataLoader workers' latest pass ended, when they read one through from this copy.
@@ -529,9 +525,9 @@ class PackedIterableDataset(IterableDataset):
         where it was; without this, every pass of new workers (or a later ``set_epoch``) would start
         from there again instead of moving to the next epoch. A worker's own restored position is its own.
         """
-        if self._epoch_read_by_workers is None or (self._loaded and self._restored_in_worker):
+        if self._loaded and self._restored_in_worker:
             return
-        epoch = int(self._epoch_read_by_workers.value)
+        epoch = self._workers.epoch_read
         if epoch >= self._position.epoch:
             self._position = Position(epoch=epoch, finished=True)
             self._loaded = False
@@ -542,7 +538,7 @@ class PackedIterableDataset(IterableDataset):
         Raises StaleStateError in the training process once DataLoader workers have read this
         dataset: they read copies of it, so its own position would replay what they read.
         """
-        if get_worker_info() is None and self._read_by_workers is not None and self._read_by_workers.value:
+        if get_worker_info() is None and self._workers.read_by_workers:
             raise StaleStateError(
                 f"{self.source}: DataLoader workers read this dataset, so its position in the training process is "
                 "not the loader's; save torchdata's StatefulDataLoader.state_dict() instead (exact for any "
@@ -635,28 +631,17 @@ class PackedIterableDataset(IterableDataset):
         self._loaded = True
         self._restored_in_worker = in_worker
         self._loader_pass_ended = saved.loader_pass_ended
-        if not in_worker and self._read_by_workers is not None:
-            self._read_by_workers.value = 0  # the position is the loader's again
+        if not in_worker:
+            self._workers.read_by_workers = False  # the position is the loader's again
 
     def _move_to(self, position: Position) -> None:
         """Read from ``position`` next; in the training process, new DataLoader workers start there too."""
         self._position = position
         self._loaded = False
         self._loader_pass_ended = False
-        if get_worker_info() is None and self._epoch_read_by_workers is not None:
-            self._epoch_read_by_workers.value = -1
+        if get_worker_info() is None:
+            self._workers.epoch_read = -1
 
     def __getstate__(self) -> dict[str, Any]:
-        # The cached plan stays behind; a copy made otherwise than for a worker is a dataset of its own.
-        state = self.__dict__.copy()
-        state["_plan_cache"] = None
-        if not _spawning_a_process():
-            state["_read_by_workers"] = state["_epoch_read_by_workers"] = None
-        return state
-
-
-def _spawning_a_process() -> bool:
-    """Whether this pickling sends the object to a process being started (shared memory may go along)."""
-    from multiprocessing.context import get_spawning_popen
-
-    return get_spawning_popen() is not None
+        # The cached plan stays behind; the ledger goes along as WorkerLedger pickles it.
+        return {**self.__dict__, "_plan_cache": None}

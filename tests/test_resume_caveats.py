@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from test_resume import CAPACITY, read
 from torch.utils.data import DataLoader
 
 from loaders import PackedIterableDataset
+from loaders.resume import StaleStateError
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
@@ -69,3 +71,21 @@ def test_a_one_worker_loader_state_loaded_into_a_loader_of_another_batch_size_is
     examples = head + [example for batch in rest for example in batch]
     rows = resumed.reader.num_rows
     assert len(examples) == len(set(examples)) and 5 * 4 + 3 * len(rest) == rows - (rows - 5 * 4) % 3
+
+
+@pytest.mark.parametrize("copied", ["deepcopy", "pickle"])
+def test_a_copied_dataset_read_through_workers_without_set_epoch_reads_the_next_epoch_each_pass(
+        build, example_of, copied):
+    """A copy is a dataset of its own: its workers tell it which epoch they read through, as the original's tell
+    the original, and its position after they read it is refused as stale."""
+    def passes(loader):
+        return [[read(batch, example_of) for batch in loader] for _ in range(3)]
+
+    in_process = PackedIterableDataset(build.path, **SETTINGS)
+    epochs = passes(in_process)
+    original = PackedIterableDataset(build.path, **SETTINGS)
+    dataset = copy.deepcopy(original) if copied == "deepcopy" else pickle.loads(pickle.dumps(original))
+    assert passes(DataLoader(dataset, batch_size=None, num_workers=2)) == epochs
+    with pytest.raises(StaleStateError, match="DataLoader workers read this dataset"):
+        dataset.state_dict()
+    assert original.state_dict()["epoch"] == 0, "the original is a dataset of its own"
