@@ -285,7 +285,9 @@ class PackedIterableDataset(IterableDataset):
     finishes its pass moves on to the next epoch by itself, so persistent workers (which never
     see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order; so do the
     workers a DataLoader starts for each pass, from the training process's copy, which moves on
-    with them (they tell it, in shared memory, which epoch they read through).
+    with them (they tell it, in shared memory, which epoch all of them read through;
+    ``worker_ledger``). A pass through workers broken off before a worker read its share through
+    is refused at the next pass, until ``set_epoch``: which of its batches the loop took is unknown.
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.
@@ -441,6 +443,7 @@ class PackedIterableDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._catch_up_with_workers()
+        self._workers.forget_passes()  # the epoch named is read from this position, also after a broken pass
         self._epoch_named = int(epoch)
         if self._loaded and epoch == self._position.epoch:
             return
@@ -474,6 +477,7 @@ class PackedIterableDataset(IterableDataset):
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
             self._workers.read_by_workers = True
+            self._workers.join()
         if self._skip_restoring_pass:
             # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
             self._skip_restoring_pass = False
@@ -494,17 +498,35 @@ class PackedIterableDataset(IterableDataset):
         self._loaded = False
         return self._batches(position.epoch, position.start_row, first, num_workers)
 
+    def _share(self) -> tuple[int, int, int]:
+        """This reader's share of its pass, as the ledger names it: (epoch, start_row, num_workers)."""
+        return self._position.epoch, self._position.start_row, self._position.num_workers
+
+    def _start_share(self) -> None:
+        """In a DataLoader worker: mark its share of the pass started in the ledger, or refuse one that an earlier
+        pass started and broke off (see ``WorkerLedger``): which of its batches the loop took is unknown. Called on
+        the first ``next()``, where torch passes a worker's error on to the loop (one in ``iter()`` ends it)."""
+        if get_worker_info() is not None and not self._workers.start_share(self._position.worker_id, self._share()):
+            epoch = self._position.epoch
+            raise ValueError(
+                f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
+                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass "
+                f"(set_epoch({epoch}) reads epoch {epoch} again), or resume from StatefulDataLoader.state_dict()"
+            )
+
     def _finished_pass(self) -> Iterator[dict[str, torch.Tensor | int]]:
         """The empty pass of a loop that names the finished epoch of a loaded state. The state counts as loaded until
         the pass is run through: torchdata restoring a finished loader makes an iterator it never runs, then the one
         the loop runs, and both must name the finished epoch (or the second would read the next epoch under its
         number). Once run through, a pass without ``set_epoch`` reads the next epoch."""
+        self._start_share()
         self._loaded = False
         self._read_through()
         return
         yield
 
     def _batches(self, epoch: int, start_row: int, first: int, num_workers: int) -> Iterator[dict[str, torch.Tensor | int]]:
+        self._start_share()
         plan = self._plan(epoch, start_row)
         for position in range(first, len(plan), num_workers):
             batch = self._collate(plan.batch_rows(position))
@@ -514,9 +536,9 @@ class PackedIterableDataset(IterableDataset):
         self._read_through()
 
     def _read_through(self) -> None:
-        """A DataLoader worker read its pass of the epoch through: the next workers start after it."""
+        """A DataLoader worker read its share of the pass through: once all have, the next workers start after it."""
         if get_worker_info() is not None:
-            self._workers.epoch_read = self._position.epoch
+            self._workers.finish_share(self._position.worker_id, self._share())
 
     def _catch_up_with_workers(self) -> None:
         """Stand where the DataLoader workers' latest pass ended, when they read one through from this copy.
@@ -623,15 +645,17 @@ class PackedIterableDataset(IterableDataset):
         loop runs: the worker skips the first and reads the second from where the pass ended, as the
         training process's copy does (the workers' own states were saved before their pass ended).
         """
-        in_worker = get_worker_info() is not None
-        if in_worker and self._loader_pass_ended and position.epoch == self._position.epoch:
+        info = get_worker_info()
+        if info is not None and self._loader_pass_ended and position.epoch == self._position.epoch:
             self._skip_restoring_pass = True
             return
+        if info is not None:
+            self._workers.forget_share(info.id)  # its own state says where the loop stood
         self._move_to(position)
         self._loaded = True
-        self._restored_in_worker = in_worker
+        self._restored_in_worker = info is not None
         self._loader_pass_ended = saved.loader_pass_ended
-        if not in_worker:
+        if info is None:
             self._workers.read_by_workers = False  # the position is the loader's again
 
     def _move_to(self, position: Position) -> None:
@@ -640,7 +664,7 @@ class PackedIterableDataset(IterableDataset):
         self._loaded = False
         self._loader_pass_ended = False
         if get_worker_info() is None:
-            self._workers.epoch_read = -1
+            self._workers.forget_passes()
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached plan stays behind; the ledger goes along as WorkerLedger pickles it.

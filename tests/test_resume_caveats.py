@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -89,3 +90,28 @@ def test_a_copied_dataset_read_through_workers_without_set_epoch_reads_the_next_
     with pytest.raises(StaleStateError, match="DataLoader workers read this dataset"):
         dataset.state_dict()
     assert original.state_dict()["epoch"] == 0, "the original is a dataset of its own"
+
+
+@pytest.mark.parametrize("one_share_read", [True, False])
+def test_a_pass_through_workers_broken_off_mid_epoch_is_refused_until_set_epoch(build, example_of, one_share_read):
+    """Which batches of a broken-off pass its loop took is unknown (workers prefetch beyond it), so a new pass
+    without set_epoch neither skips the rest of the epoch (it did once one worker had read its share through)
+    nor reads it again (it did when none had): it is refused, saying to call set_epoch, which reads it whole.
+
+    With 5 batches (worker 0 reads 0, 2 and 4, worker 1 reads 1 and 3) and two prefetched a worker, taking two
+    batches asks worker 1 for a third, past its share: its share is read through, worker 0's is not."""
+    rows = PackedIterableDataset(build.path).reader.num_rows
+    settings_ = {**SETTINGS, "batch_rows": rows // 5 if one_share_read else 2}
+    epoch = [read(batch, example_of) for batch in PackedIterableDataset(build.path, **settings_)]
+    dataset = PackedIterableDataset(build.path, **settings_)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2)
+    batches = iter(loader)
+    taken = 2 if one_share_read else 1
+    assert [read(next(batches), example_of) for _ in range(taken)] == epoch[:taken]
+    time.sleep(1)  # the workers prefetch while the step trains
+    del batches  # the loop breaks, to evaluate say, and training goes on with a new pass
+    with pytest.raises(ValueError, match=r"a pass through DataLoader workers over epoch 0 was broken off before its "
+                                         r"end, .*call dataset.set_epoch\(epoch\) before each pass"):
+        next(iter(loader))
+    dataset.set_epoch(0)
+    assert [read(batch, example_of) for batch in loader] == epoch
