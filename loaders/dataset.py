@@ -312,7 +312,6 @@ class PackedIterableDataset(IterableDataset):
     that does not fill a batch on every rank. Another build, seed or shuffle is refused.
     """
 
-    _epoch_named: int | None  # the latest set_epoch's argument
     _plan_cache: tuple[tuple[int, int], EpochPlan] | None
 
     def __init__(
@@ -427,9 +426,9 @@ class PackedIterableDataset(IterableDataset):
         self._restored_in_worker = False  # the loaded position is a DataLoader worker's own, given back by torchdata
         self._skip_restoring_pass = False
         self._loader_pass_ended = False  # the loaded state is a StatefulDataLoader's whose pass had run out
-        # What DataLoader workers tell this copy (whether they read it, which epoch they read through).
+        # What this copy and its DataLoader workers tell each other (whether they read it, the epoch set_epoch
+        # named, which epoch they read through).
         self._workers = WorkerLedger()
-        self._epoch_named = None
         self._plan_cache = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -444,7 +443,7 @@ class PackedIterableDataset(IterableDataset):
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._catch_up_with_workers()
         self._workers.forget_passes()  # the epoch named is read from this position, also after a broken pass
-        self._epoch_named = int(epoch)
+        self._workers.epoch_named = int(epoch)
         if self._loaded and epoch == self._position.epoch:
             return
         if epoch != self._position.epoch or self._position.finished:
@@ -484,7 +483,7 @@ class PackedIterableDataset(IterableDataset):
             return iter(())
         self._catch_up_with_workers()
         position = self._position
-        if position.finished and self._loaded and self._epoch_named == position.epoch:
+        if position.finished and self._loaded and self._workers.epoch_named == position.epoch:
             # The loop names the finished epoch: this pass reads nothing, and stays where the epoch finished.
             done = position.batches_read(len(self._plan(position.epoch, position.start_row)))
             self._position = Position(position.epoch, position.start_row, done, done + worker_id, worker_id, num_workers,

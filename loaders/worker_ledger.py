@@ -22,15 +22,16 @@ import os
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
-READ_BY_WORKERS, GENERATION, EPOCH_READ, SHARES = 0, 1, 2, 3  # where each value lies in the shared array
+READ_BY_WORKERS, EPOCH_NAMED, GENERATION, EPOCH_READ, SHARES = 0, 1, 2, 3, 4  # where each lies in the shared array
 SHARE_FIELDS = 4  # epoch, start_row, num_workers, and NOT_STARTED, STARTED or FINISHED
 NOT_STARTED, STARTED, FINISHED = 0, 1, 2
 MAX_WORKERS = 256  # DataLoader workers of one dataset with a slot in the ledger
 
 
 class WorkerLedger:
-    """Shared between a dataset and its DataLoader workers: whether workers read it, the latest epoch a pass of
-    them read through (-1: none since the training process's position was set), and each worker's share.
+    """Shared between a dataset and its DataLoader workers: whether workers read it, the epoch the latest
+    ``set_epoch`` named (persistent workers, started before it, see it too), the latest epoch a pass of them read
+    through (-1: none since the training process's position was set), and each worker's share.
 
     >>> ledger = WorkerLedger()
     >>> ledger.join()  # in each worker process; here one process plays both workers
@@ -49,7 +50,7 @@ class WorkerLedger:
 
     def __init__(self) -> None:
         self._values: Any = multiprocessing.RawArray("q", SHARES + SHARE_FIELDS * MAX_WORKERS)
-        self._values[EPOCH_READ] = -1
+        self._values[EPOCH_NAMED] = self._values[EPOCH_READ] = -1
         self._generation = 0  # of the training process's position this process's worker reads from
         self._worker_pid: int | None = None  # the worker process that joined with this copy
 
@@ -61,6 +62,16 @@ class WorkerLedger:
     @read_by_workers.setter
     def read_by_workers(self, value: bool) -> None:
         self._values[READ_BY_WORKERS] = int(value)
+
+    @property
+    def epoch_named(self) -> int | None:
+        """The latest ``set_epoch``'s argument in the training process, or None."""
+        epoch = int(self._values[EPOCH_NAMED])
+        return None if epoch < 0 else epoch
+
+    @epoch_named.setter
+    def epoch_named(self, epoch: int) -> None:
+        self._values[EPOCH_NAMED] = epoch
 
     @property
     def epoch_read(self) -> int:

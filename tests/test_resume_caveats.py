@@ -115,3 +115,33 @@ def test_a_pass_through_workers_broken_off_mid_epoch_is_refused_until_set_epoch(
         next(iter(loader))
     dataset.set_epoch(0)
     assert [read(batch, example_of) for batch in loader] == epoch
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_persistent_workers_started_by_state_dict_before_set_epoch_read_each_epoch_under_its_number(
+        build, example_of, workers):
+    """Resumed from a state saved after epoch 0's loop ended, a loader whose state_dict() is taken before the
+    loop's first set_epoch (a checkpoint or a log right after resuming) starts its persistent workers then; they
+    still see the loop name the finished epoch, read nothing more of it, and then epochs 1 and 2 under their
+    numbers."""
+    reference = PackedIterableDataset(build.path, **SETTINGS)
+    epochs = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        epochs.append([read(batch, example_of) for batch in reference])
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    loader = StatefulDataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=True)
+    dataset.set_epoch(0)
+    assert [read(batch, example_of) for batch in loader] == epochs[0]
+    state = saved(loader.state_dict())
+    del loader
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    dataset.load_state_dict(copy.deepcopy(state))
+    loader = StatefulDataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=True)
+    loader.load_state_dict(copy.deepcopy(state))
+    saved(loader.state_dict())  # checkpointed or logged right after resuming
+    read_by_epoch = []
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        read_by_epoch.append([read(batch, example_of) for batch in loader])
+    assert read_by_epoch == [[], epochs[1], epochs[2]]
