@@ -428,7 +428,7 @@ class PackedIterableDataset(IterableDataset):
         self._loader_pass_ended = False  # the loaded state is a StatefulDataLoader's whose pass had run out
         # What this copy and its DataLoader workers tell each other (whether they read it, the epoch set_epoch
         # named, which epoch they read through).
-        self._workers = WorkerLedger()
+        self._ledger = WorkerLedger()
         self._plan_cache = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -442,8 +442,8 @@ class PackedIterableDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._catch_up_with_workers()
-        self._workers.forget_passes()  # the epoch named is read from this position, also after a broken pass
-        self._workers.epoch_named = int(epoch)
+        self._ledger.forget_passes()  # the epoch named is read from this position, also after a broken pass
+        self._ledger.epoch_named = int(epoch)
         if self._loaded and epoch == self._position.epoch:
             return
         if epoch != self._position.epoch or self._position.finished:
@@ -475,15 +475,15 @@ class PackedIterableDataset(IterableDataset):
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
-            self._workers.read_by_workers = True
-            self._workers.join()
+            self._ledger.read_by_workers = True
+            self._ledger.join()
         if self._skip_restoring_pass:
             # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
             self._skip_restoring_pass = False
             return iter(())
         self._catch_up_with_workers()
         position = self._position
-        if position.finished and self._loaded and self._workers.epoch_named == position.epoch:
+        if position.finished and self._loaded and self._ledger.epoch_named == position.epoch:
             # The loop names the finished epoch: this pass reads nothing, and stays where the epoch finished.
             done = position.batches_read(len(self._plan(position.epoch, position.start_row)))
             self._position = Position(position.epoch, position.start_row, done, done + worker_id, worker_id, num_workers,
@@ -505,7 +505,7 @@ class PackedIterableDataset(IterableDataset):
         """In a DataLoader worker: mark its share of the pass started in the ledger, or refuse one that an earlier
         pass started and broke off (see ``WorkerLedger``): which of its batches the loop took is unknown. Called on
         the first ``next()``, where torch passes a worker's error on to the loop (one in ``iter()`` ends it)."""
-        if get_worker_info() is not None and not self._workers.start_share(self._position.worker_id, self._share()):
+        if get_worker_info() is not None and not self._ledger.start_share(self._position.worker_id, self._share()):
             epoch = self._position.epoch
             raise ValueError(
                 f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
@@ -537,7 +537,7 @@ class PackedIterableDataset(IterableDataset):
     def _read_through(self) -> None:
         """A DataLoader worker read its share of the pass through: once all have, the next workers start after it."""
         if get_worker_info() is not None:
-            self._workers.finish_share(self._position.worker_id, self._share())
+            self._ledger.finish_share(self._position.worker_id, self._share())
 
     def _catch_up_with_workers(self) -> None:
         """Stand where the DataLoader workers' latest pass ended, when they read one through from this copy.
@@ -548,7 +548,7 @@ class PackedIterableDataset(IterableDataset):
         """
         if self._loaded and self._restored_in_worker:
             return
-        epoch = self._workers.epoch_read
+        epoch = self._ledger.epoch_read
         if epoch >= self._position.epoch:
             self._position = Position(epoch=epoch, finished=True)
             self._loaded = False
@@ -559,7 +559,7 @@ class PackedIterableDataset(IterableDataset):
         Raises StaleStateError in the training process once DataLoader workers have read this
         dataset: they read copies of it, so its own position would replay what they read.
         """
-        if get_worker_info() is None and self._workers.read_by_workers:
+        if get_worker_info() is None and self._ledger.read_by_workers:
             raise StaleStateError(
                 f"{self.source}: DataLoader workers read this dataset, so its position in the training process is "
                 "not the loader's; save torchdata's StatefulDataLoader.state_dict() instead (exact for any "
@@ -649,13 +649,13 @@ class PackedIterableDataset(IterableDataset):
             self._skip_restoring_pass = True
             return
         if info is not None:
-            self._workers.forget_share(info.id)  # its own state says where the loop stood
+            self._ledger.forget_share(info.id)  # its own state says where the loop stood
         self._move_to(position)
         self._loaded = True
         self._restored_in_worker = info is not None
         self._loader_pass_ended = saved.loader_pass_ended
         if info is None:
-            self._workers.read_by_workers = False  # the position is the loader's again
+            self._ledger.read_by_workers = False  # the position is the loader's again
 
     def _move_to(self, position: Position) -> None:
         """Read from ``position`` next; in the training process, new DataLoader workers start there too."""
@@ -663,7 +663,7 @@ class PackedIterableDataset(IterableDataset):
         self._loaded = False
         self._loader_pass_ended = False
         if get_worker_info() is None:
-            self._workers.forget_passes()
+            self._ledger.forget_passes()
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached plan stays behind; the ledger goes along as WorkerLedger pickles it.
