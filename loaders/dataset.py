@@ -9,7 +9,6 @@ tensors; ``resume`` records where a reader stands. This module ties them togethe
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from loaders.resume import (
 from loaders.shard_reader import Shard, open_build_shard
 from loaders.shuffle import epoch_row_order
 from loaders.verify import checked_shards
+from loaders.worker_ledger import WorkerLedger
 from schemas import Manifest, ManifestError, positive_int
 
 # Shards one shuffle window spans, by default: the window's rows come from about this many shards.
@@ -285,7 +285,9 @@ class PackedIterableDataset(IterableDataset):
     finishes its pass moves on to the next epoch by itself, so persistent workers (which never
     see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order; so do the
     workers a DataLoader starts for each pass, from the training process's copy, which moves on
-    with them (they tell it, in shared memory, which epoch they read through).
+    with them (they tell it, in shared memory, which epoch all of them read through;
+    ``worker_ledger``). A pass through workers broken off before a worker read its share through
+    is refused at the next pass, until ``set_epoch``: which of its batches the loop took is unknown.
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.
@@ -310,7 +312,6 @@ class PackedIterableDataset(IterableDataset):
     that does not fill a batch on every rank. Another build, seed or shuffle is refused.
     """
 
-    _epoch_named: int | None  # the latest set_epoch's argument
     _plan_cache: tuple[tuple[int, int], EpochPlan] | None
 
     def __init__(
@@ -425,13 +426,9 @@ class PackedIterableDataset(IterableDataset):
         self._restored_in_worker = False  # the loaded position is a DataLoader worker's own, given back by torchdata
         self._skip_restoring_pass = False
         self._loader_pass_ended = False  # the loaded state is a StatefulDataLoader's whose pass had run out
-        # Set by a DataLoader worker that reads this dataset, in memory the training process shares: the
-        # training process's own position then is not the loader's (see state_dict).
-        self._read_by_workers: Any = multiprocessing.RawValue("b", 0)
-        # The latest epoch whose pass DataLoader workers read through since this copy's position was set (-1: none),
-        # in the same shared memory: the copies the next workers start from move on from it.
-        self._epoch_read_by_workers: Any = multiprocessing.RawValue("q", -1)
-        self._epoch_named = None
+        # What this copy and its DataLoader workers tell each other (whether they read it, the epoch set_epoch
+        # named, which epoch they read through).
+        self._ledger = WorkerLedger()
         self._plan_cache = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -445,7 +442,8 @@ class PackedIterableDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         self._catch_up_with_workers()
-        self._epoch_named = int(epoch)
+        self._ledger.forget_passes()  # the epoch named is read from this position, also after a broken pass
+        self._ledger.epoch_named = int(epoch)
         if self._loaded and epoch == self._position.epoch:
             return
         if epoch != self._position.epoch or self._position.finished:
@@ -476,15 +474,16 @@ class PackedIterableDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None and self._read_by_workers is not None:
-            self._read_by_workers.value = 1
+        if info is not None:
+            self._ledger.read_by_workers = True
+            self._ledger.join()
         if self._skip_restoring_pass:
             # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
             self._skip_restoring_pass = False
             return iter(())
         self._catch_up_with_workers()
         position = self._position
-        if position.finished and self._loaded and self._epoch_named == position.epoch:
+        if position.finished and self._loaded and self._ledger.epoch_named == position.epoch:
             # The loop names the finished epoch: this pass reads nothing, and stays where the epoch finished.
             done = position.batches_read(len(self._plan(position.epoch, position.start_row)))
             self._position = Position(position.epoch, position.start_row, done, done + worker_id, worker_id, num_workers,
@@ -498,17 +497,35 @@ class PackedIterableDataset(IterableDataset):
         self._loaded = False
         return self._batches(position.epoch, position.start_row, first, num_workers)
 
+    def _share(self) -> tuple[int, int, int]:
+        """This reader's share of its pass, as the ledger names it: (epoch, start_row, num_workers)."""
+        return self._position.epoch, self._position.start_row, self._position.num_workers
+
+    def _start_share(self) -> None:
+        """In a DataLoader worker: mark its share of the pass started in the ledger, or refuse one that an earlier
+        pass started and broke off (see ``WorkerLedger``): which of its batches the loop took is unknown. Called on
+        the first ``next()``, where torch passes a worker's error on to the loop (one in ``iter()`` ends it)."""
+        if get_worker_info() is not None and not self._ledger.start_share(self._position.worker_id, self._share()):
+            epoch = self._position.epoch
+            raise ValueError(
+                f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
+                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass "
+                f"(set_epoch({epoch}) reads epoch {epoch} again), or resume from StatefulDataLoader.state_dict()"
+            )
+
     def _finished_pass(self) -> Iterator[dict[str, torch.Tensor | int]]:
         """The empty pass of a loop that names the finished epoch of a loaded state. The state counts as loaded until
         the pass is run through: torchdata restoring a finished loader makes an iterator it never runs, then the one
         the loop runs, and both must name the finished epoch (or the second would read the next epoch under its
         number). Once run through, a pass without ``set_epoch`` reads the next epoch."""
+        self._start_share()
         self._loaded = False
         self._read_through()
         return
         yield
 
     def _batches(self, epoch: int, start_row: int, first: int, num_workers: int) -> Iterator[dict[str, torch.Tensor | int]]:
+        self._start_share()
         plan = self._plan(epoch, start_row)
         for position in range(first, len(plan), num_workers):
             batch = self._collate(plan.batch_rows(position))
@@ -518,9 +535,9 @@ class PackedIterableDataset(IterableDataset):
         self._read_through()
 
     def _read_through(self) -> None:
-        """A DataLoader worker read its pass of the epoch through: the next workers start after it."""
-        if get_worker_info() is not None and self._epoch_read_by_workers is not None:
-            self._epoch_read_by_workers.value = self._position.epoch
+        """A DataLoader worker read its share of the pass through: once all have, the next workers start after it."""
+        if get_worker_info() is not None:
+            self._ledger.finish_share(self._position.worker_id, self._share())
 
     def _catch_up_with_workers(self) -> None:
         """Stand where the DataLoader workers' latest pass ended, when they read one through from this copy.
@@ -529,9 +546,9 @@ class PackedIterableDataset(IterableDataset):
         where it was; without this, every pass of new workers (or a later ``set_epoch``) would start
         from there again instead of moving to the next epoch. A worker's own restored position is its own.
         """
-        if self._epoch_read_by_workers is None or (self._loaded and self._restored_in_worker):
+        if self._loaded and self._restored_in_worker:
             return
-        epoch = int(self._epoch_read_by_workers.value)
+        epoch = self._ledger.epoch_read
         if epoch >= self._position.epoch:
             self._position = Position(epoch=epoch, finished=True)
             self._loaded = False
@@ -542,7 +559,7 @@ class PackedIterableDataset(IterableDataset):
         Raises StaleStateError in the training process once DataLoader workers have read this
         dataset: they read copies of it, so its own position would replay what they read.
         """
-        if get_worker_info() is None and self._read_by_workers is not None and self._read_by_workers.value:
+        if get_worker_info() is None and self._ledger.read_by_workers:
             raise StaleStateError(
                 f"{self.source}: DataLoader workers read this dataset, so its position in the training process is "
                 "not the loader's; save torchdata's StatefulDataLoader.state_dict() instead (exact for any "
@@ -598,10 +615,12 @@ class PackedIterableDataset(IterableDataset):
         """A rank-level position of this reader's layout where ``saved`` (of another layout) stands in ``rows``.
 
         The rows all ranks had read come first; this reader's batches are cut from the rest. A
-        finished epoch stays finished there: a loop that names it reads nothing more of it.
+        finished epoch stays finished there: a loop that names it reads nothing more of it. A worker's
+        own state, given back by torchdata (even the one worker's), cannot be placed so: torchdata goes
+        on counting the batches of the pass that saved it.
         """
         position = saved.position
-        if position.num_workers > 1:
+        if position.num_workers > 1 or get_worker_info() is not None:
             raise ValueError(
                 f"this state is DataLoader worker {position.worker_id}'s, saved with world_size "
                 f"{saved.layout['world_size']}, batch_rows {saved.layout['batch_rows']} and tokens_per_batch "
@@ -625,36 +644,27 @@ class PackedIterableDataset(IterableDataset):
         loop runs: the worker skips the first and reads the second from where the pass ended, as the
         training process's copy does (the workers' own states were saved before their pass ended).
         """
-        in_worker = get_worker_info() is not None
-        if in_worker and self._loader_pass_ended and position.epoch == self._position.epoch:
+        info = get_worker_info()
+        if info is not None and self._loader_pass_ended and position.epoch == self._position.epoch:
             self._skip_restoring_pass = True
             return
+        if info is not None:
+            self._ledger.forget_share(info.id)  # its own state says where the loop stood
         self._move_to(position)
         self._loaded = True
-        self._restored_in_worker = in_worker
+        self._restored_in_worker = info is not None
         self._loader_pass_ended = saved.loader_pass_ended
-        if not in_worker and self._read_by_workers is not None:
-            self._read_by_workers.value = 0  # the position is the loader's again
+        if info is None:
+            self._ledger.read_by_workers = False  # the position is the loader's again
 
     def _move_to(self, position: Position) -> None:
         """Read from ``position`` next; in the training process, new DataLoader workers start there too."""
         self._position = position
         self._loaded = False
         self._loader_pass_ended = False
-        if get_worker_info() is None and self._epoch_read_by_workers is not None:
-            self._epoch_read_by_workers.value = -1
+        if get_worker_info() is None:
+            self._ledger.forget_passes()
 
     def __getstate__(self) -> dict[str, Any]:
-        # The cached plan stays behind; a copy made otherwise than for a worker is a dataset of its own.
-        state = self.__dict__.copy()
-        state["_plan_cache"] = None
-        if not _spawning_a_process():
-            state["_read_by_workers"] = state["_epoch_read_by_workers"] = None
-        return state
-
-
-def _spawning_a_process() -> bool:
-    """Whether this pickling sends the object to a process being started (shared memory may go along)."""
-    from multiprocessing.context import get_spawning_popen
-
-    return get_spawning_popen() is not None
+        # The cached plan stays behind; the ledger goes along as WorkerLedger pickles it.
+        return {**self.__dict__, "_plan_cache": None}

@@ -295,6 +295,7 @@ def test_the_dataset_state_after_a_dataloader_with_workers_is_refused(build, con
         dataset.state_dict()
     del batches
 
+    dataset.set_epoch(0)  # the pass above was broken off: a new one names its epoch
     stateful = StatefulDataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
     batches = iter(stateful)
     read = [next(batches)["input_ids"] for _ in range(10)]
