@@ -279,3 +279,35 @@ def test_the_issues_examples_pack_with_every_example_checked_equal(tmp_path, cap
     assert main(args) == 0, capsys.readouterr().err
     n = len(rows)
     assert f"{n} examples checked (a seeded sample) against the tokenizer's own tokenization, {n} equal\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["prompt/response", "train on prompt", "text", "prompt head cut"])
+def test_a_loss_mask_the_whole_texts_offsets_contradict_is_caught_naming_the_row(case):
+    """The loss mask of a prompt/response or text example is checked too, against the tokenizer's own character
+    offsets in the whole text: 0 over the BOS and the tokens wholly before the response's first character (none
+    under --train-on-prompt), 1 from there through EOS. The encoder's masks pass; one flipped token is caught."""
+    table = pa.table({"q": ["How old is Tom? " * (12 if case == "prompt head cut" else 1), "What is 2+3?"],
+                      "a": ["Five years old.", "5"]})
+    formats = {
+        "prompt/response": ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE),
+        "train on prompt": ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE,
+                                         train_on_prompt=True),
+        "text": ExampleFormat(ExampleKind.TEXT, ("q",)),
+        "prompt head cut": ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE,
+                                         keep_response=True),
+    }
+    example_format = formats[case]
+    batch, counts = encoded_and_checked(example_format, table, max_len=40, overflow="truncate")
+    assert counts.checked == counts.equal == 2
+    if case == "prompt head cut":
+        assert batch.prompt_cut[0] == 1 and batch.lengths[0] == 40
+    first_trained = int(np.flatnonzero(batch.loss_mask[: batch.lengths[0]])[0])
+    assert (first_trained == 1) == (case in ("train on prompt", "text"))  # after the BOS, or after the prompt
+    batch.loss_mask[first_trained] = 0  # the first trained token of row 0, now untrained
+    checker = TokenChecker(load_tokenizer(), example_format, "error")
+    with pytest.raises(TokenMismatchError, match=f"data.jsonl row 0: .* leaves a completion token untrained at token {first_trained} "):
+        checker.check(table, BatchRows("data.jsonl"), batch, np.ones(2, bool))
+    batch.loss_mask[first_trained] = 1
+    batch.loss_mask[0] = 1  # the BOS, now trained
+    counted = TokenChecker(load_tokenizer(), example_format, "count").check(table, BatchRows("data.jsonl"), batch, np.ones(2, bool))
+    assert (counted.checked, counted.equal) == (2, 1) and "trains a prompt token at token 0" in counted.first_mismatch

@@ -12,6 +12,12 @@ The reference is what the tokenizer alone makes of the example, outside the buil
   as a user and an assistant turn after the ``--system-prompt``, and a system turn merged into the
   first user turn (``system\\n\\nuser``) when the template writes none.
 
+The loss mask of a prompt/response or text example is checked too, where its tokens are equal: 0 over
+the BOS and the whole text's tokens that lie wholly before the response's first character, by the
+tokenizer's own character offsets (a token holding that character is trained; none untrained under
+``--train-on-prompt``; text examples train from their first token), 1 from there through EOS. A chat
+example's mask is left to the chat tests.
+
 The check compares each example as encoding made it, before packing: ``--overflow split`` and
 ``truncate`` cut rows later, so the whole example is compared, and examples ``truncate`` left with
 no trained token are not packed and not checked. Under ``--truncate-side left`` an example whose
@@ -166,11 +172,17 @@ class TokenChecker:
         built, lengths = self.sequences(batch, examples)
         # Each sequence's example: one each, or two for a preference pair (``preference.PairTokenChecker``).
         source_rows = np.repeat(source_rows, lengths.size // examples.size)
+        cut = np.zeros(lengths.size, np.int64)
         if self.format.keep_response and not self.format.is_chat:
+            whole_lengths = reference_lengths
             reference, reference_lengths = self.without_cut_heads(reference, reference_lengths, lengths)
+            cut = whole_lengths - reference_lengths
         differences = first_differences(built, lengths, reference, reference_lengths)
-        # The loss mask is compared where the tokens are equal, and where the reference says where the prompt ends.
+        # The loss mask is compared where the tokens are equal, and where the reference says where the prompt ends
+        # (less the prompt tokens a cut head took, never the prefix).
         untrained_from = self.prompt_lengths(selected_table)
+        if untrained_from is not None:
+            untrained_from = np.maximum(untrained_from - cut, len(self.tokenizer.prefix_ids))
         mask_differences = np.full(lengths.size, -1)
         if untrained_from is not None:
             same = np.flatnonzero(differences < 0)
@@ -204,8 +216,22 @@ class TokenChecker:
 
     def prompt_lengths(self, table: pa.Table) -> np.ndarray | None:
         """For each sequence of the rows of ``table``, where the reference says its prompt ends: its loss mask must
-        be 0 before and 1 from there. None where the check leaves the loss mask to the tests of its kind (SFT)."""
-        return None
+        be 0 before and 1 from there. None where the check leaves the loss mask to the tests of its kind (chat).
+
+        Prompt/response and text: the prefix (the BOS), then the tokens of the whole text, tokenized at once, that
+        lie wholly before the character where the response starts (the tokenizer's own character offsets; 0 for
+        text), none under ``--train-on-prompt``. A token holding the response's first character is trained."""
+        if self.format.is_chat:
+            return None
+        texts, trained_from = self.format.example_kind.render_text(table)
+        before = np.zeros(len(texts), np.int64)
+        if not self.format.train_on_prompt:
+            for i in range(0, len(texts), ENCODE_CHUNK):
+                encodings = self.backend.encode_batch(texts[i : i + ENCODE_CHUNK], add_special_tokens=False)
+                for j, encoding in enumerate(encodings, start=i):
+                    ends = np.array(encoding.offsets, np.int64).reshape(-1, 2)[:, 1]
+                    before[j] = np.count_nonzero(ends <= trained_from[j])
+        return len(self.tokenizer.prefix_ids) + before
 
     def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """The reference tokens of the rows of ``table`` (the format's columns, rows that made examples),
