@@ -1,5 +1,5 @@
-"""Test-wide settings: no test may reach the network. The Quickstart's build, packed once per session; an S3-protocol
-server on 127.0.0.1 for the tests of builds on an object store."""
+"""Test-wide settings: no test may reach the network. The Quickstart's build, packed once per session; the resume tests'
+build of whole examples; an S3-protocol server on 127.0.0.1 for the tests of builds on an object store."""
 
 import json
 import os
@@ -32,6 +32,24 @@ def quickstart(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return cwd, subprocess.run([sys.executable, "-m", "pipeline.pack", "--no-progress"], cwd=cwd, env=env,
                                capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def resume_build(tmp_path_factory):
+    """The build test_resume.py and test_resume_epoch_end.py read (and leave as it is): 60 whole examples (none longer
+    than a row of 32 tokens) of random tokens from a vocabulary of 30,000, so a segment's tokens name its example; 36
+    rows, 5 to a shard (36 is no multiple of 5: a batch of 5 rows drops a tail at the epoch's end)."""
+    import numpy as np
+    from shard_factory import build_shard_dir
+
+    lengths = np.random.default_rng(12).integers(3, 33, 60)
+    return build_shard_dir(tmp_path_factory.mktemp("resume"), lengths, capacity=32, rows_per_shard=5, vocab_size=30000)
+
+
+@pytest.fixture(scope="session")
+def resume_example_of(resume_build) -> dict[tuple[int, ...], int]:
+    """``resume_build``'s example id by the tuple of its tokens."""
+    return {tuple(resume_build.example(i)[0].tolist()): i for i in range(resume_build.lengths.size)}
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,12 @@ CHAT_PAIRS = [
 CHATML = {"chat_template": CHAT_TEMPLATES["chatml"], "special_tokens": ("<|im_start|>", "<|im_end|>")}
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("VARPACK_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """A cache of this module's (not the user's): each tokenizer is converted once for all its tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VARPACK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

@@ -25,17 +25,17 @@ EPOCHS = 3
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    # Whole examples only (none longer than a row), of random tokens: a segment's tokens name its example.
-    lengths = np.random.default_rng(11).integers(3, CAPACITY + 1, 70)
-    return build_shard_dir(tmp_path_factory.mktemp("resume"), lengths, capacity=CAPACITY, rows_per_shard=6,
-                           vocab_size=30000)
+def build(resume_build):
+    """Whole examples only (none longer than a row), of random tokens: a segment's tokens name its example; built once
+    for this module and test_resume_epoch_end.py (conftest.py)."""
+    assert resume_build.manifest.capacity == CAPACITY
+    return resume_build
 
 
 @pytest.fixture(scope="module")
-def example_of(build):
+def example_of(resume_example_of):
     """Example id by the tuple of its tokens."""
-    return {tuple(build.example(i)[0].tolist()): i for i in range(build.lengths.size)}
+    return resume_example_of
 
 
 def read(batch, example_of) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from shard_factory import build_shard_dir
-from test_resume import CAPACITY, EPOCHS, loader_loop, read, uninterrupted
+from test_resume import EPOCHS, loader_loop, read, uninterrupted
 from torch.utils.data import DataLoader
 
 from loaders import PackedIterableDataset, PackedMixture
@@ -29,17 +29,15 @@ SETTINGS = {"batch_rows": 2, "seed": 3}
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    # Whole examples of random tokens, as test_resume.py's: a segment's tokens name its example.
-    lengths = np.random.default_rng(12).integers(3, CAPACITY + 1, 60)
-    return build_shard_dir(tmp_path_factory.mktemp("epoch-end"), lengths, capacity=CAPACITY, rows_per_shard=5,
-                           vocab_size=30000)
+def build(resume_build):
+    """test_resume.py's build (conftest.py): whole examples of random tokens, a segment's tokens name its example."""
+    return resume_build
 
 
 @pytest.fixture(scope="module")
-def example_of(build):
+def example_of(resume_example_of):
     """Example id by the tuple of its tokens."""
-    return {tuple(build.example(i)[0].tolist()): i for i in range(build.lengths.size)}
+    return resume_example_of
 
 
 def saved(state):

@@ -9,6 +9,7 @@ line naming the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -242,6 +244,9 @@ class CuttingProxy:
         except OSError:
             pass
         for end in (source, dest):
+            # shutdown first: a bare close() leaves the peer waiting while the other pump is blocked reading it.
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
             end.close()
 
     def close(self) -> None:
@@ -274,36 +279,44 @@ def client_of(endpoint: str, server: S3Server, monkeypatch) -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+@contextlib.contextmanager
+def behind_a_proxy(server: S3Server, local: Path, bucket: str, monkeypatch, **proxy_options) -> Iterator[tuple[str, CuttingProxy]]:
+    """``local`` uploaded to ``bucket`` of ``server``, and this process's client pointed at an armed CuttingProxy (made
+    with ``proxy_options``) in front of the server, with few, short retries: the upload's URL and the proxy, closed
+    at the end."""
+    url = upload(server, local, bucket)
+    proxy = CuttingProxy(server.endpoint, **proxy_options)
+    try:
+        client_of(proxy.endpoint, server, monkeypatch)
+        proxy.armed = True
+        yield url, proxy
+    finally:
+        proxy.close()
+
+
 def test_a_read_cut_off_by_the_server_going_away_is_retried_and_gives_the_same_batches(s3_server, s3_build, build_copy,
                                                                                         tmp_path, monkeypatch):
     expected = batches(str(build_copy))
-    url = upload(s3_server, build_copy, f"cut-{tmp_path.name[-8:].lower().replace('_', '-')}")
-    proxy = CuttingProxy(s3_server.endpoint, down_s=1.0)
-    try:
-        client_of(proxy.endpoint, s3_server, monkeypatch)
-        proxy.armed = True
+    bucket = f"cut-{tmp_path.name[-8:].lower().replace('_', '-')}"
+    with behind_a_proxy(s3_server, build_copy, bucket, monkeypatch, down_s=1.0) as (url, proxy):
+        monkeypatch.setenv("VARPACK_IO_BACKOFF_S", "0.4")  # pauses of 0.4 s and 0.8 s outlast the 1 s it is away
         started = time.monotonic()
         streamed = batches(url, cache_dir=tmp_path / "cache")
         assert proxy.cuts == 1 and time.monotonic() - started >= 1.0  # it waited for the server to come back
-    finally:
-        proxy.close()
     assert_same(streamed, expected)
 
 
 def test_the_server_stopped_in_the_middle_of_a_read_is_one_line_after_retries_and_leaves_no_copy(build_copy, tmp_path,
                                                                                                  monkeypatch):
     server = start_s3_server()
-    proxy = CuttingProxy(server.endpoint, down_s=float("inf"), on_cut=lambda: stop_s3_server(server))
     try:
-        url = upload(server, build_copy, "stopping")
-        client_of(proxy.endpoint, server, monkeypatch)
-        proxy.armed = True
-        started = time.monotonic()
-        with pytest.raises(StorageError) as raised:
-            batches(url, cache_dir=tmp_path / "cache")
-        elapsed = time.monotonic() - started
+        with behind_a_proxy(server, build_copy, "stopping", monkeypatch, down_s=float("inf"),
+                            on_cut=lambda: stop_s3_server(server)) as (url, proxy):
+            started = time.monotonic()
+            with pytest.raises(StorageError) as raised:
+                batches(url, cache_dir=tmp_path / "cache")
+            elapsed = time.monotonic() - started
     finally:
-        proxy.close()
         stop_s3_server(server)
     message = str(raised.value)
     assert proxy.cuts == 1 and "\n" not in message
@@ -315,18 +328,13 @@ def test_the_server_stopped_in_the_middle_of_a_read_is_one_line_after_retries_an
 
 def test_a_store_that_stalls_in_the_middle_of_a_read_is_retried_then_one_line_within_the_timeouts(s3_server, build_copy,
                                                                                                   tmp_path, monkeypatch):
-    url = upload(s3_server, build_copy, f"stall-{tmp_path.name[-8:].lower().replace('_', '-')}")
-    proxy = CuttingProxy(s3_server.endpoint, down_s=0.0, stall=True)
-    try:
-        client_of(proxy.endpoint, s3_server, monkeypatch)
+    bucket = f"stall-{tmp_path.name[-8:].lower().replace('_', '-')}"
+    with behind_a_proxy(s3_server, build_copy, bucket, monkeypatch, down_s=0.0, stall=True) as (url, proxy):
         monkeypatch.setenv("VARPACK_IO_TIMEOUT_S", "1")
-        proxy.armed = True
         started = time.monotonic()
         with pytest.raises(StorageError) as raised:
             batches(url, cache_dir=tmp_path / "cache")
         elapsed = time.monotonic() - started
-    finally:
-        proxy.close()
     message = str(raised.value)
     assert proxy.cuts == 3 and "\n" not in message  # each of the 3 tries stalled
     assert "could not be read after 3 tries (timed out: the store sent nothing for the read timeout, " \

@@ -165,10 +165,16 @@ def test_a_bare_sentencepiece_model_adds_the_bos_it_reports(sentencepiece_model)
 
 
 @pytest.fixture(scope="module")
-def gguf_tokenizers(tmp_path_factory):
-    """The GGUF_VOCABS files as load_tokenizer converts them, each once, into a cache of this module's."""
+def gguf_cache(tmp_path_factory) -> Path:
+    """The cache of this module's GGUF conversions (``$VARPACK_CACHE_DIR``), filled by ``gguf_tokenizers``."""
+    return tmp_path_factory.mktemp("gguf-cache")
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizers(gguf_cache):
+    """The GGUF_VOCABS files as load_tokenizer converts them, each once, into ``gguf_cache``."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VARPACK_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+        patch.setenv("VARPACK_CACHE_DIR", str(gguf_cache))
         yield {name: load_tokenizer(str(LLAMA_CPP_VOCAB / f"ggml-vocab-{name}.gguf")) for name in GGUF_VOCABS}
 
 
@@ -209,7 +215,10 @@ def test_a_gguf_conversion_with_other_bos_eos_or_vocabulary_size_is_refused_nami
             changed.check_ids(path, gguf_tokenizers["deepseek-coder"])
 
 
-def test_a_gguf_conversion_that_does_not_reproduce_its_reference_is_refused_naming_the_file(tmp_path, capsys):
+def test_a_gguf_conversion_that_does_not_reproduce_its_reference_is_refused_naming_the_file(gguf_tokenizers, gguf_cache,
+                                                                                            tmp_path, monkeypatch, capsys):
+    """Refused when converted, and when the conversion of the same content is already cached (the reference files may
+    have appeared since): the pack command then stops in one line naming the file."""
     vocab = tmp_path / "ggml-vocab-starcoder.gguf"
     shutil.copyfile(LLAMA_CPP_VOCAB / vocab.name, vocab)
     shutil.copyfile(LLAMA_CPP_VOCAB / f"{vocab.name}.inp", f"{vocab}.inp")
@@ -219,15 +228,20 @@ def test_a_gguf_conversion_that_does_not_reproduce_its_reference_is_refused_nami
     with pytest.raises(InputError, match=rf"tokenizer {vocab}: its conversion does not reproduce llama.cpp's tokenization of 1 of"):
         load_tokenizer(str(vocab))
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(gguf_cache))  # holds StarCoder's conversion, made by gguf_tokenizers
     assert main(["--dataset", str(tmp_path / "data.jsonl"), "--tokenizer", str(vocab), "--no-progress"]) == 1
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"varpack: error: tokenizer {vocab}: ") and "\n" not in error
+    assert "its conversion does not reproduce llama.cpp's tokenization of 1 of" in error
 
 
-def test_a_gguf_tokenizer_is_converted_once_and_cached_by_content(tmp_path, monkeypatch):
-    """A second load, of the same file under another name, reads the cached conversion: transformers is not called."""
-    first = load_tokenizer(str(LLAMA_CPP_VOCAB / "ggml-vocab-deepseek-coder.gguf"))
-    (cached,) = (tmp_path / "cache" / "tokenizers").iterdir()
+def test_a_gguf_tokenizer_is_converted_once_and_cached_by_content(gguf_tokenizers, gguf_cache, tmp_path, monkeypatch):
+    """Each file's load converted it into one cache entry; a second load, of the same file under another name, reads
+    the cached conversion: transformers is not called."""
+    monkeypatch.setenv("VARPACK_CACHE_DIR", str(gguf_cache))
+    first = gguf_tokenizers["deepseek-coder"]
+    cached = sorted(p.name for p in (gguf_cache / "tokenizers").iterdir())
+    assert len(cached) == len(GGUF_VOCABS)
     copy = tmp_path / "model.gguf"
     shutil.copyfile(LLAMA_CPP_VOCAB / "ggml-vocab-deepseek-coder.gguf", copy)
 
@@ -236,4 +250,4 @@ def test_a_gguf_tokenizer_is_converted_once_and_cached_by_content(tmp_path, monk
 
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", refuse)
     again = load_tokenizer(str(copy))
-    assert again.content_hash == first.content_hash and [p.name for p in (tmp_path / "cache" / "tokenizers").iterdir()] == [cached.name]
+    assert again.content_hash == first.content_hash and sorted(p.name for p in (gguf_cache / "tokenizers").iterdir()) == cached
