@@ -54,10 +54,22 @@ def unpacked_losses(model, shards) -> np.ndarray:
     return np.array(losses)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa_segments"])
-def test_packed_evaluation_equals_unpacked_examples(shards, backend):
+@pytest.mark.parametrize(("backend", "head"), [("sdpa", "loss positions"), ("sdpa_segments", "loss positions"),
+                                             ("sdpa_segments", "every token")])
+def test_packed_evaluation_equals_unpacked_examples(shards, backend, head, monkeypatch):
+    """The LM head runs at the labelled positions only where the loss-position head applies, over every token
+    of a model it cannot serve (a logit modifier in its config); both equal each example run alone."""
+    from loaders.train import loss_head
+
     model = tiny_llama(backend)
+    logits_of_every_token = []
+    original = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: logits_of_every_token.append(x.shape[1]) or original(x))
+    if head == "every token":
+        monkeypatch.setattr(loss_head, "LOGIT_MODIFIERS", ("varpack_test_modifier",))
+        model.config.varpack_test_modifier = 2.0  # refused by check_supported; llama's forward does not apply it
     result = evaluate_packed(model, shards.path, batch_rows=3)
+    assert bool(logits_of_every_token) == (head == "every token")  # the model's own LM head over [1, T]
     assert result.example_ids.tolist() == list(range(NUM_EXAMPLES))  # every example, in source order
     expected = unpacked_losses(model, shards)
     np.testing.assert_allclose(result.example_loss, expected, rtol=1e-5)

@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -104,8 +105,27 @@ def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 
             yield collate_rows([(shard, i) for i in rows]), examples
 
 
+def batch_sequence_losses(model: torch.nn.Module, inputs: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed fp32 cross-entropy and target count of each packed sequence of one batch.
+
+    Where the loss-position head applies (``loss_head.check_supported``), the LM head runs at the labelled
+    positions only, chunk by chunk, as in training: no ``[tokens, vocab]`` logits; otherwise over every token."""
+    lm = loss_head.causal_lm(model)
+    try:
+        loss_head.check_supported(lm)
+    except ValueError:
+        return sequence_losses(model(**inputs).logits, batch["labels"], batch["cu_seq_lens_q"])
+    hidden = cast(torch.nn.Module, lm.base_model)(**inputs)[0]
+    labels = batch["labels"].to(hidden.device)
+    _, by_sequence = loss_head.loss_position_loss(lm, hidden, labels, num_loss_tokens=batch[NUM_LOSS_TOKENS],
+                                                  per_sequence=True, cu_seqlens=batch["cu_seq_lens_q"])
+    loss, count = cast(torch.Tensor, by_sequence).double().cpu()
+    return loss, count
+
+
 def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed fp32 cross-entropy and target count of each packed sequence of one batch ([1, T] labels)."""
+    """Summed fp32 cross-entropy and target count of each packed sequence of one batch ([1, T] labels), from the
+    logits of every token."""
     targets = labels[0, 1:].to(logits.device)
     per_token = F.cross_entropy(logits[0, :-1].float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
     positions = torch.arange(targets.numel(), device=per_token.device)
@@ -131,8 +151,7 @@ def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batc
             for batch, examples in packed_batches(source, batch_rows, rank, world):
                 inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
                           if k not in ("labels", NUM_REAL_TOKENS, NUM_LOSS_TOKENS)}
-                logits = model(**inputs).logits
-                loss, count = sequence_losses(logits, batch["labels"], batch["cu_seq_lens_q"])
+                loss, count = batch_sequence_losses(model, inputs, batch)
                 example_chunks.append(examples)
                 loss_chunks.append(loss.numpy())
                 count_chunks.append(count.numpy())
