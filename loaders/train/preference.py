@@ -323,7 +323,7 @@ def write_reference_log_probs(model: torch.nn.Module, build: str | os.PathLike[s
     The file (``reference_path``; in the build's local directory by default, else in ``directory``) is an Arrow table of ``pair_id``,
     ``chosen`` and ``rejected`` whose metadata holds the build's fingerprint and the model's identity;
     it is written atomically. ``model`` must have the loss-position head. Returns the path. A ``directory`` that does
-    not exist (FileNotFoundError) or is no directory (NotADirectoryError) is refused before the build is read.
+    not exist (FileNotFoundError) or is no directory (NotADirectoryError) is refused before any pair is computed.
     """
     # One row a batch, one rank, in order: every row is read once.
     dataset = PackedIterableDataset(build, batch_rows=1, shuffle=False, rank=0, world_size=1)
