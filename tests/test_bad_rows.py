@@ -172,6 +172,23 @@ def test_lines_that_are_not_objects_are_bad_rows(tmp_path, capsys):
     assert [r["where"] for r in records] == [f"{path} line {n}" for n in (1, 5, 6, 12)]
 
 
+def test_a_line_that_is_not_an_object_is_listed_as_the_source_holds_it(tmp_path, capsys):
+    """``rejected.jsonl`` carries a line that is valid JSON but no object as read, not as the row of nulls Arrow makes of it."""
+    good = [json.dumps({"prompt": f"Question {i}?", "response": f"Answer {i}."}) for i in range(8)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join([*good[:4], "[1, 2]", '"text"', *good[4:], "3", "null", '{"prompt": null, "response": "A."}']) + "\n")
+    out = tmp_path / "out"
+    assert main(["--dataset", str(path), "--out", str(out), "--on-bad-row", "skip", "--max-bad-rows", "5", "--no-progress"]) == 0
+    (build_dir,) = out.iterdir()
+    records = [json.loads(line) for line in (build_dir / REJECTED_NAME).read_text().splitlines()]
+    assert [(r["where"], r["reason"], r["row"]) for r in records] == [
+        (f"{path} line 5", "not_an_object", [1, 2]),
+        (f"{path} line 6", "not_an_object", "text"),
+        (f"{path} line 11", "not_an_object", 3),
+        (f"{path} line 12", "not_an_object", None),
+        (f"{path} line 13", "null", {"prompt": None, "response": "A."}),
+    ]
+
 def test_dangling_sharegpt_turns_are_dropped_and_counted_by_default(tmp_path, capsys):
     """ShareGPT conversations split from longer ones start with the assistant or end with the user: FastChat and
     axolotl drop those turns, and so does a default build, saying how many; --keep-dangling-turns refuses them."""

@@ -199,6 +199,31 @@ def test_an_eval_build_of_another_tokenizer_is_refused_in_one_line(shards, tmp_p
         trainer.evaluate(held_out)
 
 
+@pytest.mark.parametrize("kind", ["hf", "sft"])
+def test_each_eval_build_of_a_dict_is_evaluated_packed_under_its_name(shards, tmp_path, kind):
+    """A dict eval_dataset, the trainer's or passed to evaluate(), went the stock Trainer path: each build is now
+    evaluated as it is alone, under the Trainer's own per-key prefix; an entry of another tokenizer refuses the
+    whole dict before any is evaluated."""
+    from loaders.train.evaluate import evaluate_packed
+
+    if kind == "sft":
+        pytest.importorskip("trl")
+    other = build_shard_dir(tmp_path / "other", [20, 30, 40, 12, 7], capacity=CAPACITY, vocab_size=VOCAB).path
+    builds = {"a": PackedIterableDataset(shards, batch_rows=2), "b": PackedIterableDataset(other, batch_rows=1)}
+    trainer = make_trainer(kind, shards, tmp_path / "run", eval_dataset=builds)
+    for metrics in (trainer.evaluate(), trainer.evaluate(builds)):
+        for name, build in (("a", shards), ("b", other)):
+            summary = evaluate_packed(trainer.model, build).summary
+            assert metrics[f"eval_{name}_loss"] == pytest.approx(summary["mean_token_loss"], rel=1e-6)
+            assert metrics[f"eval_{name}_mean_example_loss"] == pytest.approx(summary["mean_example_loss"], rel=1e-6)
+            assert metrics[f"eval_{name}_perplexity"] == pytest.approx(summary["token_perplexity"], rel=1e-6)
+    assert trainer.evaluate("b")["eval_loss"] == pytest.approx(metrics["eval_b_loss"], rel=1e-6)
+    logged = len(trainer.state.log_history)
+    mismatched = build_shard_dir(tmp_path / "mismatched", [20, 30], capacity=CAPACITY, vocab_size=2 * VOCAB).path
+    with pytest.raises(ValueError, match=r"^the eval build .*mismatched and the training build .* were tokenized differently"):
+        trainer.evaluate({"a": builds["a"], "mismatched": PackedIterableDataset(mismatched, batch_rows=1)})
+    assert len(trainer.state.log_history) == logged
+
 def test_the_dataset_must_know_the_ranks(shards, tmp_path):
     from loaders.train.hf_trainer import PackedTrainer
 

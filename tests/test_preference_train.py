@@ -407,6 +407,20 @@ def test_stored_reference_equals_the_frozen_model_and_names_its_build(build, tmp
         ReferenceLogProbs(written, fingerprint, reference_identity(policy))
 
 
+def test_storing_the_reference_into_a_missing_directory_says_it_does_not_exist(build, tmp_path):
+    """A missing directory was reported as a write error telling the user to free some space."""
+    _, path = build
+    before = sorted(p.name for p in path.iterdir())
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(missing))}: no such directory to store the reference "
+                                                r"log-probs in; make it or give another$"):
+        write_reference_log_probs(use_loss_position_head(tiny_llama()), path, directory=missing)
+    (tmp_path / "a-file").write_text("kept\n")
+    with pytest.raises(NotADirectoryError, match=rf"^{re.escape(str(tmp_path / 'a-file'))}: not a directory"):
+        write_reference_log_probs(use_loss_position_head(tiny_llama()), path, directory=tmp_path / "a-file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and (tmp_path / "a-file").read_text() == "kept\n"
+    assert sorted(p.name for p in path.iterdir()) == before
+
 # ---- the trainer ------------------------------------------------------------------------------
 
 

@@ -533,6 +533,15 @@ def test_random_init_settings_that_cannot_work_are_refused(shards, tmp_path, spe
     assert not list((tmp_path / "run").glob("*checkpoint-*"))
 
 
+@pytest.mark.parametrize(("name", "close"), [("nosuchtype", "no model type is close to it"), ("lamma", "close model types: llama, ")])
+def test_random_init_of_a_name_that_is_no_model_type_says_so_offline(shards, tmp_path, name, close):
+    """Offline, a --random-init name that is no model type ended in a message about connecting to the Hub."""
+    message = refused(load_script().main, ["--shards", str(shards), "--random-init", f"{name}:hidden_size=32", "--attn",
+                                           "sdpa", "--out", str(tmp_path / "run")])
+    assert message.startswith(f"--random-init {name}:hidden_size=32: {name} is neither a transformers model type nor a "
+                              f"local directory or a Hub id found offline (HF_HUB_OFFLINE=1); {close}"), message
+    assert not list((tmp_path / "run").glob("*checkpoint-*"))
+
 def test_a_forged_training_or_loader_state_is_refused(shards, tmp_path):
     """A training state whose step is not the checkpoint's (-3, far beyond, True, 2.9) or whose optimizer moments
     have another shape than the parameters (a traceback at the first step), and a loader state that says it finished

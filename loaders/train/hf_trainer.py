@@ -229,8 +229,16 @@ class PackedTrainerMixin(_TrainerBase):
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """On a PackedIterableDataset: ``evaluate_packed`` over all its rows (exact token and example means)."""
+        """On a PackedIterableDataset: ``evaluate_packed`` over all its rows (exact token and example means). A dict
+        evaluates each entry so, under Trainer's prefix ``eval_NAME``; a name, the trainer's entry of that name."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):  # as Trainer.get_eval_dataloader reads one
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, dict):  # each entry here, not through Trainer.evaluate, which would take the stock path
+            for each in dataset.values():  # every entry checked before any is evaluated
+                _check_eval_tokenizer(each, self.packed_dataset)
+            return {key: value for name, each in dataset.items()
+                    for key, value in self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}").items()}
         if not isinstance(dataset, PackedIterableDataset):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         _check_eval_tokenizer(dataset, self.packed_dataset)

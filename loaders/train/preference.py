@@ -322,7 +322,8 @@ def write_reference_log_probs(model: torch.nn.Module, build: str | os.PathLike[s
 
     The file (``reference_path``; in the build's local directory by default, else in ``directory``) is an Arrow table of ``pair_id``,
     ``chosen`` and ``rejected`` whose metadata holds the build's fingerprint and the model's identity;
-    it is written atomically. ``model`` must have the loss-position head. Returns the path.
+    it is written atomically. ``model`` must have the loss-position head. Returns the path. A ``directory`` that does
+    not exist (FileNotFoundError) or is no directory (NotADirectoryError) is refused before any pair is computed.
     """
     # One row a batch, one rank, in order: every row is read once.
     dataset = PackedIterableDataset(build, batch_rows=1, shuffle=False, rank=0, world_size=1)
@@ -330,6 +331,10 @@ def write_reference_log_probs(model: torch.nn.Module, build: str | os.PathLike[s
         if not Path(build).exists():
             raise ValueError(f"{build}: not a local build; give the directory to store the reference log-probs in")
         directory = build if Path(build).is_dir() else Path(build).parent
+    elif not Path(directory).exists():  # before the pass over the build, which may take long
+        raise FileNotFoundError(f"{directory}: no such directory to store the reference log-probs in; make it or give another")
+    elif not Path(directory).is_dir():
+        raise NotADirectoryError(f"{directory}: not a directory; give the directory to store the reference log-probs in")
     if dataset.manifest.preference_layout is None:
         raise ValueError(f"{build}: not a build of preference pairs (pack it with --format preference)")
     if dataset.manifest.preference_layout == PreferenceLayout.SHARED_PROMPT:

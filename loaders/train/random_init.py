@@ -22,6 +22,8 @@ import torch
 
 # The kinds an override must have, by the kind of the config's default, and how a message names each.
 _KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"))
+# Model types a message names when none is close to a name that is no model type.
+_COMMON_TYPES = "llama, mistral, qwen2, qwen3, gemma2, gpt2"
 
 
 class ConfigSpecError(ValueError):
@@ -98,7 +100,7 @@ def random_init_model(spec: str, vocab_size: int, attn_implementation: str, seed
 
     name, overrides = parse_config_spec(spec)
     model_type = name in CONFIG_MAPPING
-    defaults = CONFIG_MAPPING[name]() if model_type else AutoConfig.from_pretrained(name)
+    defaults = CONFIG_MAPPING[name]() if model_type else _named_config(spec, name)
     check_config_overrides(spec, defaults, overrides)
     torch.manual_seed(seed)
     try:
@@ -110,3 +112,21 @@ def random_init_model(spec: str, vocab_size: int, attn_implementation: str, seed
     except (StrictDataclassError, RuntimeError) as err:  # the config's own checks, or a size torch refuses
         reason = [line.strip() for line in str(err).splitlines() if line.strip()][-1:] or [type(err).__name__]
         raise ConfigSpecError(f"{spec}: no model can be built from it ({reason[0]})") from None
+
+
+def _named_config(spec: str, name: str) -> Any:
+    """The config of the directory or Hub id ``name``; a ConfigSpecError naming the model types close to it when
+    there is none (offline, transformers only says it could not connect to the Hub)."""
+    from huggingface_hub import constants
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError as err:
+        close = difflib.get_close_matches(name, list(CONFIG_MAPPING), n=3)
+        hint = f"close model types: {', '.join(close)}" if close else f"no model type is close to it (such as {_COMMON_TYPES})"
+        if constants.HF_HUB_OFFLINE:
+            found = "a local directory or a Hub id found offline (HF_HUB_OFFLINE=1)"
+        else:
+            found = f"a local directory or a Hub id whose config could be read ({str(err).strip().splitlines()[0]})"
+        raise ConfigSpecError(f"{spec}: {name} is neither a transformers model type nor {found}; {hint}") from None

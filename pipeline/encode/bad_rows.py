@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from pipeline import storage
 from pipeline.errors import InputError
@@ -70,12 +69,13 @@ class RowProblem(Exception):
 
 @dataclass(frozen=True)
 class BadRow:
-    """One bad row: where the user finds it, why it is bad, and its values."""
+    """One bad row: where the user finds it, why it is bad, and its values (a JSON line that is not an object: the
+    value it holds)."""
 
     where: str
     reason: Reason
     message: str
-    row: dict[str, Any]
+    row: object
 
     @property
     def is_bad(self) -> bool:

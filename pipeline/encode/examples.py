@@ -388,9 +388,11 @@ class Encoder:
             if bad:
                 raise bad[0].error()
         messages = self.kind.messages_columns
-        values = [
-            {column: as_read(value) if column in messages else value for column, value in row.items()}
-            for row in table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        values: list[object] = [
+            # A JSON line that is not an object is listed as its line holds it, not as the row of nulls Arrow reads.
+            rows.as_read(source_rows[i]) if problems[i][0] == Reason.NOT_AN_OBJECT
+            else {column: as_read(value) if column in messages else value for column, value in row.items()}
+            for i, row in zip(indices, table.take(pa.array(indices, type=pa.int64())).to_pylist())
         ]
         names = rows.names(source_rows[indices])
         bad_rows = [BadRow(where, *problems[i], row) for i, where, row in zip(indices, names, values)]

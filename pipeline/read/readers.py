@@ -68,8 +68,9 @@ class BatchRows:
     origin: str
     first_row: int = 0
     line_numbers: Callable[[], np.ndarray] | None = None
-    # JSON lines: which records (counted as ``line_numbers`` counts them) are lines that are not objects, read as null rows.
-    not_objects: Callable[[], np.ndarray] | None = None
+    # JSON lines: the records (counted as ``line_numbers`` counts them) that are lines that are not objects, read as
+    # null rows, each with the value its line holds.
+    not_objects: Callable[[], dict[int, object]] | None = None
 
     def names(self, rows: Sequence[int]) -> list[str]:
         """``FILE line N`` or ``FILE row N`` for each of the batch's ``rows``."""
@@ -86,7 +87,13 @@ class BatchRows:
         """Whether each of the batch's ``rows`` is a JSON line that is not an object (always False for other formats)."""
         if self.not_objects is None:
             return np.zeros(len(rows), dtype=bool)
-        return np.isin(self.first_row + np.asarray(rows), self.not_objects())
+        return np.isin(self.first_row + np.asarray(rows), np.fromiter(self.not_objects(), dtype=np.int64))
+
+    def as_read(self, row: int) -> object:
+        """The value a JSON line that is not an object holds (``[1, 2]``, ``"text"``, ``None``), for one of the batch's
+        rows that ``not_an_object`` finds."""
+        assert self.not_objects is not None
+        return self.not_objects()[self.first_row + int(row)]
 
 
 def _records(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -281,9 +288,12 @@ def _task_lines(task: FileTask) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=2)
-def _task_not_objects(task: FileTask) -> np.ndarray:
-    """The records of a JSON-lines task that are not objects: found again only when a row reads as all nulls."""
-    return not_object_records(task._bytes())
+def _task_not_objects(task: FileTask) -> dict[int, object]:
+    """The records of a JSON-lines task that are not objects, each with its value: found again only when a row reads
+    as all nulls."""
+    data = task._bytes()
+    _, firsts, ends = _records(data)
+    return {record: json.loads(data[firsts[record] : ends[record]]) for record in not_object_records(data).tolist()}
 
 
 def _read_arrow(path: str) -> pa.Table:
