@@ -48,8 +48,9 @@ from loaders import PackedIterableDataset, PackedMixture, load_mixture_file  # n
 from loaders.loss_weights import LossReduction, batch_normalizer  # noqa: E402
 from loaders.train import preference  # noqa: E402
 from loaders.train.attention import attn_implementation_for  # noqa: E402
-from loaders.train.checkpoint import (checkpoint_to_resume, refuse_earlier_run, resumable_checkpoint,  # noqa: E402
-                                      resume_plain_run, save_training_state, training_state, writing_checkpoint)
+from loaders.train.checkpoint import (checkpoint_to_resume, refuse_earlier_run, refuse_other_weights_dtype,  # noqa: E402
+                                      resumable_checkpoint, resume_plain_run, save_training_state, training_state,
+                                      writing_checkpoint)
 from loaders.train.distributed import data_parallel, finish_distributed_run, init_distributed, world_size  # noqa: E402
 from loaders.train.loss_head import SEQUENCE_LOSSES, frozen_copy, use_loss_position_head  # noqa: E402
 from loaders.train.models import check_trained_tokens, for_packed_training, load_causal_lm, model_inputs  # noqa: E402
@@ -262,6 +263,8 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
     out.mkdir(parents=True, exist_ok=True)
     announce_mixture(dataset)
     checkpoint = checkpoint_to_resume(out, rank, lambda line: print(json.dumps(line), flush=True)) if config.resume else None
+    if checkpoint is not None:
+        refuse_other_weights_dtype(checkpoint, weights_dtype(config), f"--precision {config.precision}")
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device).train()
     speed = speed_options(config)
     speed.apply(model)
@@ -343,7 +346,10 @@ def train_hf(config: TrainConfig) -> None:
         trainer = PackedDPOTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,
                                    preference_config=objective, reference_log_probs=config.reference_log_probs or None)
     out.mkdir(parents=True, exist_ok=True)  # after the checks of a preference run, which leave no --out behind
-    trainer.train(resume_from_checkpoint=True if config.resume and resumable_checkpoint(out, world_size()) else None)
+    checkpoint = resumable_checkpoint(out, world_size()) if config.resume else None
+    if checkpoint is not None:
+        refuse_other_weights_dtype(checkpoint, weights_dtype(config), f"--precision {config.precision}")
+    trainer.train(resume_from_checkpoint=True if checkpoint is not None else None)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -76,11 +76,21 @@ def test_bf16_weights_keep_weights_and_adamw_state_in_bf16_and_resume_exactly(sh
     state = torch.load(optimizer, weights_only=True)
     state = (state if trainer == "hf" else state["optimizer"])["state"]
     assert {moments[name].dtype for moments in state.values() for name in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    for precision in ("bf16", "fp32"):  # fp32 weights would silently take over from the bf16 ones
+        with pytest.raises(SystemExit, match=f"holds bfloat16 weights, but --precision {precision} trains float32 ones"):
+            main([*common, "--precision", precision, "--out", str(tmp_path / "resumed"), "--max-steps", "4", "--resume"])
+    assert losses(tmp_path / "resumed").keys() == {1, 2}
     main([*bf16, "--out", str(tmp_path / "resumed"), "--max-steps", "4", "--save-every", "2", "--resume"])
-    main([*common, "--precision", "fp32", "--out", str(tmp_path / "fp32"), "--max-steps", "4"])
+    main([*common, "--precision", "fp32", "--out", str(tmp_path / "fp32"), "--max-steps", "4", "--save-every", "2"])
+    with pytest.raises(SystemExit, match="holds float32 weights, but --precision bf16-weights trains bfloat16 ones"):
+        main([*bf16, "--out", str(tmp_path / "fp32"), "--max-steps", "6", "--resume"])
     straight, resumed, fp32 = losses(tmp_path / "straight"), losses(tmp_path / "resumed"), losses(tmp_path / "fp32")
     assert [resumed[step] for step in (3, 4)] == [straight[step] for step in (3, 4)]
     assert straight[4] != fp32[4]
+    other_loop = "plain" if trainer == "hf" else "hf"  # both loops take the same steps (fused AdamW in both)
+    main([*common, "--precision", "bf16-weights", "--trainer", other_loop, "--out", str(tmp_path / other_loop),
+          "--max-steps", "4"])
+    assert losses(tmp_path / other_loop) == pytest.approx(straight, rel=1e-6)
 
 
 def test_sequence_loss_reduction_trains_alike_in_both_loops(shards, tmp_path, capsys):

@@ -235,6 +235,31 @@ def remove_partial_checkpoints(out: Path) -> list[Path]:
 # ---- the plain loop's checkpoints: a run's output directory, saving, resuming --------------------
 
 
+# safetensors' dtype names of the weights a checkpoint may hold.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def refuse_other_weights_dtype(checkpoint: Path, dtype: torch.dtype, setting: str) -> None:
+    """Refuse to resume ``checkpoint`` when its floating-point weights are not ``dtype``, the dtype the run trains
+    in (``setting``, the option that chose it): a resume would silently round fp32 weights and optimizer state to
+    bf16, or go on in fp32 from a bf16 run."""
+    from safetensors import SafetensorError, safe_open
+
+    path = next(iter(sorted(checkpoint.glob("*.safetensors"))), None)
+    if path is None:
+        return
+    try:
+        with safe_open(str(path), "pt") as weights:
+            stored = {_SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype()) for name in weights.keys()} - {None, dtype}
+    except SafetensorError:
+        return  # unreadable: loading the weights names the file
+    if stored:
+        found = ", ".join(sorted(str(other).removeprefix("torch.") for other in stored))
+        raise CheckpointError(f"--resume: {path} holds {found} weights, but {setting} trains "
+                              f"{str(dtype).removeprefix('torch.')} ones; resume with the precision the run began with, "
+                              "or give another --out")
+
+
 def refuse_earlier_run(out: Path, resume: bool) -> None:
     """Refuse a new run (``resume`` False) into an ``out`` that holds another run's checkpoints: a later resume would
     continue from whichever is newest, of either run."""

@@ -1,6 +1,7 @@
 """The optimizer step of a training loop, one for ``scripts/train.py`` and ``scripts/bench_train.py``.
 
-AdamW over the trained parameters, fused on CUDA; for the whole-step CUDA graph
+AdamW over the trained parameters, fused (on CUDA and on CPU, as the Hugging Face Trainer's default
+``adamw_torch_fused``, so both loops take the same steps); for the whole-step CUDA graph
 (``loaders.train.step_graph``) capturable, with its learning rate a tensor on the GPU that the
 scheduler fills, so the captured steps see the schedule::
 
@@ -21,7 +22,7 @@ from loaders.train.models import linear_warmup
 
 def make_adamw(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device: torch.device,
                step_graph: bool = False) -> torch.optim.AdamW:
-    """AdamW over the parameters that require gradients (LoRA's adapters alone, say); fused on CUDA.
+    """AdamW over the parameters that require gradients (LoRA's adapters alone, say); fused on CUDA and CPU.
 
     ``step_graph``: capturable, with the learning rate a tensor on ``device``, as ``GraphedStep`` needs.
     """
@@ -29,7 +30,7 @@ def make_adamw(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay
     if step_graph:
         return torch.optim.AdamW(trained, lr=torch.tensor(lr, device=device), weight_decay=weight_decay, fused=True,
                                  capturable=True)
-    return torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
+    return torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=device.type in ("cuda", "cpu"))
 
 
 def adamw_with_warmup(parameters: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, warmup_steps: int,
