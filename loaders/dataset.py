@@ -23,6 +23,7 @@ from loaders.loss_weights import LossReduction, add_loss_weights, make_loss_weig
 from loaders.partition import EpochPlan, max_rows_per_batch, max_segments_per_batch, plan_epoch, resolve_rank
 from loaders.remote import locate
 from loaders.resume import (
+    MAX_COUNT,
     Position,
     SavedState,
     StaleStateError,
@@ -439,8 +440,8 @@ class PackedIterableDataset(IterableDataset):
         ``set_epoch`` starts the next epoch, as in the run that saved the state. Without
         ``set_epoch`` the next pass is the next epoch.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch < MAX_COUNT:
+            raise ValueError(f"epoch must be an integer from 0 to 2**53 - 1 (what a state holds), got {epoch!r}")
         self._catch_up_with_workers()
         self._ledger.forget_passes()  # the epoch named is read from this position, also after a broken pass
         self._ledger.epoch_named = int(epoch)
@@ -491,6 +492,8 @@ class PackedIterableDataset(IterableDataset):
             return self._finished_pass()
         if position.finished and (position.num_workers == 1 or not self._loaded):
             position = Position(epoch=position.epoch + 1)
+        if info is None and self._ledger.broken_off((position.epoch, position.start_row), None):
+            raise ValueError(self._broken_pass_message(position.epoch))
         pass_start, first = position.first_batch(worker_id, num_workers, self._loaded and self._restored_in_worker)
         # Set the position now, not on the first next(): torchdata reads the state right after iter().
         self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
@@ -506,12 +509,13 @@ class PackedIterableDataset(IterableDataset):
         pass started and broke off (see ``WorkerLedger``): which of its batches the loop took is unknown. Called on
         the first ``next()``, where torch passes a worker's error on to the loop (one in ``iter()`` ends it)."""
         if get_worker_info() is not None and not self._ledger.start_share(self._position.worker_id, self._share()):
-            epoch = self._position.epoch
-            raise ValueError(
-                f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
-                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass "
-                f"(set_epoch({epoch}) reads epoch {epoch} again), or resume from StatefulDataLoader.state_dict()"
-            )
+            raise ValueError(self._broken_pass_message(self._position.epoch))
+
+    def _broken_pass_message(self, epoch: int) -> str:
+        return (f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
+                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass and "
+                f"make a new DataLoader (set_epoch({epoch}) reads epoch {epoch} again; persistent workers keep their own "
+                "place), or resume with loader.load_state_dict(state) from StatefulDataLoader.state_dict()")
 
     def _finished_pass(self) -> Iterator[dict[str, torch.Tensor | int]]:
         """The empty pass of a loop that names the finished epoch of a loaded state. The state counts as loaded until

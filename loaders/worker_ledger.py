@@ -95,10 +95,20 @@ class WorkerLedger:
         slot = self._slot(worker_id, share[2])
         if self._values[GENERATION] != self._generation:
             return True
-        if tuple(self._values[slot : slot + SHARE_FIELDS]) == (*share, STARTED):
+        if tuple(self._values[slot : slot + SHARE_FIELDS]) == (*share, STARTED) or self.broken_off(share[:2], share[2]):
             return False
         self._values[slot : slot + SHARE_FIELDS] = [*share, STARTED]
         return True
+
+    def broken_off(self, epoch_and_row: tuple[int, int], num_workers: int | None) -> bool:
+        """Whether a pass of another number of workers than ``num_workers`` (of any, for None: the training process
+        about to read the dataset itself) started a share of this epoch, from this start row, and did not finish it.
+        The slots of a pass of this many workers are its own: a worker of it may have marked its share already."""
+        for slot in range(SHARES, len(self._values), SHARE_FIELDS):
+            epoch, start_row, workers, state = self._values[slot : slot + SHARE_FIELDS]
+            if state == STARTED and (epoch, start_row) == epoch_and_row and workers != num_workers:
+                return True
+        return False
 
     def finish_share(self, worker_id: int, share: tuple[int, int, int]) -> None:
         """Mark the share finished; once every worker's share of the pass is, its epoch is read through."""

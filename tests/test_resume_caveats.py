@@ -117,6 +117,28 @@ def test_a_pass_through_workers_broken_off_mid_epoch_is_refused_until_set_epoch(
     assert [read(batch, example_of) for batch in loader] == epoch
 
 
+@pytest.mark.parametrize("next_workers", [0, 1, 3])
+def test_a_broken_off_pass_is_refused_also_to_another_number_of_workers_or_the_process_itself(build, example_of,
+                                                                                              next_workers):
+    """A pass of two workers broken off after one batch, then a pass of another number of workers (or none: the
+    training process reading the dataset itself) without set_epoch: refused, not read again from its first batch;
+    set_epoch then reads the epoch whole. An epoch set_epoch cannot name in a state is refused."""
+    settings_ = {**SETTINGS, "batch_rows": 2}
+    epoch = [read(batch, example_of) for batch in PackedIterableDataset(build.path, **settings_)]
+    dataset = PackedIterableDataset(build.path, **settings_)
+    batches = iter(DataLoader(dataset, batch_size=None, num_workers=2))
+    assert read(next(batches), example_of) == epoch[0]
+    time.sleep(1)  # the workers prefetch while the step trains
+    del batches
+    loader = DataLoader(dataset, batch_size=None, num_workers=next_workers)
+    with pytest.raises(ValueError, match=r"over epoch 0 was broken off before its end, .*make a new DataLoader"):
+        next(iter(loader))
+    dataset.set_epoch(0)
+    assert [read(batch, example_of) for batch in loader] == epoch
+    with pytest.raises(ValueError, match=r"epoch must be an integer from 0 to 2\*\*53 - 1"):
+        dataset.set_epoch(2**53)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_persistent_workers_started_by_state_dict_before_set_epoch_read_each_epoch_under_its_number(
         build, example_of, workers):
