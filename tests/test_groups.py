@@ -16,6 +16,7 @@ import pytest
 
 from pipeline.build import BuildResult, build, plan_build
 from pipeline.config import PackConfig
+from pipeline.pack import main
 from pipeline.read.synthetic import SHAPES, generate_block
 from schemas import FORMAT_VERSION, SCHEMA_PATH, GroupCut, compute_fingerprint, read_manifest
 from schemas.shard_identity import ShardIdentity
@@ -124,3 +125,19 @@ def test_rows_not_counted_before_reading_may_make_several_groups_unless_num_exam
     assert not PackConfig(num_examples=50).may_pack_in_groups(None)
     assert PackConfig(num_examples=50, examples_per_group=49).may_pack_in_groups(None)
     assert not PackConfig(examples_per_group=49).may_pack_in_groups(49)
+
+
+@pytest.mark.parametrize("examples_per_group", [2**63, 10**20])
+def test_examples_per_group_past_int64_is_one_line_naming_the_option_before_anything_is_written(
+    rows, tmp_path, capsys, examples_per_group
+):
+    out = tmp_path / "out"
+    args = ["--dataset", str(rows), "--out", str(out), "--max-len", "512", "--no-progress", "--no-report"]
+    assert main([*args, "--examples-per-group", str(examples_per_group)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"varpack: error: --examples-per-group must be between 1 and 9,223,372,036,854,775,807, got {examples_per_group:,}"
+    )
+    assert not out.exists()
+    assert main([*args, "--examples-per-group", str(2**63 - 1)]) == 0  # the largest is one group of every row
+    assert read_manifest(next(out.iterdir())).stats.num_example_ids == ROWS
+
