@@ -16,7 +16,9 @@ import pytest
 
 from pipeline.build import BuildResult, build, plan_build
 from pipeline.config import PackConfig
+from pipeline.errors import InputError
 from pipeline.pack import main
+from pipeline.read.readers import TEXT_TYPE, read_schema, scan_file_header
 from pipeline.read.synthetic import SHAPES, generate_block
 from schemas import FORMAT_VERSION, SCHEMA_PATH, GroupCut, compute_fingerprint, read_manifest
 from schemas.shard_identity import ShardIdentity
@@ -141,3 +143,48 @@ def test_examples_per_group_past_int64_is_one_line_naming_the_option_before_anyt
     assert main([*args, "--examples-per-group", str(2**63 - 1)]) == 0  # the largest is one group of every row
     assert read_manifest(next(out.iterdir())).stats.num_example_ids == ROWS
 
+
+
+@pytest.mark.parametrize(
+    ("between", "on_bad_row", "problem"),
+    [
+        (b"", "error", "holds more than one JSON record (another starts at byte {at} of the line); JSON lines hold one record per line"),
+        (b"\r", "skip", "holds more than one JSON record (another starts at byte {at} of the line); JSON lines hold one record per line"),
+        (b"\n", "skip", "not valid JSON (Expecting"),
+    ],
+    ids=["cat-of-a-file-without-its-final-newline", "a-bare-carriage-return", "a-record-across-two-lines"],
+)
+def test_a_line_of_other_than_one_record_is_one_line_naming_it_so_the_rows_read_are_the_lines(
+    rows, tmp_path, capsys, between, on_bad_row, problem
+):
+    """Arrow reads records wherever they start, the driver counts lines: 300 records on 299 lines (or 300 on 301) must
+    not be read as rows the build did not count, which would pack them in groups that ``inputs.group_cut`` misses."""
+    lines = b"".join(path.read_bytes() for path in sorted(rows.iterdir())).splitlines()
+    if between == b"\n":
+        cut = lines[149].index(b', "') + 1  # between two fields, where JSON allows a newline
+        changed = [*lines[:149], lines[149][:cut], lines[149][cut:], *lines[150:]]
+    else:
+        changed = [*lines[:149], lines[149] + between + lines[150], *lines[151:]]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_bytes(b"\n".join(changed) + b"\n")
+    out = tmp_path / "out"
+    args = ["--dataset", str(data), "--out", str(out), "--max-len", "512", "--no-progress", "--no-report"]
+    assert main([*args, "--examples-per-group", str(ROWS - 1), "--on-bad-row", on_bad_row, "--max-bad-rows", "0.5"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("varpack: error:")]
+    expected = f"varpack: error: {data / 'train.jsonl'} line 150: {problem.format(at=len(lines[149]) + len(between))}"
+    assert len(errors) == 1 and errors[0].startswith(expected)
+    assert not list(out.rglob("manifest.json")) and not list(out.rglob("*.arrow"))
+
+
+def test_a_file_whose_rows_were_not_counted_is_held_to_one_record_per_line_too(tmp_path):
+    """A Hub file read without a count (``scan_file_header``): a line of two records is named, not read as two rows."""
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "p1", "response": "r1"}\n\n{"prompt": "p2", "response": "r2"}{"prompt": "p3", "response": "r3"}\n')
+    (task,) = scan_file_header(str(path)).tasks
+    assert task.rows is None
+    with pytest.raises(InputError, match=rf"^{path} line 3: holds more than one JSON record \(another starts at byte 34 of"):
+        list(task.read(read_schema(["prompt", "response"], TEXT_TYPE), batch_size=16))
+    path.write_bytes(b'{"prompt": "p1", "response": "r1"}\n\n{"prompt": "p2", "response": "r2"}\n')
+    (task,) = scan_file_header(str(path)).tasks
+    assert [table.num_rows for _, table in task.read(read_schema(["prompt", "response"], TEXT_TYPE), batch_size=16)] == [2]
