@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +21,8 @@ from pipeline.errors import InputError
 from pipeline.pack import main
 from pipeline.read.readers import TEXT_TYPE, read_schema, scan_file_header
 from pipeline.read.synthetic import SHAPES, generate_block
-from schemas import FORMAT_VERSION, SCHEMA_PATH, GroupCut, compute_fingerprint, read_manifest
+from schemas import FORMAT_VERSION, MANIFEST_NAME, SCHEMA_PATH, GroupCut, ManifestError, compute_fingerprint, read_manifest
+from schemas.manifest import manifest_digest
 from schemas.shard_identity import ShardIdentity
 
 ROWS, EXAMPLES_PER_GROUP = 300, 70
@@ -29,6 +31,9 @@ ROWS, EXAMPLES_PER_GROUP = 300, 70
 # shards' rows, the same for both, and the fingerprint of the build of five groups.
 ONE_GROUP = {None: "809056a2434de698", ROWS: "9ebcd945f2824848"}
 ONE_GROUP_ROWS = "480ee31ed892b3cc"
+# A digest of each one-group build's manifest (format 7) but for its date, digest and the fields bound to the varpack
+# version (the version, the fingerprint and the shards' hashes, which hold it).
+ONE_GROUP_MANIFEST = {None: "4272184ade685a46", ROWS: "7fc5cbdc4464b18f"}
 FIVE_GROUPS_CUT_AT_BATCHES = "b5387d3afa559e10"
 MULTI_PROCESS = ("--direct_running_mode=multi_processing", "--direct_num_workers=2")
 PORTABLE = ("--runner=PortableRunner", "--job_endpoint=embed", "--environment_type=LOOPBACK")
@@ -99,6 +104,17 @@ def test_a_build_of_several_groups_records_its_cut_and_is_another_build_than_one
     assert '"enum": ["example"]' in SCHEMA_PATH.read_text() and [cut.value for cut in GroupCut] == ["example"]
 
 
+def manifest_digest_but_version(result: BuildResult) -> str:
+    """A digest of the build's manifest as written, but for ``created_at``, its digests and what holds the version."""
+    data = json.loads((Path(result.out_dir) / MANIFEST_NAME).read_text())
+    for key in ("created_at", "manifest_digest", "fingerprint", "shards_digest"):
+        del data[key]
+    del data["inputs"]["package_version"]
+    for shard in data["shards"]:
+        del shard["sha256"]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def rows_digest(result: BuildResult) -> str:
     """A digest of every row of every shard, in order: the shards' bytes but for the fingerprint each one carries."""
     digest = hashlib.sha256()
@@ -117,9 +133,22 @@ def test_a_build_of_one_group_keeps_its_fingerprint_and_shards_byte_for_byte(row
     # Another varpack version is another fingerprint; the rest of the inputs must give the one they gave.
     assert compute_fingerprint(dataclasses.replace(result.manifest.inputs, package_version="0.1.0")) == ONE_GROUP[examples_per_group]
     assert rows_digest(result) == ONE_GROUP_ROWS
+    # Written as format 7, which the previous varpack wrote and reads: its manifest, field for field.
+    assert result.manifest.format_version == 7 and manifest_digest_but_version(result) == ONE_GROUP_MANIFEST[examples_per_group]
     for shard, info in enumerate(result.manifest.shards):  # so the files are those bytes with the build's identity
         identity = ShardIdentity.from_metadata(pa.ipc.open_file(Path(result.out_dir) / info.path).schema.metadata)
         assert identity == ShardIdentity(result.manifest.fingerprint, shard, last=shard == len(result.manifest.shards) - 1)
+
+
+def test_a_manifest_holding_group_cut_under_a_format_before_8_is_refused_in_one_line(grouped, tmp_path):
+    data = json.loads((Path(grouped.out_dir) / MANIFEST_NAME).read_text())
+    data["format_version"] = 7
+    data["manifest_digest"] = manifest_digest(data)  # so that the version alone is wrong
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
+    message = (f"{tmp_path / MANIFEST_NAME}: inputs.group_cut is a field of format 8, but the manifest claims format 7: "
+               "it was edited or is corrupt; rebuild the shards (pack --force)")
+    with pytest.raises(ManifestError, match=f"^{re.escape(message)}$"):
+        read_manifest(tmp_path)
 
 
 def test_rows_not_counted_before_reading_may_make_several_groups_unless_num_examples_bounds_them():
