@@ -37,6 +37,8 @@ NO_PROMPT_COLUMN = "none"
 
 # Examples per packing group: above it a dataset is packed in groups of consecutive examples.
 EXAMPLES_PER_GROUP = 50_000_000
+# Example ids and group bounds are int64.
+MAX_EXAMPLES_PER_GROUP = 2**63 - 1
 # About 8M tokens (about 40 MB) per shard: large enough for sequential reads, small enough to spread.
 TARGET_SHARD_TOKENS = 1 << 23
 
@@ -224,6 +226,10 @@ class PackConfig:
             value = getattr(self, name)
             if value is not None:
                 positive_int(f"--{name.replace('_', '-')}", value, ConfigError)
+        if self.examples_per_group is not None and self.examples_per_group > MAX_EXAMPLES_PER_GROUP:
+            raise ConfigError(
+                f"--examples-per-group must be between 1 and {MAX_EXAMPLES_PER_GROUP:,}, got {self.examples_per_group:,}"
+            )
         if self.overflow is not None:
             one_of("--overflow", self.overflow, Overflow, ConfigError)
         one_of("--packing", self.packing, PackingAlgorithm, ConfigError)

@@ -26,6 +26,7 @@ from schemas.manifest import (
     TokenizerInputs,
     compute_fingerprint,
     validate_manifest,
+    written_format_version,
 )
 from schemas.row import (
     PREFERENCE_ROW_COLUMNS,
@@ -83,4 +84,5 @@ __all__ = [
     "list_parts",
     "validate_table",
     "write_manifest",
+    "written_format_version",
 ]

@@ -35,9 +35,11 @@ FORMAT_NAME = "varpack.shards"
 #    whose shards add a roles column (schemas.row.PREFERENCE_ROW_SCHEMA), and stats.pairs and stats.bad_pairs;
 #    written only for such builds, so other builds' manifests and fingerprints stay as they were.
 # 8: the optional inputs.group_cut ("example") of a build that may be packed in more than one group, whose groups
-#    are cut by example id rather than where a batch started; written only for such builds, so one-group builds keep
-#    their fingerprints and builds of several groups made before are not taken for those made now.
+#    are cut by example id rather than where a batch started; written only for such builds, which alone say format 8,
+#    so one-group builds keep their fingerprints and manifests (format 7) and builds of several groups made before are
+#    not taken for those made now.
 FORMAT_VERSION = 8
+GROUP_CUT_FORMAT_VERSION = 8
 MANIFEST_NAME = "manifest.json"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
@@ -174,6 +176,12 @@ class BuildInputs:
                 "group_cut": data.get("group_cut"),
             }
         )
+
+
+def written_format_version(inputs: BuildInputs) -> int:
+    """The format version a build of ``inputs`` is written as: the oldest that holds each of its fields, so a build
+    an older varpack made byte for byte is written as that varpack wrote it."""
+    return GROUP_CUT_FORMAT_VERSION if inputs.group_cut is not None else GROUP_CUT_FORMAT_VERSION - 1
 
 
 def shards_digest(shards: list[dict[str, Any]]) -> str:
@@ -566,6 +574,11 @@ def _check_across_fields(data: dict[str, Any], source: str) -> None:
     if rejected is not None and rejected["rows"] != sum(rejected["by_reason"].values()):
         raise ManifestError(f"{source}: rejected.rows differs from the sum of rejected.by_reason")
     inputs = data["inputs"]
+    if "group_cut" in inputs and data["format_version"] < GROUP_CUT_FORMAT_VERSION:
+        raise ManifestError(
+            f"{source}: inputs.group_cut is a field of format {GROUP_CUT_FORMAT_VERSION}, but the manifest claims format "
+            f"{data['format_version']}: it was edited or is corrupt; rebuild the shards (pack --force)"
+        )
     if (inputs.get("format") == BuildFormat.PREFERENCE) != ("preference_layout" in inputs):
         raise ManifestError(f"{source}: inputs.format \"preference\" and inputs.preference_layout go together")
 

@@ -19,11 +19,12 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import _registry as fsspec_implementations
 
-from pipeline.build import build
+from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
 from pipeline.errors import HubUnreachableError, InputError
 from pipeline.read import repo_files
 from pipeline.read.sources import resolve_source
+from schemas import GroupCut
 from tests.test_pipeline_e2e import assert_holds_encoded_examples
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -151,3 +152,13 @@ def test_orcamath_reads_the_files_its_card_names(hub):
 def test_hub_repos_without_a_revision_fail_fast_offline():
     with pytest.raises(HubUnreachableError, match=r"HF_HUB_OFFLINE is set.*hf download --repo-type dataset .* --dataset DIR"):
         resolve_source(PackConfig(dataset="hf:owner/name"))
+
+
+def test_hub_files_read_without_a_count_record_the_group_cut_unless_num_examples_bounds_them(hub):
+    """The one exception to one-group builds keeping their fingerprints: rows not counted before reading (the Hub's
+    JSON-lines files) may be any number of groups, so the build records ``inputs.group_cut``; Parquet is counted."""
+    make_flan_repo(hub / "datasets" / "Muennighoff" / f"flan@{REVISION}")
+    make_orcamath_repo(hub / "datasets" / "microsoft" / f"orca-math-word-problems-200k@{REVISION}")
+    assert plan_build(PackConfig(dataset="flan", revision=REVISION)).inputs.group_cut == GroupCut.EXAMPLE
+    assert plan_build(PackConfig(dataset="flan", revision=REVISION, num_examples=15, examples_per_group=15)).inputs.group_cut is None
+    assert plan_build(PackConfig(dataset="orcamath", revision=REVISION)).inputs.group_cut is None

@@ -22,7 +22,7 @@ from shard_factory import build_shard_dir
 from loaders import PackedIterableDataset
 from loaders.dataset import check_manifest
 from loaders.verify import verify_build
-from schemas import FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
+from schemas import FORMAT_VERSION, FormatVersionError, ManifestError, PackingStats, ShardError, write_manifest
 from schemas.verified import record_path
 
 CAPACITY = 32
@@ -105,7 +105,7 @@ def test_no_manifest(tmp_path):
 def test_newer_manifest_version(build):
     path = build.path / "manifest.json"
     data = json.loads(path.read_text())
-    data["format_version"] += 1
+    data["format_version"] = FORMAT_VERSION + 1
     path.write_text(json.dumps(data))
     with pytest.raises(FormatVersionError, match="upgrade varpack"):
         PackedIterableDataset(build.path)

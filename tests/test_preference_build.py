@@ -129,7 +129,7 @@ def test_text_pairs_hold_the_prompt_and_each_whole_text_with_loss_on_the_complet
             assert tokens[: len(prompt)].tolist() == prompt
             assert mask.tolist() == [0] * len(prompt) + [1] * (len(whole) - len(prompt))  # the completion and EOS
     manifest = read_manifest(out_dir)
-    assert (manifest.inputs.format, manifest.preference_layout, manifest.format_version) == ("preference", layout, 8)
+    assert (manifest.inputs.format, manifest.preference_layout, manifest.format_version) == ("preference", layout, 7)
     assert manifest.stats.pairs == 3 and manifest.stats.bad_pairs == {}
     assert manifest.stats.examples_checked == manifest.stats.examples_equal == 3
 

@@ -293,7 +293,8 @@ def test_a_shard_read_at_a_smaller_capacity_is_refused(build: tuple[Path, Manife
 def test_a_manifest_of_a_newer_format_is_refused(build: tuple[Path, Manifest]) -> None:
     directory, _ = build
     path = directory / MANIFEST_NAME
-    path.write_text(path.read_text().replace(f'"format_version": {FORMAT_VERSION}', f'"format_version": {FORMAT_VERSION + 1}'))
+    written = f'"format_version": {build[1].format_version}'
+    path.write_text(path.read_text().replace(written, f'"format_version": {FORMAT_VERSION + 1}'))
     newer = rf"^{re.escape(str(path))}: format version {FORMAT_VERSION + 1} is newer than this varpack reads \({FORMAT_VERSION}\)"
     with pytest.raises(FormatVersionError, match=newer):
         read_manifest(directory)

@@ -54,6 +54,8 @@ MESSAGES_TYPE = pa.list_(pa.struct([
     ("weight", pa.float64()),  # a ShareGPT turn's weight, as axolotl reads it: 0 is not trained on
 ]))
 _BLANK = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
+_BLANK_BYTE = np.zeros(256, dtype=bool)
+_BLANK_BYTE[_BLANK] = True
 _LEADING_BLANKS = re.compile(rb"[ \t\n\r\x0b\x0c]*")
 
 
@@ -106,6 +108,22 @@ def _records(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     first_filled = np.searchsorted(filled, starts)
     is_record = first_filled < np.searchsorted(filled, ends)
     return np.flatnonzero(is_record), filled[first_filled[is_record]], ends[is_record]
+
+
+def count_records(data: bytes) -> int:
+    """The records of JSON-lines ``data``: its lines that are not blank (a record is exactly one line).
+
+    >>> count_records(b'{"a": 1}\\n\\n \\r\\n  {"a": 2}')
+    2
+    """
+    raw = np.frombuffer(data, dtype=np.uint8)
+    newlines = np.flatnonzero(raw == ord("\n"))
+    starts, ends = np.concatenate(([0], newlines + 1)), np.append(newlines, raw.size)
+    starts, ends = starts[starts < ends], ends[starts < ends]  # lines of at least one byte
+    # A line that starts with a byte that is not blank is a record; the few others are looked at whole.
+    unsure = _BLANK_BYTE[raw[starts]]
+    records = int(unsure.size - unsure.sum())
+    return records + sum(1 for start, end in zip(starts[unsure].tolist(), ends[unsure].tolist()) if data[start:end].strip())
 
 
 def record_lines(data: bytes, first_line: int) -> np.ndarray:
@@ -330,6 +348,14 @@ def _read_json_lines(data: bytes, columns: dict[str, pa.DataType], task: FileTas
         if records is None:
             raise _first_bad_json_line(data, columns, task) or InputError(f"{task.path}: {err}") from err
         return _json_array_table(records, columns, task)
+    # Arrow reads records wherever they start, so two on a line (or one across lines) would be rows the driver did not
+    # count: the count it made, or for a task it did not count, its lines, must be the rows read.
+    rows = task.rows if task.rows is not None else count_records(data)
+    if table.num_rows != rows:
+        raise _first_bad_json_line(data, columns, task) or InputError(
+            f"{task.path}: {table.num_rows} JSON records on {rows} lines from line {task.first_line}; "
+            "JSON lines hold one record per line"
+        )
     return table
 
 
@@ -377,6 +403,9 @@ def _parse_line(line: bytes, where: str) -> object:
         raise InputError(f"{where}: not UTF-8 text (byte {line[err.start]:#04x} at byte {err.start} of the line); "
                          "JSON lines must be UTF-8: fix the line or convert the file") from err
     except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # `cat` of a file without its final newline, or records split by a bare CR
+            raise InputError(f"{where}: holds more than one JSON record (another starts at byte {err.pos} of the line); "
+                             "JSON lines hold one record per line") from err
         raise InputError(f"{where}: not valid JSON ({err})") from err
     except RecursionError as err:
         raise InputError(f"{where}: not valid JSON (nested too deeply to read)") from err
@@ -470,9 +499,6 @@ class FileScan:
     tasks: tuple[FileTask, ...]
 
 
-def _count_lines(data: bytes) -> int:
-    """JSON records in ``data``: its lines that are not blank."""
-    return sum(1 for line in data.split(b"\n") if line.strip())
 
 
 def _first_record_keys(path: str, data: bytes) -> tuple[str, ...]:
@@ -524,7 +550,7 @@ def _scan_json_lines(path: str, f, digest) -> tuple[tuple[str, ...], list[FileTa
             if columns is None:
                 columns = _first_record_keys(path, chunk)
             columns = tuple(dict.fromkeys(columns + _record_keys(chunk)))  # a key first seen in a later row is a column too
-            rows = _count_lines(chunk)
+            rows = count_records(_strip_bom(chunk) if start == 0 else chunk)
             if rows:
                 tasks.append(
                     FileTask(path, "jsonl", first_row=row, rows=rows, start=start, stop=start + len(chunk), first_line=line)

@@ -45,6 +45,7 @@ from schemas import (
     stream_sha256,
     validate_table,
     write_manifest,
+    written_format_version,
 )
 from schemas.io import atomic_file
 from schemas.shard_identity import ShardIdentity, with_identity
@@ -115,6 +116,7 @@ def finish_build(
         stats=stats,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         rejected=rejected if rejected is not None else RejectedRows(),
+        format_version=written_format_version(inputs),
     )
     # Locally written through the descriptor of its temporary file (schemas.io.atomic_file); at a URL uploaded
     # where no manifest is yet, so the first attempt at this URL to finish publishes the build and the others leave it.
