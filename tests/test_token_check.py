@@ -311,3 +311,22 @@ def test_a_loss_mask_the_whole_texts_offsets_contradict_is_caught_naming_the_row
     batch.loss_mask[0] = 1  # the BOS, now trained
     counted = TokenChecker(load_tokenizer(), example_format, "count").check(table, BatchRows("data.jsonl"), batch, np.ones(2, bool))
     assert (counted.checked, counted.equal) == (2, 1) and "trains a prompt token at token 0" in counted.first_mismatch
+
+
+def test_a_left_cut_that_took_response_tokens_is_caught_naming_the_row():
+    """Under --truncate-side left a cut must leave the response whole: an example holding the whole text's last
+    tokens, every one after the BOS trained, but with the response's first tokens cut away too, is a difference."""
+    tokenizer = load_tokenizer()
+    example_format = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template="{prompt}\\n{response}",
+                                   keep_response=True)
+    table = pa.table({"q": ["word " * 40], "a": ["The answer is five, said the teacher."]})
+    text = example_format.example_kind.render_text(table)[0][0]
+    backend = tokenizer.backend()
+    whole = backend.encode(text, add_special_tokens=False).ids
+    prompt = len(backend.encode(text[: text.index("The")], add_special_tokens=False).ids)
+    kept = whole[prompt + 3 :]  # the whole prompt and the response's first three tokens cut away
+    tokens = np.array([*tokenizer.prefix_ids, *kept, *tokenizer.suffix_ids], np.int32)
+    mask = np.array([0] * len(tokenizer.prefix_ids) + [1] * (len(kept) + len(tokenizer.suffix_ids)), np.uint8)
+    batch = EncodedBatch(np.array([tokens.size]), tokens, mask)
+    with pytest.raises(TokenMismatchError, match=r"data.jsonl row 0: .* took the first 3 tokens of its response"):
+        TokenChecker(tokenizer, example_format, "error").check(table, BatchRows("data.jsonl"), batch, np.ones(1, bool))

@@ -15,8 +15,10 @@ The reference is what the tokenizer alone makes of the example, outside the buil
 The loss mask of a prompt/response or text example is checked too, where its tokens are equal: 0 over
 the BOS and the whole text's tokens that lie wholly before the response's first character, by the
 tokenizer's own character offsets (a token holding that character is trained; none untrained under
-``--train-on-prompt``; text examples train from their first token), 1 from there through EOS. A chat
-example's mask is left to the chat tests.
+``--train-on-prompt``; text examples train from their first token), 1 from there through EOS. Under
+``--truncate-side left`` a cut that took response tokens is a difference. A chat example's mask is left
+to the chat tests. Where the response starts (a character) comes from the same rendering the build
+uses: a fault in the rendering itself is not seen by this check.
 
 The check compares each example as encoding made it, before packing: ``--overflow split`` and
 ``truncate`` cut rows later, so the whole example is compared, and examples ``truncate`` left with
@@ -181,15 +183,20 @@ class TokenChecker:
         # The loss mask is compared where the tokens are equal, and where the reference says where the prompt ends
         # (less the prompt tokens a cut head took, never the prefix).
         untrained_from = self.prompt_lengths(selected_table)
+        prefix = len(self.tokenizer.prefix_ids)
+        # A cut head leaves the response whole: one that took response tokens left fewer prompt tokens than none.
+        response_cut = np.zeros(lengths.size, np.int64)
         if untrained_from is not None:
-            untrained_from = np.maximum(untrained_from - cut, len(self.tokenizer.prefix_ids))
+            if not self.format.train_on_prompt:  # (its reference prompt is the prefix alone: no cut to compare)
+                response_cut = np.maximum(prefix - (untrained_from - cut), 0)
+            untrained_from = np.maximum(untrained_from - cut, prefix)
         mask_differences = np.full(lengths.size, -1)
         if untrained_from is not None:
             same = np.flatnonzero(differences < 0)
             built_masks = self.loss_masks(batch, examples)[gather_index((np.cumsum(lengths) - lengths)[same], lengths[same])]
             expected = completion_mask(lengths[same], untrained_from[same])
             mask_differences[same] = first_differences(built_masks, lengths[same], expected, lengths[same])
-        differ = np.flatnonzero((differences >= 0) | (mask_differences >= 0))
+        differ = np.flatnonzero((differences >= 0) | (mask_differences >= 0) | (response_cut > 0))
         first = None
         if differ.size:
             i = int(differ[0])
@@ -197,6 +204,10 @@ class TokenChecker:
             if differences[i] >= 0:
                 theirs = reference[int(reference_lengths[:i].sum()) :][: int(reference_lengths[i])].tolist()
                 first = self.describe(rows.name(int(source_rows[i])), ours, theirs, int(differences[i]))
+            elif response_cut[i] > 0:
+                first = (f"{rows.name(int(source_rows[i]))}: its tokens are the whole text's last ones, but the cut of its "
+                         f"head (--truncate-side left) took the first {int(response_cut[i])} tokens of its response, which "
+                         "a cut must leave whole; pass --on-token-mismatch count to pack anyway and count such examples")
             else:
                 assert untrained_from is not None
                 first = self.describe_mask(rows.name(int(source_rows[i])), ours, int(untrained_from[i]), int(mask_differences[i]))
@@ -225,12 +236,14 @@ class TokenChecker:
             return None
         texts, trained_from = self.format.example_kind.render_text(table)
         before = np.zeros(len(texts), np.int64)
-        if not self.format.train_on_prompt:
-            for i in range(0, len(texts), ENCODE_CHUNK):
-                encodings = self.backend.encode_batch(texts[i : i + ENCODE_CHUNK], add_special_tokens=False)
-                for j, encoding in enumerate(encodings, start=i):
-                    ends = np.array(encoding.offsets, np.int64).reshape(-1, 2)[:, 1]
-                    before[j] = np.count_nonzero(ends <= trained_from[j])
+        # Texts trained from their first character have no token before it: only the others are tokenized again.
+        prompted = np.flatnonzero(trained_from > 0) if not self.format.train_on_prompt else np.zeros(0, np.int64)
+        for chunk in range(0, prompted.size, ENCODE_CHUNK):
+            rows = prompted[chunk : chunk + ENCODE_CHUNK]
+            encodings = self.backend.encode_batch([texts[i] for i in rows], add_special_tokens=False)
+            for i, encoding in zip(rows, encodings):
+                ends = np.array(encoding.offsets, np.int64).reshape(-1, 2)[:, 1]
+                before[i] = np.count_nonzero(ends <= trained_from[i])
         return len(self.tokenizer.prefix_ids) + before
 
     def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
