@@ -163,3 +163,18 @@ def test_logit_modifiers_are_refused():
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         use_loss_position_head(model)
+    recurrent = transformers.RecurrentGemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=2, lru_width=32,
+                                                  attention_window_size=16, logits_soft_cap=1.0)  # a cap, not a scale
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        use_loss_position_head(transformers.AutoModelForCausalLM.from_config(recurrent))
+
+
+def test_an_lm_head_inside_a_prediction_head_is_refused():
+    """BERT's LM head applies a dense layer, an activation and a norm before its output Linear: logits are not that
+    Linear of the hidden states, so neither training's head nor packed evaluation may take the shortcut."""
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, is_decoder=True)
+    model = transformers.BertLMHeadModel(config)
+    with pytest.raises(ValueError, match="the LM head sits inside another module"):
+        use_loss_position_head(model)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import random
@@ -240,24 +241,27 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 
 def refuse_other_weights_dtype(checkpoint: Path, dtype: torch.dtype, setting: str) -> None:
-    """Refuse to resume ``checkpoint`` when its floating-point weights are not ``dtype``, the dtype the run trains
-    in (``setting``, the option that chose it): a resume would silently round fp32 weights and optimizer state to
-    bf16, or go on in fp32 from a bf16 run."""
+    """Refuse to resume ``checkpoint`` when most of its weights (by elements, over every safetensors file) are not
+    ``dtype``, the dtype the run trains in (``setting``, the option that chose it): a resume would silently round
+    fp32 weights and optimizer state to bf16, or go on in fp32 from a bf16 run."""
     from safetensors import SafetensorError, safe_open
 
-    path = next(iter(sorted(checkpoint.glob("*.safetensors"))), None)
-    if path is None:
-        return
+    # The dtype of most of the weights: a model may keep a few small tensors in fp32 (a MoE router's bias) either way.
+    elements: dict[str, int] = {}
+    paths = sorted(checkpoint.glob("*.safetensors"))
     try:
-        with safe_open(str(path), "pt") as weights:
-            stored = {_SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype()) for name in weights.keys()} - {None, dtype}
-    except SafetensorError:
+        for path in paths:
+            with safe_open(str(path), "pt") as weights:
+                for name in weights.keys():
+                    tensor = weights.get_slice(name)
+                    elements[tensor.get_dtype()] = elements.get(tensor.get_dtype(), 0) + math.prod(tensor.get_shape())
+    except (SafetensorError, OSError):
         return  # unreadable: loading the weights names the file
-    if stored:
-        found = ", ".join(sorted(str(other).removeprefix("torch.") for other in stored))
-        raise CheckpointError(f"--resume: {path} holds {found} weights, but {setting} trains "
-                              f"{str(dtype).removeprefix('torch.')} ones; resume with the precision the run began with, "
-                              "or give another --out")
+    stored = _SAFETENSORS_DTYPES.get(max(elements, key=elements.__getitem__)) if elements else None
+    if stored is not None and stored != dtype:
+        raise CheckpointError(f"--resume: {checkpoint} holds {str(stored).removeprefix('torch.')} weights, but {setting} "
+                              f"trains {str(dtype).removeprefix('torch.')} ones; resume with the precision the run began "
+                              "with, or give another --out")
 
 
 def refuse_earlier_run(out: Path, resume: bool) -> None:

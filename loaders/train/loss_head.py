@@ -45,7 +45,8 @@ SEQUENCE_LOSSES = "sequence_losses"
 # A keyword the head takes besides a batch's: return each packed sequence's summed label log-probability, with gradients.
 SEQUENCE_LOG_PROBS = "sequence_log_probs"
 # Config attributes that change logits after the LM head's matmul; such models need their own head.
-LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scaling")
+LOGIT_MODIFIERS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling", "output_logits_scaling")
+LOGIT_CAPS = ("final_logit_softcapping", "logits_soft_cap")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -227,10 +228,15 @@ def check_supported(model: torch.nn.Module) -> None:
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"{type(model).__name__}: the LM head is a {type(head).__name__}, not an nn.Linear; "
                          "the loss-position head needs logits = lm_head(hidden_states)")
+    if not any(child is head for child in model.children()):
+        # Nested in a prediction head (BERT's dense, activation and norm before it): not applied to the hidden states.
+        raise ValueError(f"{type(model).__name__}: the LM head sits inside another module, which transforms the "
+                         "hidden states first; the loss-position head needs logits = lm_head(hidden_states)")
     config = getattr(model, "config", None)
     for name in LOGIT_MODIFIERS:
         value = getattr(config, name, None)
-        if value not in (None, 1, 1.0):
+        # A scale of 1 leaves the logits as they are; a cap of any value changes them.
+        if value is not None and (name in LOGIT_CAPS or value != 1):
             raise ValueError(f"{type(model).__name__}: config.{name}={value!r} changes the logits after the LM head; "
                              "the loss-position head does not apply it, so train this model with its full logits")
 
