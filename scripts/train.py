@@ -141,6 +141,12 @@ def weights_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if config.precision == "bf16-weights" else torch.float32
 
 
+def refuse_other_precision(config: TrainConfig, checkpoint: Path | None) -> None:
+    """Refuse to resume a checkpoint whose weights are of another dtype than ``--precision`` trains."""
+    if checkpoint is not None:
+        refuse_other_weights_dtype(checkpoint, weights_dtype(config), f"--precision {config.precision}")
+
+
 def check_tokenizer(config: TrainConfig, recorded: TokenizerInputs) -> None:
     """Refuse a --model directory whose tokenizer is not, by content, the one the shards were built with."""
     if config.model and not config.allow_tokenizer_mismatch:
@@ -263,8 +269,7 @@ def start_plain_run(config: TrainConfig, rank: int, device: torch.device) -> Pla
     out.mkdir(parents=True, exist_ok=True)
     announce_mixture(dataset)
     checkpoint = checkpoint_to_resume(out, rank, lambda line: print(json.dumps(line), flush=True)) if config.resume else None
-    if checkpoint is not None:
-        refuse_other_weights_dtype(checkpoint, weights_dtype(config), f"--precision {config.precision}")
+    refuse_other_precision(config, checkpoint)
     model = load_model(config, vocab_size, attn_implementation_for(config.attn), checkpoint).to(device).train()
     speed = speed_options(config)
     speed.apply(model)
@@ -347,8 +352,7 @@ def train_hf(config: TrainConfig) -> None:
                                    preference_config=objective, reference_log_probs=config.reference_log_probs or None)
     out.mkdir(parents=True, exist_ok=True)  # after the checks of a preference run, which leave no --out behind
     checkpoint = resumable_checkpoint(out, world_size()) if config.resume else None
-    if checkpoint is not None:
-        refuse_other_weights_dtype(checkpoint, weights_dtype(config), f"--precision {config.precision}")
+    refuse_other_precision(config, checkpoint)
     trainer.train(resume_from_checkpoint=True if checkpoint is not None else None)
 
 

@@ -105,16 +105,25 @@ def packed_batches(source: str | os.PathLike[str], batch_rows: int, rank: int = 
             yield collate_rows([(shard, i) for i in rows]), examples
 
 
-def batch_sequence_losses(model: torch.nn.Module, inputs: dict, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def at_labelled_positions(model: torch.nn.Module) -> bool:
+    """Whether the loss-position head applies to ``model`` (``loss_head.check_supported``): its LM head may then run
+    at the labelled positions only."""
+    try:
+        loss_head.check_supported(loss_head.causal_lm(model))
+    except ValueError:
+        return False
+    return True
+
+
+def batch_sequence_losses(model: torch.nn.Module, inputs: dict, batch: dict,
+                          labelled_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed fp32 cross-entropy and target count of each packed sequence of one batch.
 
-    Where the loss-position head applies (``loss_head.check_supported``), the LM head runs at the labelled
-    positions only, chunk by chunk, as in training: no ``[tokens, vocab]`` logits; otherwise over every token."""
-    lm = loss_head.causal_lm(model)
-    try:
-        loss_head.check_supported(lm)
-    except ValueError:
+    ``labelled_only`` (``at_labelled_positions``): the LM head runs at the labelled positions only, chunk by chunk,
+    as in training, with no ``[tokens, vocab]`` logits; otherwise the model's own logits over every token."""
+    if not labelled_only:
         return sequence_losses(model(**inputs).logits, batch["labels"], batch["cu_seq_lens_q"])
+    lm = loss_head.causal_lm(model)
     hidden = cast(torch.nn.Module, lm.base_model)(**inputs)[0]
     labels = batch["labels"].to(hidden.device)
     _, by_sequence = loss_head.loss_position_loss(lm, hidden, labels, num_loss_tokens=batch[NUM_LOSS_TOKENS],
@@ -146,12 +155,13 @@ def evaluate_packed(model: torch.nn.Module, source: str | os.PathLike[str], batc
     model.eval()
     example_chunks, loss_chunks, count_chunks = [], [], []
     start = time.perf_counter()
+    labelled_only = at_labelled_positions(model)
     try:
         with torch.no_grad():
             for batch, examples in packed_batches(source, batch_rows, rank, world):
                 inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
                           if k not in ("labels", NUM_REAL_TOKENS, NUM_LOSS_TOKENS)}
-                loss, count = batch_sequence_losses(model, inputs, batch)
+                loss, count = batch_sequence_losses(model, inputs, batch, labelled_only)
                 example_chunks.append(examples)
                 loss_chunks.append(loss.numpy())
                 count_chunks.append(count.numpy())
