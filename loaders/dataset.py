@@ -466,9 +466,14 @@ class PackedIterableDataset(IterableDataset):
         position = self._position
         if position.finished:
             return position.epoch + 1.0
-        plan = self._plan(position.epoch, position.start_row)
-        read = position.start_row + plan.rows_read(position.batches_read(len(plan)))
+        read, plan = self._rows_read_now()
         return position.epoch + read / max(position.start_row + plan.rows_read(len(plan)), 1)
+
+    def _rows_read_now(self) -> tuple[int, EpochPlan]:
+        """How many of the epoch's rows all ranks had read where this position stands, and the plan of the rest."""
+        position = self._position
+        plan = self._plan(position.epoch, position.start_row)
+        return position.start_row + plan.rows_read(position.batches_read(len(plan))), plan
 
     # ---- iteration and resume -----------------------------------------------------------------
 
@@ -572,8 +577,7 @@ class PackedIterableDataset(IterableDataset):
         position = self._position
         rows_read = None
         if position.num_workers == 1:  # a rank-level position: all ranks at this step had read as many rows
-            plan = self._plan(position.epoch, position.start_row)
-            rows_read = position.start_row + plan.rows_read(position.batches_read(len(plan)))
+            rows_read = self._rows_read_now()[0]
         return to_state_dict(position, self._identity(), self._layout(), rows_read)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
