@@ -104,7 +104,7 @@ def _records(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     newlines = np.flatnonzero(raw == ord("\n"))
     starts = np.concatenate(([0], newlines + 1))
     ends = np.concatenate((newlines, [raw.size]))
-    filled = np.flatnonzero(~np.isin(raw, _BLANK))
+    filled = np.flatnonzero(~_BLANK_BYTE[raw])
     first_filled = np.searchsorted(filled, starts)
     is_record = first_filled < np.searchsorted(filled, ends)
     return np.flatnonzero(is_record), filled[first_filled[is_record]], ends[is_record]
