@@ -194,6 +194,10 @@ class BenchConfig:
     num_heads: int = 16
     num_kv_heads: int = 8
     tie_word_embeddings: bool = False  # the LM head shares the embedding matrix (Llama 3.2 1B and 3B)
+    # The model's vocabulary is the tokenizer's rounded up to a multiple of this, as released models pad theirs
+    # (Llama 3's 128,256 is 64 x 2,004): an odd vocabulary leaves the LM head's matrix products to slow kernels
+    # for every mode. 1 keeps the tokenizer's.
+    vocab_multiple: int = 64
     lora_rank: int = 0  # > 0: every mode trains LoRA adapters of this rank on every linear layer but the LM head (peft)
     # Every mode recomputes each decoder layer's activations in backward (transformers' gradient checkpointing,
     # non-reentrant): what an 8B model needs to fit 32k tokens a step on one card.
@@ -249,7 +253,7 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
         return model
 
     model_config = LlamaConfig(
-        vocab_size=vocab_size,
+        vocab_size=-(-vocab_size // config.vocab_multiple) * config.vocab_multiple,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
@@ -481,6 +485,10 @@ def prepare_model(mode: Mode, config: BenchConfig, vocab_size: int):
     return model
 
 
+# The profile lists this many kernels by GPU time besides the groups.
+TOP_KERNELS = 15
+
+
 def kernel_group(name: str) -> str:
     lower = name.lower()
     return next((group for group, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
@@ -616,13 +624,19 @@ class ModeRun:
         wall_ms = 1000 * (time.perf_counter() - start)
         del steps
         groups: dict[str, float] = defaultdict(float)
+        kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
-                groups[kernel_group(event.name)] += event.time_range.elapsed_us() / 1000
+                ms = event.time_range.elapsed_us() / 1000
+                groups[kernel_group(event.name)] += ms
+                kernels[event.name][0] += ms
+                kernels[event.name][1] += 1
         busy = sum(groups.values())
         self._free()
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
         return {"wall_ms_profiled": wall_ms, "gpu_busy_ms": busy, "gpu_idle_ms": max(0.0, wall_ms - busy),
-                "gpu_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+                "gpu_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+                "top_kernels": [{"kernel": name[:160], "ms": ms, "calls": calls} for name, (ms, calls) in top]}
 
 
 def serve_mode(conn, name: str, cell: Cell, config: BenchConfig) -> None:
