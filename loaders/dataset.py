@@ -443,11 +443,11 @@ class PackedIterableDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch < MAX_COUNT:
             raise ValueError(f"epoch must be an integer from 0 to 2**53 - 1 (what a state holds), got {epoch!r}")
         self._catch_up_with_workers()
-        self._ledger.forget_passes()  # the epoch named is read from this position, also after a broken pass
         self._ledger.epoch_named = int(epoch)
-        if self._loaded and epoch == self._position.epoch:
-            return
-        if epoch != self._position.epoch or self._position.finished:
+        if epoch == self._position.epoch and (self._loaded or not self._position.finished):
+            # The epoch is read from this position, also after a broken pass; a loaded one stays loaded.
+            self._move_to(self._position, self._loaded, self._loader_pass_ended)
+        else:
             self._move_to(Position(epoch=int(epoch)))
 
     @property
@@ -482,7 +482,7 @@ class PackedIterableDataset(IterableDataset):
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
             self._ledger.read_by_workers = True
-            self._ledger.join()
+            self._follow_training_process()
         if self._skip_restoring_pass:
             # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
             self._skip_restoring_pass = False
@@ -504,6 +504,23 @@ class PackedIterableDataset(IterableDataset):
         self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
         self._loaded = False
         return self._batches(position.epoch, position.start_row, first, num_workers)
+
+    def _follow_training_process(self) -> None:
+        """In a persistent DataLoader worker, as a later pass begins: read from where the training process's dataset
+        was set to (``set_epoch``, ``load_state_dict``) since the worker's previous pass, as a worker started now
+        would, instead of going on from its own place. A worker's own state, given back by torchdata, that no pass
+        has read from yet stays (a worker started now would be given it too)."""
+        reading_state = self._ledger.join()
+        if reading_state is None or self._skip_restoring_pass or (self._loaded and self._restored_in_worker):
+            return
+        *position, finished, loaded, loader_pass_ended = reading_state
+        self._position = Position(*position, finished=bool(finished))
+        self._loaded, self._loader_pass_ended, self._restored_in_worker = bool(loaded), bool(loader_pass_ended), False
+
+    def _reading_state(self) -> tuple[int, ...]:
+        """Where this copy reads from, as integers for the ledger: its position, whether it was loaded from a state,
+        and whether that state's loader pass had ended (``_follow_training_process`` reads them back)."""
+        return (*map(int, dataclasses.astuple(self._position)), int(self._loaded), int(self._loader_pass_ended))
 
     def _share(self) -> tuple[int, int, int]:
         """This reader's share of its pass, as the ledger names it: (epoch, start_row, num_workers)."""
@@ -658,20 +675,19 @@ class PackedIterableDataset(IterableDataset):
             return
         if info is not None:
             self._ledger.forget_share(info.id)  # its own state says where the loop stood
-        self._move_to(position)
-        self._loaded = True
+        self._move_to(position, loaded=True, loader_pass_ended=saved.loader_pass_ended)
         self._restored_in_worker = info is not None
-        self._loader_pass_ended = saved.loader_pass_ended
         if info is None:
             self._ledger.read_by_workers = False  # the position is the loader's again
 
-    def _move_to(self, position: Position) -> None:
-        """Read from ``position`` next; in the training process, new DataLoader workers start there too."""
+    def _move_to(self, position: Position, loaded: bool = False, loader_pass_ended: bool = False) -> None:
+        """Read from ``position`` next (``loaded`` from a state, whose loader pass had ended or not); in the training
+        process, DataLoader workers start there too, new ones and persistent ones at their next pass."""
         self._position = position
-        self._loaded = False
-        self._loader_pass_ended = False
+        self._loaded = loaded
+        self._loader_pass_ended = loader_pass_ended
         if get_worker_info() is None:
-            self._ledger.forget_passes()
+            self._ledger.forget_passes(self._reading_state())
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached plan stays behind; the ledger goes along as WorkerLedger pickles it.
