@@ -282,13 +282,15 @@ class PackedIterableDataset(IterableDataset):
     ``num_rows % batch_rows`` rows that do not fill a batch: fewer than ``world_size *
     batch_rows`` rows per epoch, a different set each epoch when shuffling. Nothing repeats.
 
-    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``. A reader that
-    finishes its pass moves on to the next epoch by itself, so persistent workers (which never
-    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order; so do the
-    workers a DataLoader starts for each pass, from the training process's copy, which moves on
-    with them (they tell it, in shared memory, which epoch all of them read through;
-    ``worker_ledger``). A pass through workers broken off before a worker read its share through
-    is refused at the next pass, until ``set_epoch``: which of its batches the loop took is unknown.
+    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``; DataLoader
+    workers read the epoch it names, whole, persistent ones too (they take, at each pass, the
+    position the training process's copy was set to, from memory they share with it;
+    ``worker_ledger``). Without it, a reader that finishes its pass moves on to the next epoch by
+    itself, so persistent workers walk through epochs 0, 1, 2, ... in order; so do the workers a
+    DataLoader starts for each pass, from the training process's copy, which moves on with them
+    (they tell it which epoch all of them read through). A pass through workers broken off before
+    a worker read its share through is refused at the next pass, until ``set_epoch``: which of its
+    batches the loop took is unknown.
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.
@@ -513,8 +515,8 @@ class PackedIterableDataset(IterableDataset):
         reading_state = self._ledger.join()
         if reading_state is None or self._skip_restoring_pass or (self._loaded and self._restored_in_worker):
             return
-        *position, finished, loaded, loader_pass_ended = reading_state
-        self._position = Position(*position, finished=bool(finished))
+        epoch, start_row, pass_start, next_batch, worker_id, num_workers, finished, loaded, loader_pass_ended = reading_state
+        self._position = Position(epoch, start_row, pass_start, next_batch, worker_id, num_workers, bool(finished))
         self._loaded, self._loader_pass_ended, self._restored_in_worker = bool(loaded), bool(loader_pass_ended), False
 
     def _reading_state(self) -> tuple[int, ...]:
@@ -535,9 +537,9 @@ class PackedIterableDataset(IterableDataset):
 
     def _broken_pass_message(self, epoch: int) -> str:
         return (f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
-                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass and "
-                f"make a new DataLoader (set_epoch({epoch}) reads epoch {epoch} again; persistent workers keep their own "
-                "place), or resume with loader.load_state_dict(state) from StatefulDataLoader.state_dict()")
+                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass "
+                f"(set_epoch({epoch}) reads epoch {epoch} again, whole, also through persistent workers), or resume with "
+                "loader.load_state_dict(state) from StatefulDataLoader.state_dict()")
 
     def _finished_pass(self) -> Iterator[dict[str, torch.Tensor | int]]:
         """The empty pass of a loop that names the finished epoch of a loaded state. The state counts as loaded until

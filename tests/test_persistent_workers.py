@@ -104,6 +104,16 @@ def test_persistent_workers_read_the_epoch_whole_after_a_broken_off_pass_and_set
     assert loop_batches(build, example_of, loop, workers, True, loader_class) == expected
 
 
+def test_spawned_persistent_workers_follow_set_epoch(build, example_of):
+    """Workers spawned, not forked, get the shared memory as they start: they too read epoch 0 whole after a broken-off
+    pass and set_epoch(0), then the epoch set_epoch(5) names."""
+    in_process = loop_batches(build, example_of, [(0, None), (5, None)], 0, False)
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="spawn")
+    assert run_loop(loader, dataset, example_of, [(0, 3), (0, None), (5, None)]) == [in_process[0][:3], *in_process]
+
+
 def saved(state):
     """A state as a checkpoint holds it: through JSON."""
     return json.loads(json.dumps(state))
