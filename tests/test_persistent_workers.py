@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_resume import read
 from torch.utils.data import DataLoader
 
-from loaders import PackedIterableDataset
+from loaders import PackedIterableDataset, PackedMixture
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
@@ -102,6 +102,20 @@ def test_persistent_workers_read_the_epoch_whole_after_a_broken_off_pass_and_set
     expected = [epoch_0[:3], epoch_0, epoch_1]
     assert loop_batches(build, example_of, loop, workers, False, loader_class) == expected
     assert loop_batches(build, example_of, loop, workers, True, loader_class) == expected
+
+
+def test_a_mixture_through_persistent_workers_reads_each_named_epoch(build, example_of):
+    """A mixture is a PackedIterableDataset: through persistent workers, set_epoch(5) after epoch 0 reads mixture
+    epoch 5, and a broken-off pass then set_epoch(0) reads epoch 0 whole, as in the training process."""
+    def mixture():
+        return PackedMixture({"a": build.path, "b": build.path}, weights={"a": 0.7, "b": 0.3}, **SETTINGS)
+
+    in_process = mixture()
+    expected = run_loop(in_process, in_process, example_of, [(0, None), (5, None)])
+    dataset = mixture()
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+    assert run_loop(loader, dataset, example_of, [(0, None), (5, 4), (0, None), (5, None)]) == [
+        expected[0], expected[1][:4], expected[0], expected[1]]
 
 
 def test_spawned_persistent_workers_follow_set_epoch(build, example_of):
