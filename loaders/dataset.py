@@ -282,13 +282,15 @@ class PackedIterableDataset(IterableDataset):
     ``num_rows % batch_rows`` rows that do not fill a batch: fewer than ``world_size *
     batch_rows`` rows per epoch, a different set each epoch when shuffling. Nothing repeats.
 
-    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``. A reader that
-    finishes its pass moves on to the next epoch by itself, so persistent workers (which never
-    see a later ``set_epoch``) still walk through epochs 0, 1, 2, ... in order; so do the
-    workers a DataLoader starts for each pass, from the training process's copy, which moves on
-    with them (they tell it, in shared memory, which epoch all of them read through;
-    ``worker_ledger``). A pass through workers broken off before a worker read its share through
-    is refused at the next pass, until ``set_epoch``: which of its batches the loop took is unknown.
+    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``; DataLoader
+    workers read the epoch it names, whole, persistent ones too (they take, at each pass, the
+    position the training process's copy was set to, from memory they share with it;
+    ``worker_ledger``). Without it, a reader that finishes its pass moves on to the next epoch by
+    itself, so persistent workers walk through epochs 0, 1, 2, ... in order; so do the workers a
+    DataLoader starts for each pass, from the training process's copy, which moves on with them
+    (they tell it which epoch all of them read through). A pass through workers broken off before
+    a worker read its share through is refused at the next pass, until ``set_epoch``: which of its
+    batches the loop took is unknown.
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.
@@ -443,11 +445,11 @@ class PackedIterableDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch < MAX_COUNT:
             raise ValueError(f"epoch must be an integer from 0 to 2**53 - 1 (what a state holds), got {epoch!r}")
         self._catch_up_with_workers()
-        self._ledger.forget_passes()  # the epoch named is read from this position, also after a broken pass
         self._ledger.epoch_named = int(epoch)
-        if self._loaded and epoch == self._position.epoch:
-            return
-        if epoch != self._position.epoch or self._position.finished:
+        if epoch == self._position.epoch and (self._loaded or not self._position.finished):
+            # The epoch is read from this position, also after a broken pass; a loaded one stays loaded.
+            self._move_to(self._position, self._loaded, self._loader_pass_ended)
+        else:
             self._move_to(Position(epoch=int(epoch)))
 
     @property
@@ -482,7 +484,7 @@ class PackedIterableDataset(IterableDataset):
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
             self._ledger.read_by_workers = True
-            self._ledger.join()
+            self._follow_training_process()
         if self._skip_restoring_pass:
             # torchdata's iterator restoring a loader whose pass had run out: the loop never sees it.
             self._skip_restoring_pass = False
@@ -505,6 +507,23 @@ class PackedIterableDataset(IterableDataset):
         self._loaded = False
         return self._batches(position.epoch, position.start_row, first, num_workers)
 
+    def _follow_training_process(self) -> None:
+        """In a persistent DataLoader worker, as a later pass begins: read from where the training process's dataset
+        was set to (``set_epoch``, ``load_state_dict``) since the worker's previous pass, as a worker started now
+        would, instead of going on from its own place. A worker's own state, given back by torchdata, that no pass
+        has read from yet stays (a worker started now would be given it too)."""
+        reading_state = self._ledger.join()
+        if reading_state is None or self._skip_restoring_pass or (self._loaded and self._restored_in_worker):
+            return
+        epoch, start_row, pass_start, next_batch, worker_id, num_workers, finished, loaded, loader_pass_ended = reading_state
+        self._position = Position(epoch, start_row, pass_start, next_batch, worker_id, num_workers, bool(finished))
+        self._loaded, self._loader_pass_ended, self._restored_in_worker = bool(loaded), bool(loader_pass_ended), False
+
+    def _reading_state(self) -> tuple[int, ...]:
+        """Where this copy reads from, as integers for the ledger: its position, whether it was loaded from a state,
+        and whether that state's loader pass had ended (``_follow_training_process`` reads them back)."""
+        return (*map(int, dataclasses.astuple(self._position)), int(self._loaded), int(self._loader_pass_ended))
+
     def _share(self) -> tuple[int, int, int]:
         """This reader's share of its pass, as the ledger names it: (epoch, start_row, num_workers)."""
         return self._position.epoch, self._position.start_row, self._position.num_workers
@@ -518,9 +537,9 @@ class PackedIterableDataset(IterableDataset):
 
     def _broken_pass_message(self, epoch: int) -> str:
         return (f"{self.source}: a pass through DataLoader workers over epoch {epoch} was broken off before its end, "
-                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass and "
-                f"make a new DataLoader (set_epoch({epoch}) reads epoch {epoch} again; persistent workers keep their own "
-                "place), or resume with loader.load_state_dict(state) from StatefulDataLoader.state_dict()")
+                f"so which of its batches were read is unknown; call dataset.set_epoch(epoch) before each pass "
+                f"(set_epoch({epoch}) reads epoch {epoch} again, whole, also through persistent workers), or resume with "
+                "loader.load_state_dict(state) from StatefulDataLoader.state_dict()")
 
     def _finished_pass(self) -> Iterator[dict[str, torch.Tensor | int]]:
         """The empty pass of a loop that names the finished epoch of a loaded state. The state counts as loaded until
@@ -658,20 +677,19 @@ class PackedIterableDataset(IterableDataset):
             return
         if info is not None:
             self._ledger.forget_share(info.id)  # its own state says where the loop stood
-        self._move_to(position)
-        self._loaded = True
+        self._move_to(position, loaded=True, loader_pass_ended=saved.loader_pass_ended)
         self._restored_in_worker = info is not None
-        self._loader_pass_ended = saved.loader_pass_ended
         if info is None:
             self._ledger.read_by_workers = False  # the position is the loader's again
 
-    def _move_to(self, position: Position) -> None:
-        """Read from ``position`` next; in the training process, new DataLoader workers start there too."""
+    def _move_to(self, position: Position, loaded: bool = False, loader_pass_ended: bool = False) -> None:
+        """Read from ``position`` next (``loaded`` from a state, whose loader pass had ended or not); in the training
+        process, DataLoader workers start there too, new ones and persistent ones at their next pass."""
         self._position = position
-        self._loaded = False
-        self._loader_pass_ended = False
+        self._loaded = loaded
+        self._loader_pass_ended = loader_pass_ended
         if get_worker_info() is None:
-            self._ledger.forget_passes()
+            self._ledger.forget_passes(self._reading_state())
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached plan stays behind; the ledger goes along as WorkerLedger pickles it.

@@ -13,16 +13,25 @@ left unfinished, since the batches that pass's loop took (a ``break``, workers p
 it) are known to no one. It refuses instead, until the training process names an epoch with
 ``set_epoch`` or loads a state, which starts the ledger afresh: a new generation, in which the marks
 of workers still running from before (a refused pass's) no longer count.
+
+Each generation also holds where the training process's dataset was set to read from. A persistent
+worker, kept from pass to pass, whose copy is of an earlier generation takes that place at the start
+of its next pass, as a worker started then would, instead of going on from its own. A worker's first
+pass reads from its copy, in the copy's generation: it may be a pass that was refused or dropped
+(its workers still starting when ``set_epoch`` ran), whose marks must not count.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Iterable
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
-READ_BY_WORKERS, EPOCH_NAMED, GENERATION, EPOCH_READ, SHARES = 0, 1, 2, 3, 4  # where each lies in the shared array
+READ_BY_WORKERS, EPOCH_NAMED, GENERATION, EPOCH_READ, READING_STATE = 0, 1, 2, 3, 4  # where each lies in the array
+READING_STATE_FIELDS = 9  # the training process's position (7 integers), whether it was loaded, its pass had ended
+SHARES = READING_STATE + READING_STATE_FIELDS
 SHARE_FIELDS = 4  # epoch, start_row, num_workers, and NOT_STARTED, STARTED or FINISHED
 NOT_STARTED, STARTED, FINISHED = 0, 1, 2
 MAX_WORKERS = 256  # DataLoader workers of one dataset with a slot in the ledger
@@ -30,8 +39,8 @@ MAX_WORKERS = 256  # DataLoader workers of one dataset with a slot in the ledger
 
 class WorkerLedger:
     """Shared between a dataset and its DataLoader workers: whether workers read it, the epoch the latest
-    ``set_epoch`` named (persistent workers, started before it, see it too), the latest epoch a pass of them read
-    through (-1: none since the training process's position was set), and each worker's share.
+    ``set_epoch`` named, the latest epoch a pass of them read through (-1: none since the training process's
+    position was set), where the training process's dataset was set to read from, and each worker's share.
 
     >>> ledger = WorkerLedger()
     >>> ledger.join()  # in each worker process; here one process plays both workers
@@ -40,8 +49,8 @@ class WorkerLedger:
     >>> ledger.finish_share(1, (0, 0, 2))  # worker 1 read its share through, worker 0 did not
     >>> ledger.epoch_read, ledger.start_share(0, (0, 0, 2))  # a new pass: worker 0's share was broken off
     (-1, False)
-    >>> ledger.forget_passes()  # set_epoch in the training process
-    >>> ledger.join()
+    >>> ledger.forget_passes(range(READING_STATE_FIELDS))  # set_epoch in the training process: where it reads from
+    >>> ledger.join()  # a persistent worker's copy, of the earlier generation, would get that back
     >>> for worker in (0, 1):
     ...     ledger.start_share(worker, (0, 0, 2)) and ledger.finish_share(worker, (0, 0, 2))
     >>> ledger.epoch_read
@@ -51,7 +60,7 @@ class WorkerLedger:
     def __init__(self) -> None:
         self._values: Any = multiprocessing.RawArray("q", SHARES + SHARE_FIELDS * MAX_WORKERS)
         self._values[EPOCH_NAMED] = self._values[EPOCH_READ] = -1
-        self._generation = 0  # of the training process's position this process's worker reads from
+        self._generation = 0  # of the training process's position this copy reads from
         self._worker_pid: int | None = None  # the worker process that joined with this copy
 
     @property
@@ -82,12 +91,16 @@ class WorkerLedger:
     def epoch_read(self, epoch: int) -> None:
         self._values[EPOCH_READ] = epoch
 
-    def join(self) -> None:
+    def join(self) -> tuple[int, ...] | None:
         """A worker's pass begins (its ``iter()``). A worker's first pass reads from the position its copy was made
-        with, of that generation; a persistent worker's later passes from the training process's latest."""
-        if self._worker_pid == os.getpid():
-            self._generation = int(self._values[GENERATION])
-        self._worker_pid = os.getpid()
+        with, of that generation; a persistent worker's later passes from the training process's latest: its reading
+        state is returned when it was set since the worker's previous pass, else None."""
+        later_pass, self._worker_pid = self._worker_pid == os.getpid(), os.getpid()
+        generation = int(self._values[GENERATION])
+        if not later_pass or generation == self._generation:
+            return None
+        self._generation = generation
+        return tuple(self._values[READING_STATE:SHARES])
 
     def start_share(self, worker_id: int, share: tuple[int, int, int]) -> bool:
         """Mark worker ``worker_id``'s ``share`` (epoch, start_row, num_workers) started; False, marking nothing, when
@@ -123,10 +136,12 @@ class WorkerLedger:
         """Worker ``worker_id`` stands where the loader's loop stood (torchdata gave it its own state back)."""
         self._values[self._slot(worker_id, worker_id + 1) + SHARE_FIELDS - 1] = NOT_STARTED
 
-    def forget_passes(self) -> None:
-        """The training process's position was set: no pass of workers has read from it yet."""
+    def forget_passes(self, reading_state: Iterable[int]) -> None:
+        """The training process's dataset was set to read from ``reading_state`` (``READING_STATE_FIELDS`` integers
+        of its choice): a new generation, from which no pass of workers has read yet."""
         self._generation = int(self._values[GENERATION]) + 1
-        self._values[GENERATION:] = [self._generation, -1] + [NOT_STARTED] * (len(self._values) - SHARES)
+        self._values[GENERATION:] = [self._generation, -1, *reading_state,
+                                     *[NOT_STARTED] * (len(self._values) - SHARES)]
 
     def _slot(self, worker_id: int, num_workers: int) -> int:
         if num_workers > MAX_WORKERS:

@@ -144,7 +144,7 @@ def test_persistent_workers_walk_the_epochs(shards):
     dataset = PackedIterableDataset(shards.path, batch_rows=3)
     loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
     for epoch in range(2):
-        dataset.set_epoch(epoch)  # does not reach the running workers; they move on by themselves
+        dataset.set_epoch(epoch)  # the running workers take it at their next pass
         reference = PackedIterableDataset(shards.path, batch_rows=3)
         reference.set_epoch(epoch)
         assert_same_batches(list(loader), list(reference))

@@ -131,7 +131,7 @@ def test_a_broken_off_pass_is_refused_also_to_another_number_of_workers_or_the_p
     time.sleep(1)  # the workers prefetch while the step trains
     del batches
     loader = DataLoader(dataset, batch_size=None, num_workers=next_workers)
-    with pytest.raises(ValueError, match=r"over epoch 0 was broken off before its end, .*make a new DataLoader"):
+    with pytest.raises(ValueError, match=r"over epoch 0 was broken off before its end, .*also through persistent workers"):
         next(iter(loader))
     dataset.set_epoch(0)
     assert [read(batch, example_of) for batch in loader] == epoch
