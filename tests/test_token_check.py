@@ -214,10 +214,10 @@ def test_named_fields_alpaca_rows_and_a_system_prompt_are_checked_as_the_encoder
         assert counts.checked == counts.equal == table.num_rows, example_format
     # The reference is the rendered text itself: Alpaca's prompt, tokenized whole by the tokenizer.
     checker = TokenChecker(load_tokenizer(), cases[0][0], "error")
-    texts = checker.rendered_texts(alpaca)
+    texts, _ = checker.rendered_texts(alpaca)
     assert "### Input:\n2 and 3\n\n### Response:\n5" in texts[0]
     assert "### Input" not in texts[1] and "### Input" not in texts[2]
-    system = TokenChecker(load_tokenizer(), cases[4][0], "error").rendered_texts(qa)
+    system, _ = TokenChecker(load_tokenizer(), cases[4][0], "error").rendered_texts(qa)
     assert system == ["Be brief.\n\n### Question: How old is Tom?\n### Answer: Five"]
 
 
