@@ -71,10 +71,12 @@ CONTEXT_TOKENS = 8
 
 @dataclass(frozen=True)
 class CheckCounts:
-    """Examples of a batch checked and found equal to the reference, and the first one that differs (its message)."""
+    """Examples of a batch checked and found equal to the reference, those of them whose tokens are equal but whose
+    loss mask is not, and the first one that differs (its message)."""
 
     checked: int = 0
     equal: int = 0
+    mask_only: int = 0
     first_mismatch: str | None = None
 
 
@@ -236,14 +238,16 @@ class TokenChecker:
             elif response_cut[i] > 0:
                 first = (f"{rows.name(int(source_rows[i]))}: its tokens are the whole text's last ones, but the cut of its "
                          f"head (--truncate-side left) took the first {int(response_cut[i])} tokens of its response, which "
-                         "a cut must leave whole; pass --on-token-mismatch count to pack anyway and count such examples")
+                         f"a cut must leave whole; {self.what_then()}")
             else:
                 assert untrained_from is not None
                 first = self.describe_mask(rows.name(int(source_rows[i])), ours, int(untrained_from[i]), int(mask_differences[i]))
             if self.on_mismatch == OnTokenMismatch.ERROR:
                 raise TokenMismatchError(first)
-        unequal = np.unique(differ // (lengths.size // examples.size)).size
-        return CheckCounts(int(examples.size), int(examples.size - unequal), first)
+        per_example = lengths.size // examples.size
+        unequal = np.unique(differ // per_example).size
+        tokens_unequal = np.unique(np.flatnonzero((differences >= 0) | (response_cut > 0)) // per_example).size
+        return CheckCounts(int(examples.size), int(examples.size - unequal), int(unequal - tokens_unequal), first)
 
     def sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The built token sequences of ``examples`` (indices into ``batch``) to compare, flat, and their lengths."""
@@ -377,8 +381,7 @@ class TokenChecker:
 
         return (
             f"{example}: its tokens differ from the {self.reference_name()} at token {at} "
-            f"({len(built)} tokens built, {len(reference)} in the reference); pass --on-token-mismatch count to pack "
-            "anyway and count such examples\n"
+            f"({len(built)} tokens built, {len(reference)} in the reference); {self.what_then()}\n"
             f"  built:          [{window(built)}]\n"
             f"  reference:      [{window(reference)}]\n"
             f"  built text:     {text(built)}\n"
@@ -390,10 +393,15 @@ class TokenChecker:
         wrong = "trains a prompt token" if at < prompt else "leaves a completion token untrained"
         return (
             f"{example}: its tokens equal the {self.reference_name()}, but its loss mask {wrong} at token {at} (the "
-            f"reference's prompt is its first {prompt} of {len(built)} tokens, each later one trained); pass "
-            "--on-token-mismatch count to pack anyway and count such examples\n"
+            f"reference's prompt is its first {prompt} of {len(built)} tokens, each later one trained); {self.what_then()}\n"
             f"  token {at}:       {built[at]} {self.backend.decode(built[at : at + 1], skip_special_tokens=False)!r}"
         )
+
+    def what_then(self) -> str:
+        """What a difference does under ``--on-token-mismatch``, for its message: stop the build, or be counted."""
+        if self.on_mismatch == OnTokenMismatch.ERROR:
+            return "pass --on-token-mismatch count to pack anyway and count such examples"
+        return "packed as built and counted (--on-token-mismatch count)"
 
     def reference_name(self) -> str:
         """What the examples are checked against, for messages and the report."""
