@@ -170,7 +170,7 @@ class ReadAndEncode(beam.DoFn):
 class Filtered:
     """What reading and encoding left out: bad rows by reason, examples truncation left untrained, and
     chat turns read, used and dropped (``chat.count_turns``); the examples checked against the reference
-    tokenization and those equal to it."""
+    tokenization, those equal to it and those whose tokens alone are."""
 
     rejected: RejectedRows
     untrained_examples: int
@@ -183,6 +183,7 @@ class Filtered:
     examples_equal: int = 0
     # Special tokens whose text the data holds: {token: (examples, the first one's row)}.
     special_text: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    examples_mask_differ: int = 0
 
 
 def finish_filtered(
@@ -219,6 +220,7 @@ def finish_filtered(
     return Filtered(
         summarize(sum((r.by_reason for r in rejects), Counter())), untrained[0], untrained[1], turns, untrained[2], untrained[3],
         sum(check.checked for check in checks), sum(check.equal for check in checks), special_text,
+        examples_mask_differ=sum(check.mask_only for check in checks),
     )
 
 
@@ -318,6 +320,7 @@ def write_build_manifest(
     stats.examples_truncated += filtered.prompt_cut_examples
     stats.tokens_truncated += filtered.prompt_cut_tokens
     stats.examples_checked, stats.examples_equal = filtered.examples_checked, filtered.examples_equal
+    stats.examples_mask_differ = filtered.examples_mask_differ
     stats.token_check = token_check
     stats.special_token_text = {token: {"examples": n, "first_row": first} for token, (n, first) in filtered.special_text.items()}
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows) in part)

@@ -126,8 +126,8 @@ class PackConfig:
     special_tokens: tuple[str, ...] = ()
     train_on_prompt: bool = False
     on_bad_row: str = BadRowPolicy.ERROR
-    # Under --on-bad-row skip: a count of bad rows (an int), or a fraction of the rows read (a float
-    # below 1), that stops the build, whose data is then mostly garbage.
+    # Under --on-bad-row skip: a count of bad rows (an int), or a fraction of the rows read (a float from
+    # 0.0 to 1.0, 1.0 accepting every bad row), over which the build stops, its data then mostly garbage.
     max_bad_rows: int | float = 0.1
     # Which examples are checked against the reference tokenization, and what a difference does.
     verify_tokens: str = VerifyTokens.SAMPLE
@@ -242,9 +242,10 @@ class PackConfig:
         one_of("--on-token-mismatch", self.on_token_mismatch, OnTokenMismatch, ConfigError)
         bound = self.max_bad_rows
         if isinstance(bound, bool) or not (
-            (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 < bound < 1)
+            (isinstance(bound, int) and bound >= 0) or (isinstance(bound, float) and 0 <= bound <= 1)
         ):
-            raise ConfigError(f"--max-bad-rows must be a count (0, 1, 2, ...) or a fraction between 0 and 1, got {bound!r}")
+            raise ConfigError("--max-bad-rows must be a count (0, 1, 2, ...) or a fraction of the rows read from 0.0 to 1.0 "
+                              f"(1.0: every row may be bad), got {bound!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"--seed must be a non-negative integer, got {self.seed!r}")
         if not self.is_preference and (self.prompt_column is None) != (self.response_column is None):

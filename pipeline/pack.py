@@ -36,7 +36,7 @@ EXIT_INTERRUPTED = 130
 
 
 def bad_row_bound(text: str) -> int | float:
-    """``--max-bad-rows``: a count (``100``) or a fraction of the rows read (``0.05``)."""
+    """``--max-bad-rows``: a count (``100``) or a fraction of the rows read (``0.05``, from 0.0 to 1.0)."""
     try:
         return int(text)
     except ValueError:
@@ -154,8 +154,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="a row that cannot make an example (null or empty text, a broken conversation): stop with an error naming "
              "it, or skip it and list it in rejected.jsonl in the build (default: %(default)s)")
     add("--max-bad-rows", type=bad_row_bound, default=default.max_bad_rows,
-        help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05) "
-             "are bad (default: %(default)s)")
+        help="with --on-bad-row skip, stop when more rows than this count (100) or fraction of the rows read (0.05; "
+             "from 0.0 to 1.0, 1.0 accepting every bad row) are bad (default: %(default)s)")
     add("--verify-tokens", choices=[e.value for e in VerifyTokens], default=default.verify_tokens,
         help="check the built tokens against the tokenizer's own tokenization of each whole example: a seeded sample "
              "of 1,000 examples, all of them, or none (default: %(default)s)")

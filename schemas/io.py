@@ -177,10 +177,15 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
-    """The error that reports ``err`` (a full disk, a read-only directory, a link) met while writing ``path``."""
+    """The error that reports ``err`` (a full disk, a read-only or missing directory, a link) met while writing
+    ``path``."""
     if err.errno == errno.ELOOP:
         link = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink()), Path(path))
         return link_error(link, "a symbolic link")
+    directory = Path(path).parent
+    if err.errno == errno.ENOENT and not directory.exists():
+        return WriteError(f"{path}: could not be written: the directory {directory} does not exist; make it or write "
+                          "elsewhere, then run again")
     return WriteError(
         f"{path}: could not be written ({err.strerror or err}); free some space or fix the directory's permissions, "
         "then run again"

@@ -145,6 +145,24 @@ def test_too_many_bad_rows_stop_the_run(chats, tmp_path, capsys, bound):
     assert not list(tmp_path.rglob(MANIFEST_NAME)) and not list(tmp_path.rglob(REJECTED_NAME))
 
 
+def test_max_bad_rows_takes_every_fraction_from_0_to_1_and_says_the_range_of_others(chats, tmp_path, capsys):
+    """--max-bad-rows 1.0 (every row may be bad) packs the good rows; 0.0 stops at the first bad row; a bound outside
+    the range is refused in one line that gives it exactly."""
+    args = ["--dataset", str(chats), "--on-bad-row", "skip", "--no-progress", "--no-report"]
+    assert main([*args, "--out", str(tmp_path / "all"), "--max-bad-rows", "1.0"]) == 0, capsys.readouterr().err
+    (build_dir,) = (tmp_path / "all").iterdir()
+    assert read_manifest(build_dir).rejected.rows == 7
+    assert main([*args, "--out", str(tmp_path / "none"), "--max-bad-rows", "0.0"]) == 1
+    assert "more than --max-bad-rows 0.0 (first: " in capsys.readouterr().err
+    assert not list((tmp_path / "none").rglob(MANIFEST_NAME))
+    for bound in ("1.5", "-0.5", "-1", "nan"):
+        assert main([*args, "--out", str(tmp_path / "refused"), "--max-bad-rows", bound]) == 1
+        assert capsys.readouterr().err.splitlines() == [
+            "varpack: error: --max-bad-rows must be a count (0, 1, 2, ...) or a fraction of the rows read from 0.0 to "
+            f"1.0 (1.0: every row may be bad), got {bound}"]
+    assert not (tmp_path / "refused").exists()
+
+
 def test_parquet_rows_are_named_by_index(tmp_path):
     prompts = [f"Question {i}?" for i in range(10)]
     prompts[6] = None

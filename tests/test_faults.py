@@ -428,6 +428,20 @@ def test_a_full_disk_while_writing_the_manifest_names_it_and_leaves_nothing(data
     assert list(out.iterdir()) == []
 
 
+def test_writing_into_a_missing_directory_names_the_directory_not_the_disk(tmp_path):
+    """A file written into a directory that does not exist is refused naming that directory, not as a full disk."""
+    from schemas import atomic_output, atomic_write
+
+    missing = tmp_path / "removed" / "build"
+    refused = rf"^{missing}/{MANIFEST_NAME}: could not be written: the directory {missing} does not exist; make it or " \
+              r"write elsewhere, then run again$"
+    with pytest.raises(WriteError, match=refused):
+        atomic_write(missing / MANIFEST_NAME, "{}")
+    with pytest.raises(WriteError, match=refused), atomic_output(missing / MANIFEST_NAME, directory=True):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_full_disk_in_a_worker_process_is_one_line_naming_the_file(data, tmp_path):
     out = tmp_path / "out"
     # Files over 100 KB cannot be written (EFBIG): a worker's spill or shard file fails.

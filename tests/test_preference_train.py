@@ -949,3 +949,48 @@ def test_stored_reference_log_probs_evaluate_another_build_only_with_its_own_fil
     on_train = trainer.evaluate(train, metric_key_prefix="train_build")  # the training build takes the training file
     assert on_train["train_build_loss"] == pytest.approx(
         evaluate_preference(policy, train.source, trainer.preference, Reference(reference)).metrics["loss"], rel=1e-5)
+
+
+class EvaluationsSeen(transformers.TrainerCallback):
+    """Counts the evaluations a trainer announces to its callbacks."""
+
+    def __init__(self) -> None:
+        self.evaluations = 0
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.evaluations += 1
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_a_dict_eval_dataset_is_checked_whole_before_any_build_is_evaluated(pairs, tmp_path, kind):
+    """PackedTrainer and PackedDPOTrainer evaluate a dict passed to evaluate() alike: a bad second entry (a build of
+    another tokenizer) refuses the whole dict before the first is evaluated, nothing logged and no callback told;
+    a good dict logs each build under its name, and a name picks the trainer's entry of that name."""
+    from shard_factory import build_shard_dir
+
+    from loaders.train.hf_trainer import PackedDPOTrainer, PackedTrainer
+
+    seen = EvaluationsSeen()
+    if kind == "sft":
+        build_shard_dir(tmp_path / "build", [20, 30, 40], capacity=CAPACITY, vocab_size=VOCAB)
+        build_shard_dir(tmp_path / "other", [20, 30], capacity=CAPACITY, vocab_size=2 * VOCAB)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to="none", use_cpu=True,
+                                              per_device_train_batch_size=1)
+        make = PackedTrainer
+    else:
+        build_preference_dir(tmp_path / "build", pairs, layout="separate", capacity=CAPACITY)
+        build_preference_dir(tmp_path / "other", pairs, layout="separate", capacity=CAPACITY, vocab_size=2 * VOCAB)
+        args, make = dpo_args(tmp_path), PackedDPOTrainer
+    train = PackedIterableDataset(tmp_path / "build", batch_rows=1)
+    builds = {"held_out": train, "other": PackedIterableDataset(tmp_path / "other", batch_rows=1)}
+    trainer = make(model=tiny_llama(), args=args, train_dataset=train, callbacks=[seen])
+    with pytest.raises(ValueError, match=r"^the eval build .*other and the training build .*build were tokenized differently"):
+        trainer.evaluate(builds)
+    assert trainer.state.log_history == [] and seen.evaluations == 0
+    metrics = trainer.evaluate({"held_out": train, "again": train})
+    assert [sorted(entry) for entry in trainer.state.log_history] == [
+        sorted([*(name for name in metrics if name.startswith(f"eval_{build}_")), "epoch", "step"])
+        for build in ("held_out", "again")] and seen.evaluations == 2
+    assert metrics["eval_held_out_loss"] == pytest.approx(metrics["eval_again_loss"], rel=1e-6)
+    trainer.eval_dataset = {"held_out": train}
+    assert trainer.evaluate("held_out")["eval_loss"] == pytest.approx(metrics["eval_held_out_loss"], rel=1e-6)

@@ -24,8 +24,8 @@ from pipeline.errors import TokenMismatchError
 from pipeline.pack import main
 from pipeline.read.formats import ExampleFormat, split_prompt_template
 from pipeline.read.readers import BatchRows
-from pipeline.report.summary import reuse_token_check_error
-from schemas import ExampleKind, read_manifest
+from pipeline.report.summary import describe_token_check, reuse_token_check_error
+from schemas import ExampleKind, PackingStats, read_manifest
 
 DOCS_TEMPLATE = "### Question: {prompt}\\n### Answer: {response}"
 CHATS = [
@@ -214,10 +214,10 @@ def test_named_fields_alpaca_rows_and_a_system_prompt_are_checked_as_the_encoder
         assert counts.checked == counts.equal == table.num_rows, example_format
     # The reference is the rendered text itself: Alpaca's prompt, tokenized whole by the tokenizer.
     checker = TokenChecker(load_tokenizer(), cases[0][0], "error")
-    texts = checker.rendered_texts(alpaca)
+    texts, _ = checker.rendered_texts(alpaca)
     assert "### Input:\n2 and 3\n\n### Response:\n5" in texts[0]
     assert "### Input" not in texts[1] and "### Input" not in texts[2]
-    system = TokenChecker(load_tokenizer(), cases[4][0], "error").rendered_texts(qa)
+    system, _ = TokenChecker(load_tokenizer(), cases[4][0], "error").rendered_texts(qa)
     assert system == ["Be brief.\n\n### Question: How old is Tom?\n### Answer: Five"]
 
 
@@ -330,3 +330,28 @@ def test_a_left_cut_that_took_response_tokens_is_caught_naming_the_row():
     batch = EncodedBatch(np.array([tokens.size]), tokens, mask)
     with pytest.raises(TokenMismatchError, match=r"data.jsonl row 0: .* took the first 3 tokens of its response"):
         TokenChecker(tokenizer, example_format, "error").check(table, BatchRows("data.jsonl"), batch, np.ones(1, bool))
+
+
+def test_a_loss_mask_difference_is_counted_and_reported_as_one_not_as_a_tokenization_difference():
+    """Under --on-token-mismatch count, an example whose tokens equal the reference but whose loss mask does not is
+    counted apart from one whose tokens differ; the report and a refused reuse say which is which, and the logged
+    first difference does not suggest the option already given."""
+    example_format = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE)
+    table = pa.table({"q": ["How old is Tom?", "What is 2+3?", "Who?"], "a": ["Five years old.", "5", "Me."]})
+    batch, _ = encoded_and_checked(example_format, table)
+    batch.loss_mask[0] = 1  # row 0's BOS, now trained: its tokens are still equal
+    batch.tokens[batch.starts[1] + 2] += 1  # a token of row 1, now another
+    counted = TokenChecker(load_tokenizer(), example_format, "count").check(table, BatchRows("data.jsonl"), batch, np.ones(3, bool))
+    assert (counted.checked, counted.equal, counted.mask_only) == (3, 1, 1)
+    assert counted.first_mismatch.startswith("data.jsonl row 0: its tokens equal the whole text tokenized at once, but "
+                                             "its loss mask trains a prompt token at token 0")
+    assert "pass --on-token-mismatch count" not in counted.first_mismatch
+    assert "packed as built and counted (--on-token-mismatch count)" in counted.first_mismatch
+    stats = PackingStats(examples=3, examples_checked=3, examples_equal=1, examples_mask_differ=1, token_check="all")
+    assert describe_token_check(stats, "all") == (
+        "3 examples checked (all examples) against the tokenizer's own tokenization, 1 equal, 2 differ (1 in tokens, 1 in "
+        "the loss mask only; --on-token-mismatch count, the first is logged above)")
+    assert reuse_token_check_error(stats, "sample", "error").startswith(
+        "2 examples of this build differ from the token check's reference (1 in tokens, 1 in the loss mask only; found "
+        "when it was built)")
+    assert PackingStats.from_dict(stats.to_dict()) == stats and "examples_mask_differ" not in PackingStats().to_dict()

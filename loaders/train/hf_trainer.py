@@ -229,34 +229,49 @@ class PackedTrainerMixin(_TrainerBase):
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """On a PackedIterableDataset: ``evaluate_packed`` over all its rows (exact token and example means). A dict
-        evaluates each entry so, under Trainer's prefix ``eval_NAME``; a name, the trainer's entry of that name."""
+        """Each eval build by ``_evaluate_one``, its metrics logged and passed to the callbacks' ``on_evaluate``. A
+        dict evaluates each entry, under Trainer's prefix ``eval_NAME``, once every entry has passed
+        ``_checked_eval_dataset``; a name, the trainer's entry of that name. A dataset that is not a packed build
+        takes Trainer's own evaluation."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str) and isinstance(self.eval_dataset, dict):  # as Trainer.get_eval_dataloader reads one
             dataset = self.eval_dataset[dataset]
-        if isinstance(dataset, dict):  # each entry here, not through Trainer.evaluate, which would take the stock path
-            for each in dataset.values():  # every entry checked before any is evaluated
-                _check_eval_tokenizer(each, self.packed_dataset)
-            return {key: value for name, each in dataset.items()
-                    for key, value in self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        if not isinstance(dataset, PackedIterableDataset):
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        # Each entry of a dict here, not through Trainer.evaluate, which would take the stock path.
+        named = ({f"{metric_key_prefix}_{name}": each for name, each in dataset.items()} if isinstance(dataset, dict)
+                 else {metric_key_prefix: dataset})
+        checked = {prefix: self._checked_eval_dataset(each) for prefix, each in named.items()}  # all, before any runs
+        metrics: dict[str, float] = {}
+        for prefix, each in checked.items():
+            if each is None:  # not a packed build
+                stock = named[prefix] if isinstance(dataset, dict) else eval_dataset
+                metrics.update(super().evaluate(stock, ignore_keys, prefix))
+                continue
+            assert self.model is not None  # Trainer.__init__ sets it (from model_init when model is None)
+            evaluated = self._evaluate_one(each, prefix)
+            self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
+            self.log(evaluated)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, evaluated)
+            metrics.update(evaluated)
+        return metrics
+
+    def _checked_eval_dataset(self, dataset: Any) -> PackedIterableDataset | None:
+        """``dataset`` to evaluate packed, refused in one line when it was tokenized otherwise than the training build;
+        None for a dataset that is not a packed build (Trainer's own evaluation runs it)."""
         _check_eval_tokenizer(dataset, self.packed_dataset)
+        return dataset if isinstance(dataset, PackedIterableDataset) else None
+
+    def _evaluate_one(self, dataset: PackedIterableDataset, prefix: str) -> dict[str, float]:
+        """``evaluate_packed`` over all the rows of ``dataset`` (exact token and example means; a mixture's loss per
+        source too), named ``PREFIX_loss``, ``PREFIX_perplexity``, ``PREFIX_mean_example_loss``, ``PREFIX_runtime``."""
         assert self.model is not None  # Trainer.__init__ sets it (from model_init when model is None)
         builds = dataset.builds if isinstance(dataset, PackedMixture) else {"": dataset.source}
         with self.compute_loss_context_manager():
             results = evaluate_sources(self.model, builds, batch_rows=dataset.batch_rows or 1, distributed=True)
         summary = pooled_summary(results)
-        metrics = {f"{metric_key_prefix}_loss": summary["mean_token_loss"],
-                   f"{metric_key_prefix}_perplexity": summary["token_perplexity"],
-                   f"{metric_key_prefix}_mean_example_loss": summary["mean_example_loss"],
-                   f"{metric_key_prefix}_runtime": summary["seconds"]}
-        if isinstance(dataset, PackedMixture):  # and each source's token loss
-            metrics.update({f"{metric_key_prefix}_{name}_loss": result.summary["mean_token_loss"]
-                            for name, result in results.items()})
-        self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        metrics = {f"{prefix}_loss": summary["mean_token_loss"], f"{prefix}_perplexity": summary["token_perplexity"],
+                   f"{prefix}_mean_example_loss": summary["mean_example_loss"], f"{prefix}_runtime": summary["seconds"]}
+        if isinstance(dataset, PackedMixture):
+            metrics.update({f"{prefix}_{name}_loss": result.summary["mean_token_loss"] for name, result in results.items()})
         return metrics
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -517,28 +532,28 @@ def _packed_dpo_trainer() -> type:
                     self._eval_reference_log_probs, dataset.manifest, stored.stored.identity))
             return self._eval_references[fingerprint]
 
-        def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
-                     metric_key_prefix: str = "eval") -> dict[str, float]:
-            """``evaluate_preference`` over every pair of the eval build: the mean loss per pair and TRL's reward metrics."""
+        def _checked_eval_dataset(self, dataset: Any) -> PackedIterableDataset:
+            """``dataset``, refused in one line unless it is one preference build tokenized as the training build
+            whose stored reference log-probs, if the reference is stored, are at hand."""
+            dataset = _preference_eval_dataset(dataset, self.preference.objective, self.packed_dataset)
+            self._evaluation_reference(dataset)
+            return dataset
+
+        def _evaluation_reference(self, dataset: PackedIterableDataset) -> Any:
+            """The reference of an evaluation on ``dataset``: the stored log-probs of that build, else the training one."""
+            stored = self.reference if self.reference is not None and self.reference.stored is not None else None
+            return self._eval_reference(dataset, stored, self.packed_dataset) or self.reference
+
+        def _evaluate_one(self, dataset: PackedIterableDataset, prefix: str) -> dict[str, float]:
+            """``evaluate_preference`` over every pair of ``dataset``: the mean loss per pair and TRL's reward metrics,
+            named under ``prefix``."""
             from loaders.train.preference_eval import evaluate_preference
 
-            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-            if isinstance(dataset, dict):  # each build, under its name, as Trainer.evaluate does
-                return {key: value for name, each in dataset.items()
-                        for key, value in self.evaluate(each, ignore_keys, f"{metric_key_prefix}_{name}").items()}
             assert self.model is not None  # Trainer.__init__ sets it
-            dataset = _preference_eval_dataset(dataset, self.preference.objective, self.packed_dataset)
-            stored = self.reference if self.reference is not None and self.reference.stored is not None else None
-            reference = self._eval_reference(dataset, stored, self.packed_dataset) or self.reference
             with self.compute_loss_context_manager():
-                result = evaluate_preference(self.model, dataset.source, self.preference, reference,
+                result = evaluate_preference(self.model, dataset.source, self.preference, self._evaluation_reference(dataset),
                                              batch_rows=dataset.batch_rows or 1, distributed=True)
-            metrics = {f"{metric_key_prefix}_{name}": value for name, value in result.metrics.items()}
-            metrics[f"{metric_key_prefix}_runtime"] = result.seconds
-            self.model.eval()  # logged in eval mode, as after Trainer's own evaluation (training_step resets it)
-            self.log(metrics)
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-            return metrics
+            return {**{f"{prefix}_{name}": value for name, value in result.metrics.items()}, f"{prefix}_runtime": result.seconds}
 
         def _window_normalizer(self, batches: list[dict]) -> float:
             return float(preference.pairs_in(batches))

@@ -277,15 +277,16 @@ class PairTokenChecker(TokenChecker):
         lengths = np.array([len(encoding.ids) for encoding in encodings], np.int64) + len(self.tokenizer.prefix_ids)
         return np.repeat(lengths, 2)
 
-    def rendered_texts(self, table: pa.Table) -> list[str]:
-        """Prompt + chosen and prompt + rejected of each pair, rendered whole by the template."""
+    def rendered_texts(self, table: pa.Table) -> tuple[list[str], None]:
+        """Prompt + chosen and prompt + rejected of each pair, rendered whole by the template (where each prompt
+        ends is ``prompt_lengths``'s)."""
         template, system = self.format.prompt_response(), self.format.system_prompt or ""
         prompt, chosen, rejected = table.columns
         texts = []
         for completion in (chosen, rejected):
             parts = template.render(pa.table([prompt, completion], names=["p", "c"]), system)
             texts.append([p + c for p, c in zip(parts[0].to_pylist(), parts[1].to_pylist())])
-        return [text for pair in zip(*texts) for text in pair]
+        return [text for pair in zip(*texts) for text in pair], None
 
     def _conversations(self, table: pa.Table) -> list[list[dict[str, Any]]]:
         """The chosen and the rejected conversation of each pair, whole."""

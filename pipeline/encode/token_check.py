@@ -71,10 +71,12 @@ CONTEXT_TOKENS = 8
 
 @dataclass(frozen=True)
 class CheckCounts:
-    """Examples of a batch checked and found equal to the reference, and the first one that differs (its message)."""
+    """Examples of a batch checked and found equal to the reference, those of them whose tokens are equal but whose
+    loss mask is not, and the first one that differs (its message)."""
 
     checked: int = 0
     equal: int = 0
+    mask_only: int = 0
     first_mismatch: str | None = None
 
 
@@ -114,6 +116,36 @@ def _flat(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Token lists as one flat array and their lengths."""
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
     return np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=int(lengths.sum())), lengths
+
+
+def tokens_before(
+    backend: Any, texts: list[str], trained_from: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The tokens of each of ``texts`` tokenized whole, without special tokens (flat, and how many each text has), and
+    how many of them end at or before its character ``trained_from`` (none where that is 0; None without it).
+
+    One tokenization serves both, ENCODE_CHUNK texts at a time; character offsets are asked for only where a text of
+    the chunk has a character before the one it is trained from.
+    """
+    parts = []
+    before = np.zeros(len(texts), np.int64)
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        chunk = texts[start : start + ENCODE_CHUNK]
+        trained = None if trained_from is None else trained_from[start : start + ENCODE_CHUNK]
+        if trained is None or not trained.any():
+            parts.append(token_ids(backend.encode_batch_fast(chunk, add_special_tokens=False), np.dtype(np.int64)))
+            continue
+        encodings = backend.encode_batch(chunk, add_special_tokens=False)
+        ids, lengths = token_ids(encodings, np.dtype(np.int64))
+        offsets = itertools.chain.from_iterable(itertools.chain.from_iterable(e.offsets for e in encodings))
+        ends = np.fromiter(offsets, np.int64, count=2 * ids.size)[1::2]
+        limit = np.repeat(trained, lengths)
+        text = np.repeat(np.arange(len(chunk)), lengths)
+        before[start : start + len(chunk)] = np.bincount(text[(ends <= limit) & (limit > 0)], minlength=len(chunk))
+        parts.append((ids, lengths))
+    ids = np.concatenate([part[0] for part in parts]) if parts else np.zeros(0, np.int64)
+    lengths = np.concatenate([part[1] for part in parts]) if parts else np.zeros(0, np.int64)
+    return ids, lengths, None if trained_from is None else before
 
 
 def sample_mask(example_ids: np.ndarray, known_examples: int | None, seed: int, size: int = SAMPLE_SIZE) -> np.ndarray:
@@ -170,7 +202,7 @@ class TokenChecker:
             return CheckCounts()
         source_rows = batch.example_rows[examples]
         selected_table = select_columns(table, self.format.columns, rows.origin).take(pa.array(source_rows))
-        reference, reference_lengths = self.reference(selected_table)
+        reference, reference_lengths, untrained_from = self.reference(selected_table)
         built, lengths = self.sequences(batch, examples)
         # Each sequence's example: one each, or two for a preference pair (``preference.PairTokenChecker``).
         source_rows = np.repeat(source_rows, lengths.size // examples.size)
@@ -182,7 +214,6 @@ class TokenChecker:
         differences = first_differences(built, lengths, reference, reference_lengths)
         # The loss mask is compared where the tokens are equal, and where the reference says where the prompt ends
         # (less the prompt tokens a cut head took, never the prefix).
-        untrained_from = self.prompt_lengths(selected_table)
         prefix = len(self.tokenizer.prefix_ids)
         # A cut head leaves the response whole: one that took response tokens left fewer prompt tokens than none.
         response_cut = np.zeros(lengths.size, np.int64)
@@ -207,14 +238,16 @@ class TokenChecker:
             elif response_cut[i] > 0:
                 first = (f"{rows.name(int(source_rows[i]))}: its tokens are the whole text's last ones, but the cut of its "
                          f"head (--truncate-side left) took the first {int(response_cut[i])} tokens of its response, which "
-                         "a cut must leave whole; pass --on-token-mismatch count to pack anyway and count such examples")
+                         f"a cut must leave whole; {self.what_then()}")
             else:
                 assert untrained_from is not None
                 first = self.describe_mask(rows.name(int(source_rows[i])), ours, int(untrained_from[i]), int(mask_differences[i]))
             if self.on_mismatch == OnTokenMismatch.ERROR:
                 raise TokenMismatchError(first)
-        unequal = np.unique(differ // (lengths.size // examples.size)).size
-        return CheckCounts(int(examples.size), int(examples.size - unequal), first)
+        per_example = lengths.size // examples.size
+        unequal = np.unique(differ // per_example).size
+        tokens_unequal = np.unique(np.flatnonzero((differences >= 0) | (response_cut > 0)) // per_example).size
+        return CheckCounts(int(examples.size), int(examples.size - unequal), int(unequal - tokens_unequal), first)
 
     def sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The built token sequences of ``examples`` (indices into ``batch``) to compare, flat, and their lengths."""
@@ -226,39 +259,27 @@ class TokenChecker:
         return batch.loss_mask[gather_index(batch.starts[examples], batch.lengths[examples])]
 
     def prompt_lengths(self, table: pa.Table) -> np.ndarray | None:
-        """For each sequence of the rows of ``table``, where the reference says its prompt ends: its loss mask must
-        be 0 before and 1 from there. None where the check leaves the loss mask to the tests of its kind (chat).
+        """For each sequence of the rows of ``table`` whose rendering (``rendered_texts``) does not say where its
+        response starts, where the reference says its prompt ends. None here: the check leaves a chat example's loss
+        mask to the chat tests."""
+        return None
 
-        Prompt/response and text: the prefix (the BOS), then the tokens of the whole text, tokenized at once, that
-        lie wholly before the character where the response starts (the tokenizer's own character offsets; 0 for
-        text), none under ``--train-on-prompt``. A token holding the response's first character is trained."""
-        if self.format.is_chat:
-            return None
-        texts, trained_from = self.format.example_kind.render_text(table)
-        before = np.zeros(len(texts), np.int64)
-        # Texts trained from their first character have no token before it: only the others are tokenized again.
-        prompted = np.flatnonzero(trained_from > 0) if not self.format.train_on_prompt else np.zeros(0, np.int64)
-        for chunk in range(0, prompted.size, ENCODE_CHUNK):
-            rows = prompted[chunk : chunk + ENCODE_CHUNK]
-            encodings = self.backend.encode_batch([texts[i] for i in rows], add_special_tokens=False)
-            for i, encoding in zip(rows, encodings):
-                ends = np.array(encoding.offsets, np.int64).reshape(-1, 2)[:, 1]
-                before[i] = np.count_nonzero(ends <= trained_from[i])
-        return len(self.tokenizer.prefix_ids) + before
+    def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The reference of the rows of ``table`` (the format's columns, rows that made examples): its tokens as one
+        flat array, each sequence's length, and where each sequence's prompt ends (its loss mask must be 0 before and
+        1 from there; None where the check leaves the loss mask to the tests of its kind).
 
-    def reference(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-        """The reference tokens of the rows of ``table`` (the format's columns, rows that made examples),
-        as one flat array and each row's length."""
+        Prompt/response and text: the prefix (the BOS), the whole text's tokens and the suffix (the EOS); the prompt
+        is the prefix and the tokens that lie wholly before the character where the response starts (the tokenizer's
+        own character offsets; 0 for text), none under ``--train-on-prompt``. A token holding the response's first
+        character is trained."""
         if self.format.is_chat:
-            return _flat([self._chat_reference(messages) for messages in self._conversations(table)])
-        texts = self.rendered_texts(table)
+            return *_flat([self._chat_reference(messages) for messages in self._conversations(table)]), self.prompt_lengths(table)
+        texts, trained_from = self.rendered_texts(table)
+        if trained_from is not None and self.format.train_on_prompt:
+            trained_from = np.zeros(len(texts), np.int64)
         # The tokenizer alone, each text whole: none of the encoder's cutting into pieces or boundaries.
-        parts = [
-            token_ids(self.backend.encode_batch_fast(texts[i : i + ENCODE_CHUNK], add_special_tokens=False), np.dtype(np.int64))
-            for i in range(0, len(texts), ENCODE_CHUNK)
-        ]
-        ids = np.concatenate([part[0] for part in parts]) if parts else np.zeros(0, np.int64)
-        lengths = np.concatenate([part[1] for part in parts]) if parts else np.zeros(0, np.int64)
+        ids, lengths, before = tokens_before(self.backend, texts, trained_from)
         prefix, suffix = self.tokenizer.prefix_ids, self.tokenizer.suffix_ids
         # Each example is the prefix, its text's tokens and the suffix, gathered from one buffer.
         buffer = np.concatenate([np.array(prefix + suffix, dtype=np.int64), ids])
@@ -267,7 +288,8 @@ class TokenChecker:
             [np.zeros(n, np.int64), np.cumsum(lengths) - lengths + len(prefix) + len(suffix), np.full(n, len(prefix))]
         )
         piece_lengths = np.column_stack([np.full(n, len(prefix)), lengths, np.full(n, len(suffix))])
-        return buffer[gather_index(piece_starts.ravel(), piece_lengths.ravel())], piece_lengths.sum(axis=1)
+        prompts = self.prompt_lengths(table) if before is None else len(prefix) + before
+        return buffer[gather_index(piece_starts.ravel(), piece_lengths.ravel())], piece_lengths.sum(axis=1), prompts
 
     def without_cut_heads(
         self, reference: np.ndarray, reference_lengths: np.ndarray, built_lengths: np.ndarray
@@ -281,11 +303,11 @@ class TokenChecker:
         piece_lengths = np.column_stack([head, reference_lengths - head - cut]).ravel()
         return reference[gather_index(piece_starts, piece_lengths)], reference_lengths - cut
 
-    def rendered_texts(self, table: pa.Table) -> list[str]:
-        """Each prompt/response or text example as one whole text: the template's rendering of its fields
-        (and the system prompt), prompt and response joined."""
-        texts, _ = self.format.example_kind.render_text(table)
-        return texts
+    def rendered_texts(self, table: pa.Table) -> tuple[list[str], np.ndarray | None]:
+        """Each prompt/response or text example as one whole text: the template's rendering of its fields (and the
+        system prompt), prompt and response joined; and the character where each one's response starts (0 for text).
+        """
+        return self.format.example_kind.render_text(table)
 
     def _conversations(self, table: pa.Table) -> list[list[dict[str, Any]]]:
         """The messages each example is made of, after the transformations the build documents."""
@@ -359,8 +381,7 @@ class TokenChecker:
 
         return (
             f"{example}: its tokens differ from the {self.reference_name()} at token {at} "
-            f"({len(built)} tokens built, {len(reference)} in the reference); pass --on-token-mismatch count to pack "
-            "anyway and count such examples\n"
+            f"({len(built)} tokens built, {len(reference)} in the reference); {self.what_then()}\n"
             f"  built:          [{window(built)}]\n"
             f"  reference:      [{window(reference)}]\n"
             f"  built text:     {text(built)}\n"
@@ -372,10 +393,15 @@ class TokenChecker:
         wrong = "trains a prompt token" if at < prompt else "leaves a completion token untrained"
         return (
             f"{example}: its tokens equal the {self.reference_name()}, but its loss mask {wrong} at token {at} (the "
-            f"reference's prompt is its first {prompt} of {len(built)} tokens, each later one trained); pass "
-            "--on-token-mismatch count to pack anyway and count such examples\n"
+            f"reference's prompt is its first {prompt} of {len(built)} tokens, each later one trained); {self.what_then()}\n"
             f"  token {at}:       {built[at]} {self.backend.decode(built[at : at + 1], skip_special_tokens=False)!r}"
         )
+
+    def what_then(self) -> str:
+        """What a difference does under ``--on-token-mismatch``, for its message: stop the build, or be counted."""
+        if self.on_mismatch == OnTokenMismatch.ERROR:
+            return "pass --on-token-mismatch count to pack anyway and count such examples"
+        return "packed as built and counted (--on-token-mismatch count)"
 
     def reference_name(self) -> str:
         """What the examples are checked against, for messages and the report."""
