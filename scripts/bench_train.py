@@ -240,6 +240,11 @@ class Cell:
     mean_square_length: float
 
 
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The model's vocabulary for a tokenizer's ``vocab_size``: rounded up to a multiple of ``multiple``."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
     """A Llama of the configured size, random init from the seed (or ``--model``'s pretrained weights), on the
     device: bf16 on a GPU, float32 on the CPU (whose bf16 matrix products are far slower)."""
@@ -253,7 +258,7 @@ def make_model(config: BenchConfig, vocab_size: int, attn_implementation: str):
         return model
 
     model_config = LlamaConfig(
-        vocab_size=-(-vocab_size // config.vocab_multiple) * config.vocab_multiple,
+        vocab_size=padded_vocab_size(vocab_size, config.vocab_multiple),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
@@ -854,6 +859,8 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
         else:
             parser.add_argument(flag, type=type(value), default=value)
     config = BenchConfig(**vars(parser.parse_args(argv)))
+    if config.vocab_multiple < 1:
+        parser.error(f"--vocab-multiple {config.vocab_multiple}: give a whole number of at least 1 (1 keeps the tokenizer's)")
     for modes in (config.modes, config.budget_modes):
         unknown = sorted(set(modes.split(",")) - set(MODES))
         if unknown:

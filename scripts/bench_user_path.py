@@ -61,6 +61,7 @@ class UserPathConfig:
     bench_timed_steps: int = 40
     repeats: int = 3
     num_workers: int = 2
+    vocab_multiple: int = 64  # both sides' model vocabulary: the build's rounded up to a multiple of this (bench_train's)
     train_flags: str = "--compile --step-graph --precision bf16-weights"
     trainer_flags: str = "--compile --precision bf16-weights"
     runs: str = "train_py,trainer"
@@ -68,8 +69,11 @@ class UserPathConfig:
 
 
 def random_init_spec(config: UserPathConfig) -> str:
-    """train.py's ``--random-init`` for bench_train's model."""
-    values = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+    """train.py's ``--random-init`` for bench_train's model, its vocabulary padded as bench_train pads it."""
+    from schemas import read_manifest
+
+    vocab_size = -(-read_manifest(config.shards).inputs.tokenizer.vocab_size // config.vocab_multiple) * config.vocab_multiple
+    values = {"vocab_size": vocab_size, "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
               "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
               "num_key_value_heads": config.num_kv_heads, "max_position_embeddings": 8192,
               "tie_word_embeddings": str(config.tie_word_embeddings).lower()}
@@ -96,6 +100,7 @@ def bench(config: UserPathConfig, workdir: Path) -> dict:
          "--rows-per-step", str(config.batch_rows), "--budget-rows", "0", "--modes", config.bench_mode,
          "--warmup-steps", str(config.bench_warmup_steps), "--timed-steps", str(config.bench_timed_steps),
          "--repeats", str(config.repeats), "--num-workers", str(config.num_workers), "--lr", str(config.lr),
+         "--vocab-multiple", str(config.vocab_multiple),
          "--warmup-lr-steps", str(config.warmup_lr_steps), "--out", str(out)])
     result = json.loads(out.read_text())
     mode = result["datasets"]["build"]["cells"]["small"]["modes"][config.bench_mode]
@@ -145,6 +150,8 @@ def parse_args(argv: list[str] | None) -> UserPathConfig:
         else:
             parser.add_argument(flag, type=type(value), default=value, required=name == "shards")
     config = UserPathConfig(**vars(parser.parse_args(argv)))
+    if config.vocab_multiple < 1:
+        parser.error(f"--vocab-multiple {config.vocab_multiple}: give a whole number of at least 1 (1 keeps the tokenizer's)")
     if not config.runs or not set(config.runs.split(",")) <= {"train_py", "trainer"}:
         parser.error(f"--runs {config.runs!r}: choose train_py, trainer or both, comma-separated")
     if config.steps < 2 * config.log_every:

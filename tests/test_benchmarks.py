@@ -96,7 +96,7 @@ def test_bench_train_trains_lora_adapters_in_every_mode(tmp_path: Path) -> None:
         run = modes[mode]["runs"][0]
         assert run["trained_parameters"] == adapters, mode
     layers = sum(o * i for o, i in shapes)
-    head = 1000 * 32
+    head = 1024 * 32  # the build's 1000 tokens padded to a multiple of 64 (--vocab-multiple's default)
     assert full_run["flops_per_token"] - modes["ours_eager"]["runs"][0]["flops_per_token"] == pytest.approx(
         6 * (layers + head) - 4 * (layers + head) - 6 * adapters)
 
@@ -135,3 +135,5 @@ def test_bench_user_path_compares_both_documented_commands_with_the_benchmark(tm
         assert [w["steps"] for w in windows] == [[1, 2], [3, 4]], name
         assert result[f"{name}_vs_bench"] == pytest.approx(windows[1]["tokens_per_s"] / result["bench"]["tokens_per_s"])
     assert "--trainer hf" in result["trainer"]["command"] and "--trainer" not in result["train_py"]["command"]
+    # Both sides build the model bench_train builds: the build's 1000 tokens padded to a multiple of 64.
+    assert all("vocab_size=1024," in result[name]["command"] for name in ("train_py", "trainer"))
