@@ -3,6 +3,8 @@
 ``use_loss_position_head`` computes logits only where a label is not -100, in chunks; the loss
 and every parameter's gradient must equal ``model(**batch).loss`` with all logits, on packed
 loader batches and on ordinary padded ones, for several architectures (untied and tied heads).
+A vocabulary that is no multiple of 64 (``VOCAB`` is one) is split in two parts, which must give
+the unsplit head's loss, log-probabilities and gradients.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
 RTOL = 1e-5
+# The odd-vocabulary tests' head: rows of hidden states, rows a chunk, hidden size.
+ROWS, CHUNK_ROWS, HIDDEN_SIZE = 24, 10, 16
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +194,6 @@ def test_an_lm_head_inside_a_prediction_head_is_refused():
 
 
 
-CHUNK_ROWS = 10
-HIDDEN_SIZE = 16
-
 
 class Ops(TorchDispatchMode):
     """Every aten op run under it: its name and tensor arguments, and each matrix product's shapes."""
@@ -215,7 +216,7 @@ class Ops(TorchDispatchMode):
 
     def vocabulary_columns(self) -> set[int]:
         """The sizes in the products' shapes that are neither the hidden size nor a chunk's row count."""
-        return {dim for shapes in self.products for shape in shapes for dim in shape} - {HIDDEN_SIZE, CHUNK_ROWS, 4}
+        return {dim for shapes in self.products for shape in shapes for dim in shape} - {HIDDEN_SIZE, CHUNK_ROWS, ROWS % CHUNK_ROWS}
 
     def on(self, tensor: torch.Tensor) -> list[str]:
         """The ops that took ``tensor`` or a view of it."""
@@ -223,22 +224,22 @@ class Ops(TorchDispatchMode):
         return [name for name, args in self.calls if any(a.untyped_storage().data_ptr() == storage for a in args)]
 
 
-def head_inputs(vocab: int, dtype: torch.dtype, rows: int = 24) -> dict:
-    """Hidden states, weight and bias of an LM head ([rows, 16], [vocab, 16], [vocab]), targets in both parts of
+def head_inputs(vocab: int, dtype: torch.dtype) -> dict:
+    """Hidden states, weight and bias of an LM head ([ROWS, 16], [vocab, 16], [vocab]), targets in both parts of
     the vocabulary (0, the ids either side of the split, the last id), per-row weights and an upstream gradient."""
     gen = torch.Generator().manual_seed(vocab)
     aligned = vocab - vocab % 64
-    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets = torch.randint(0, vocab, (ROWS,), generator=gen)
     targets[:5] = torch.tensor([0, max(aligned - 1, 0), min(aligned, vocab - 1), vocab - 1, vocab - 1])
     if aligned < vocab:
         targets[5:12] = torch.randint(aligned, vocab, (7,), generator=gen)
     return {
-        "hidden": torch.randn(rows, HIDDEN_SIZE, generator=gen).to(dtype),
+        "hidden": torch.randn(ROWS, HIDDEN_SIZE, generator=gen).to(dtype),
         "weight": torch.randn(vocab, HIDDEN_SIZE, generator=gen).to(dtype),
         "bias": torch.randn(vocab, generator=gen).to(dtype),
         "targets": targets,
-        "row_weights": torch.rand(rows, generator=gen) * 2,
-        "upstream": torch.randn(rows, generator=gen),
+        "row_weights": torch.rand(ROWS, generator=gen) * 2,
+        "upstream": torch.randn(ROWS, generator=gen),
     }
 
 
@@ -246,7 +247,7 @@ def head_outputs(inputs: dict, weighted: bool, autocast: bool = False) -> dict[s
     """The head's summed loss, per-row losses and log-probabilities, in chunks of ``CHUNK_ROWS``, and the gradients
     of the loss and of the log-probabilities for the hidden states, weight and bias; ``autocast``: the forward
     under bf16 autocast, as scripts/train.py runs it."""
-    leaves = [inputs[name].clone().requires_grad_() for name in ("hidden", "weight", "bias")]
+    leaves = [inputs[name].detach().requires_grad_() for name in ("hidden", "weight", "bias")]
     hidden, weight, bias = leaves
     targets, row_weights = inputs["targets"], inputs["row_weights"] if weighted else None
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

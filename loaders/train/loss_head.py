@@ -129,7 +129,7 @@ class _SplitVocabulary(_WholeVocabulary):
         grads[1].scatter_add_(1, tail[:, None], share)
 
     def matmul(self, grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> torch.Tensor:
-        # The small product first: the large one accumulates onto it and is rounded once, as one product would be.
+        # The large product accumulates onto the small one: one rounding of the sum, after the small product's own.
         return torch.addmm(grads[1] @ weights[1], grads[0], weights[0])
 
     def _columns(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
