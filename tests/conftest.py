@@ -1,5 +1,6 @@
-"""Test-wide settings: no test may reach the network. The Quickstart's build, packed once per session; the resume tests'
-build of whole examples; an S3-protocol server on 127.0.0.1 for the tests of builds on an object store."""
+"""Test-wide settings: no test may reach the network. The Quickstart's build, packed once per session; the cache of the
+GGUF conversions; the resume tests' build of whole examples; an S3-protocol server on 127.0.0.1 for the tests of builds
+on an object store."""
 
 import json
 import os
@@ -32,6 +33,14 @@ def quickstart(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return cwd, subprocess.run([sys.executable, "-m", "pipeline.pack", "--no-progress"], cwd=cwd, env=env,
                                capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def gguf_cache(tmp_path_factory) -> Path:
+    """A ``$VARPACK_CACHE_DIR`` for the GGUF files of ``tests/data/llama-cpp-vocab``, one for the session: each file is
+    converted (transformers reads its whole vocabulary, tens of seconds for Falcon's) by the first test to load it, and
+    read from here by the later ones. Tests keep other tokenizers out of it."""
+    return tmp_path_factory.mktemp("gguf-cache")
 
 
 @pytest.fixture(scope="session")

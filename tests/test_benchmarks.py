@@ -33,9 +33,19 @@ BENCHES = [
 ]
 
 
-def run_bench(script: str, args: list[str], tmp_path: Path) -> dict:
+# A tiny Llama, as bench_train.py and bench_user_path.py take its shape.
+TINY_LLAMA = ["--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The benchmarks' ``$VARPACK_CACHE_DIR`` (not the user's), one for the module: a tokenizer is converted once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_bench(script: str, args: list[str], tmp_path: Path, cache: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "VARPACK_CACHE_DIR": str(tmp_path / "cache")}
+           "VARPACK_CACHE_DIR": str(cache)}
     done = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
@@ -43,23 +53,35 @@ def run_bench(script: str, args: list[str], tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize(("script", "args", "anchors"), BENCHES, ids=[b[0] for b in BENCHES])
-def test_bench_runs_and_reports_its_anchor(script: str, args: list[str], anchors: list[str], tmp_path: Path) -> None:
-    result = run_bench(script, args, tmp_path)
+def test_bench_runs_and_reports_its_anchor(script: str, args: list[str], anchors: list[str], tmp_path: Path,
+                                           cache: Path) -> None:
+    result = run_bench(script, args, tmp_path, cache)
     missing = [key for key in anchors if key not in result]
     assert not missing, f"{script}'s last JSON line lacks {missing}: {sorted(result)}"
 
 
-def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: Path) -> None:
-    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions, each building and
-    freeing its model) on a tiny Llama on the CPU: the eager reference against varpack's eager mode. The build holds whole
-    examples of random tokens from a vocabulary of 1000, which keeps the LM head as tiny as the layers."""
+@pytest.fixture(scope="module")
+def random_build(tmp_path_factory) -> Path:
+    """Whole examples of random tokens from a vocabulary of 1000, which keeps the LM head as tiny as the layers, in rows
+    of 1024 tokens; the benchmarks read it and leave it as it is."""
     lengths = np.random.default_rng(0).integers(50, 1000, 120)
-    packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
-    result = run_bench("bench_train.py", [
-        "--shards", f"random={packed.path}", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
-        "--num-heads", "2", "--num-kv-heads", "1", "--rows-per-step", "1", "--budget-rows", "0",
+    return build_shard_dir(tmp_path_factory.mktemp("shards"), lengths, capacity=1024, vocab_size=1000, overflow="drop").path
+
+
+@pytest.fixture(scope="module")
+def eager_against_flatten(random_build, tmp_path_factory, cache) -> dict:
+    """bench_train.py's last JSON line: the eager reference (``flatten``) against varpack's eager mode on
+    ``random_build``, two repetitions each, one DataLoader worker."""
+    return run_bench("bench_train.py", [
+        "--shards", f"random={random_build}", *TINY_LLAMA, "--rows-per-step", "1", "--budget-rows", "0",
         "--warmup-steps", "1", "--timed-steps", "1", "--repeats", "2", "--num-workers", "1", "--modes", "flatten,ours_eager",
-    ], tmp_path)
+    ], tmp_path_factory.mktemp("bench-train"), cache)
+
+
+def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(eager_against_flatten: dict) -> None:
+    """bench_train's harness (DataLoader workers, one process per mode, alternating repetitions, each building and
+    freeing its model) on a tiny Llama on the CPU: the eager reference against varpack's eager mode."""
+    result = eager_against_flatten
     cell = result["headline"]["random/small"]
     assert (cell["best_reference"], cell["best_ours"]) == ("flatten", "ours_eager")
     assert cell["best_speed_vs_best_reference"] > 0
@@ -75,18 +97,18 @@ def test_bench_train_runs_on_cpu_and_compares_with_the_best_reference(tmp_path: 
     assert modes["flatten"]["runs"][0]["real_tokens_per_step"] == modes["ours_eager"]["runs"][0]["real_tokens_per_step"]
 
 
-def test_bench_train_trains_lora_adapters_in_every_mode(tmp_path: Path) -> None:
+def test_bench_train_trains_lora_adapters_in_every_mode(random_build, eager_against_flatten, tmp_path: Path,
+                                                      cache: Path) -> None:
     """``--lora-rank``: every mode trains only LoRA adapters on every linear layer but the LM head (peft), and the
-    model FLOPs count the frozen weights' forward and input gradient (4 per weight) rather than 6."""
+    model FLOPs count the frozen weights' forward and input gradient (4 per weight) rather than 6: against the same
+    model trained in full on the same build (``eager_against_flatten``)."""
     pytest.importorskip("peft")
-    lengths = np.random.default_rng(0).integers(50, 1000, 120)
-    packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
-    common = ["--shards", f"random={packed.path}", "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
-              "--num-heads", "2", "--num-kv-heads", "1", "--rows-per-step", "1", "--budget-rows", "0",
-              "--warmup-steps", "1", "--timed-steps", "1", "--repeats", "1", "--num-workers", "0"]
-    full = run_bench("bench_train.py", [*common, "--modes", "ours_eager", "--out", "full.json"], tmp_path)
-    lora = run_bench("bench_train.py", [*common, "--modes", "flatten,ours_eager", "--lora-rank", "2"], tmp_path)
-    full_run = full["datasets"]["random"]["cells"]["small"]["modes"]["ours_eager"]["runs"][0]
+    lora = run_bench("bench_train.py", [
+        "--shards", f"random={random_build}", *TINY_LLAMA, "--rows-per-step", "1", "--budget-rows", "0",
+        "--warmup-steps", "1", "--timed-steps", "1", "--repeats", "1", "--num-workers", "0",
+        "--modes", "flatten,ours_eager", "--lora-rank", "2",
+    ], tmp_path, cache)
+    full_run = eager_against_flatten["datasets"]["random"]["cells"]["small"]["modes"]["ours_eager"]["runs"][0]
     modes = lora["datasets"]["random"]["cells"]["small"]["modes"]
     # One layer: q, k, v, o (32 x 32 with 2 KV heads of 16: k and v are 16 x 32), gate, up (64 x 32), down (32 x 64),
     # each with A (2 x in) and B (out x 2).
@@ -101,13 +123,13 @@ def test_bench_train_trains_lora_adapters_in_every_mode(tmp_path: Path) -> None:
         6 * (layers + head) - 4 * (layers + head) - 6 * adapters)
 
 
-def test_bench_pipeline_reports_scaling_against_datasets_and_trl(tmp_path: Path) -> None:
+def test_bench_pipeline_reports_scaling_against_datasets_and_trl(tmp_path: Path, cache: Path) -> None:
     """bench_pipeline at its smallest: a sweep over 1 and 2 local workers, a DaskRunner build on a 1-worker cluster and
     datasets + TRL on the same examples, each with its tokens/s and its workers' peak RSS, in one JSON line."""
     pytest.importorskip("trl")
     pytest.importorskip("distributed")
     result = run_bench("bench_pipeline.py", ["--workers", "1,2", "--examples-per-worker", "150", "--examples", "300",
-                                             "--dask-workers", "1", "--baseline-procs", "2"], tmp_path)
+                                             "--dask-workers", "1", "--baseline-procs", "2"], tmp_path, cache)
     assert sorted(result["workers"]) == ["1", "2"]
     assert result["workers"]["1"]["efficiency"] == 1.0
     for run in [*result["workers"].values(), result["direct_full"], result["dask"], result["datasets_trl"]]:
@@ -117,18 +139,16 @@ def test_bench_pipeline_reports_scaling_against_datasets_and_trl(tmp_path: Path)
     assert result["vs_datasets_trl"] == round(result["datasets_trl"]["wall_s"] / result["direct_full"]["wall_s"], 4)
 
 
-def test_bench_user_path_compares_both_documented_commands_with_the_benchmark(tmp_path: Path) -> None:
+def test_bench_user_path_compares_both_documented_commands_with_the_benchmark(random_build, tmp_path: Path,
+                                                                              cache: Path) -> None:
     """bench_user_path.py on the CPU at a tiny size: train.py and PackedTrainer (train.py --trainer hf) run as
     documented, each logged window against bench_train's mode on the same build and model, and the comparison is
     made from the windows after the first."""
-    lengths = np.random.default_rng(0).integers(50, 1000, 120)
-    packed = build_shard_dir(tmp_path / "shards", lengths, capacity=1024, vocab_size=1000, overflow="drop")
     result = run_bench("bench_user_path.py", [
-        "--shards", str(packed.path), "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
-        "--num-heads", "2", "--num-kv-heads", "1", "--batch-rows", "1", "--steps", "4", "--log-every", "2",
+        "--shards", str(random_build), *TINY_LLAMA, "--batch-rows", "1", "--steps", "4", "--log-every", "2",
         "--bench-mode", "ours_eager", "--bench-warmup-steps", "1", "--bench-timed-steps", "1", "--repeats", "1",
         "--num-workers", "0", "--train-flags", "", "--trainer-flags", "",
-    ], tmp_path)
+    ], tmp_path, cache)
     assert result["bench"]["mode"] == "ours_eager" and result["bench"]["tokens_per_s"] > 0
     for name in ("train_py", "trainer"):
         windows = result[name]["windows"]

@@ -527,9 +527,10 @@ def test_one_column_named_for_two_parts_of_a_pair_is_an_option_error(tmp_path, c
 
 
 @pytest.mark.parametrize("kind", ["preference", "sft"])
-def test_a_build_of_bad_rows_only_says_how_many_and_why_and_keeps_their_list(tmp_path, capsys, kind):
+def test_a_build_of_bad_rows_only_says_how_many_and_why_and_keeps_their_list(tmp_path, capsys, monkeypatch, gguf_cache, kind):
     if kind == "preference":
         # The byte-level Falcon vocabulary merges the default template's "\n\n" with each completion.
+        monkeypatch.setenv("VARPACK_CACHE_DIR", str(gguf_cache))  # its conversion, made once for the session
         records = [{"prompt": f"What is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}, I think."} for i in range(12)]
         options = ["--format", "preference", "--tokenizer", "tests/data/llama-cpp-vocab/ggml-vocab-falcon.gguf"]
         reasons = "prompt_not_a_prefix: 12"

@@ -165,14 +165,8 @@ def test_a_bare_sentencepiece_model_adds_the_bos_it_reports(sentencepiece_model)
 
 
 @pytest.fixture(scope="module")
-def gguf_cache(tmp_path_factory) -> Path:
-    """The cache of this module's GGUF conversions (``$VARPACK_CACHE_DIR``), filled by ``gguf_tokenizers``."""
-    return tmp_path_factory.mktemp("gguf-cache")
-
-
-@pytest.fixture(scope="module")
 def gguf_tokenizers(gguf_cache):
-    """The GGUF_VOCABS files as load_tokenizer converts them, each once, into ``gguf_cache``."""
+    """The GGUF_VOCABS files as load_tokenizer converts them, each once, into ``gguf_cache`` (conftest.py)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VARPACK_CACHE_DIR", str(gguf_cache))
         yield {name: load_tokenizer(str(LLAMA_CPP_VOCAB / f"ggml-vocab-{name}.gguf")) for name in GGUF_VOCABS}
