@@ -363,3 +363,128 @@ def test_a_forged_trainer_file_is_refused_in_one_line(shards, tmp_path, name):
         make_trainer("hf", shards, tmp_path).train(resume_from_checkpoint=True)
     assert str(refused.value).endswith(expected) and "\n" not in str(refused.value)
     assert not marker.exists()
+
+
+def unchanged_trainer_class(base: type) -> type:
+    """``base`` with Trainer's own per-step calls back: the parameter count and ``model.train()`` at every
+    micro-batch, the model unwrapped at each call."""
+    import contextlib
+
+    class Unchanged(base):
+        floating_point_ops = transformers.Trainer.floating_point_ops
+
+        def _train_call_skipped_if_idle(self, model):
+            return contextlib.nullcontext()
+
+        def _unwrapped(self, model):
+            return self.accelerator.unwrap_model(model)
+
+    return Unchanged
+
+
+class EvalAtSteps(transformers.TrainerCallback):
+    """A user's ``eval()`` between steps: of the whole model after step 1, of one decoder layer after step 2."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:
+            model.eval()
+        if state.global_step == 2:
+            layers = next(module for module in model.modules() if isinstance(module, torch.nn.ModuleList))
+            layers[1].eval()
+
+
+def dropout_llama(lora: bool = False) -> torch.nn.Module:
+    """The tiny Llama with attention dropout, so that a step run in eval mode would change the numbers."""
+    torch.manual_seed(0)
+    config = tiny_llama().config
+    config.attention_dropout = 0.5
+    model = transformers.LlamaForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    return model
+
+
+def dropout_run(shards, out, trainer_class: type, lora: bool = False, **args):
+    torch.manual_seed(0)
+    train_args = transformers.TrainingArguments(**training_args(out, **args))
+    trainer = trainer_class(model=dropout_llama(lora), args=train_args, train_dataset=dataset(shards),
+                            eval_dataset=dataset(shards, shuffle=False), callbacks=[EvalAtSteps()])
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(("lora", "args"), [(False, {}), (False, {"gradient_accumulation_steps": 1, "max_grad_norm": 1.0}),
+                                            (True, {"max_grad_norm": 1.0})], ids=["accumulated", "clipped", "lora"])
+def test_the_step_computes_and_logs_what_trainer_own_calls_do(shards, tmp_path, lora, args):
+    """Counting the parameters once, skipping the idle model.train() and unwrapping once change no number: the
+    losses, grad norms, evaluations, total_flos and weights equal those of Trainer's own per-step calls, with
+    dropout, an evaluation and a user's eval() of the model and of one layer between steps."""
+    if lora:
+        pytest.importorskip("peft")
+    from loaders.train.hf_trainer import PackedTrainer
+
+    runs = [dropout_run(shards, tmp_path / name, trainer_class, lora, eval_strategy="steps", eval_steps=3, **args)
+            for name, trainer_class in (("now", PackedTrainer), ("before", unchanged_trainer_class(PackedTrainer)))]
+    timed = ("real_tokens_per_s", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+             "train_tokens_per_second", "eval_runtime")
+    now, before = ([{k: v for k, v in entry.items() if k not in timed} for entry in run.state.log_history] for run in runs)
+    assert now == before
+    assert any("eval_loss" in entry for entry in now) and sum("grad_norm" in entry for entry in now) == STEPS
+    assert runs[0].state.total_flos == runs[1].state.total_flos > 0
+    for name, value in trained(runs[1]).items():
+        assert torch.equal(trained(runs[0])[name], value), name
+
+
+def test_every_step_trains_in_train_mode_after_an_evaluation_or_a_user_eval(shards, tmp_path):
+    """The step skips Trainer's model.train() only while every module is still training: after the trainer's
+    evaluation, a user's model.eval() or eval() of one layer, the next step trains with every module in train mode
+    (attention dropout on)."""
+    from loaders.train.hf_trainer import PackedTrainer
+
+    class Recording(PackedTrainer):
+        modes: list[tuple[int, bool]] = []
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if torch.is_grad_enabled():  # a training micro-batch, not the evaluation's forward
+                self.modes.append((self.state.global_step, all(module.training for module in model.modules())))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    trainer = dropout_run(shards, tmp_path, Recording, eval_strategy="steps", eval_steps=3, max_steps=5)
+    steps = [step for step, _ in trainer.modes]
+    assert steps == [step for step in range(5) for _ in range(GRAD_ACCUM)]  # after eval() at 1 and 2, evaluation at 3
+    assert all(training for _, training in trainer.modes)
+
+
+def test_a_step_neither_counts_parameters_nor_walks_modules_into_train_mode_again(shards, tmp_path):
+    """Trainer counted the model's parameters (a walk of every module and parameter) for total_flos, and set train mode
+    on every module, at each micro-batch: the count is now made once per train() call and the train-mode walk runs
+    only when a module left train mode (the first step here)."""
+    import cProfile
+    import pstats
+
+    trainer = make_trainer("hf", shards, tmp_path)
+    trainer.model.eval()  # as from_pretrained returns it
+    profile = cProfile.Profile()
+    profile.runcall(trainer.train)
+    calls = {(path.endswith("modeling_utils.py"), name): total for (path, _, name), (_, total, *_)
+             in pstats.Stats(profile).stats.items() if path.endswith(("transformers/modeling_utils.py", "torch/nn/modules/module.py"))}
+    walked_modules = calls.get((False, "train"), 0)  # torch's Module.train, once per module a walk reaches
+    assert (calls.get((True, "num_parameters"), 0), walked_modules) == (1, len(list(trainer.model.modules())))
+    assert trainer.model.training  # the first step's walk: 12 micro-batches, 12 of each before
+
+
+def test_a_module_whose_train_does_more_than_set_its_flag_keeps_the_call():
+    """peft's DoRA layers clear a cache at every train() call: with them the walk is never skipped."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    from loaders.train.hf_trainer import TrainModeWalk
+
+    lora, dora = (get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=use_dora))
+                  for use_dora in (False, True))
+    assert TrainModeWalk(lora.train()).train_would_change_nothing()
+    assert not TrainModeWalk(dora.train()).train_would_change_nothing()
+    lora.base_model.model.lm_head.eval()
+    assert not TrainModeWalk(lora).train_would_change_nothing()
