@@ -170,7 +170,7 @@ class ReadAndEncode(beam.DoFn):
 class Filtered:
     """What reading and encoding left out: bad rows by reason, examples truncation left untrained, and
     chat turns read, used and dropped (``chat.count_turns``); the examples checked against the reference
-    tokenization, those equal to it and those whose tokens alone are."""
+    tokenization and those equal to it."""
 
     rejected: RejectedRows
     untrained_examples: int
@@ -183,7 +183,6 @@ class Filtered:
     examples_equal: int = 0
     # Special tokens whose text the data holds: {token: (examples, the first one's row)}.
     special_text: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
-    examples_mask_differ: int = 0
 
 
 def finish_filtered(
@@ -195,8 +194,8 @@ def finish_filtered(
 
     ``notes`` holds, for each batch, its key, its source rows read, its rows left out, its untrained and
     prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts, what checking its
-    tokens found and the special tokens whose text its data holds. The first example whose tokens differ from the reference (under
-    ``--on-token-mismatch count``) is logged as a warning.
+    tokens found and the special tokens whose text its data holds. The examples that differ from the reference (under
+    ``--on-token-mismatch count``) are logged as a warning: how many, in what, and the first.
     """
     notes = sorted(notes, key=lambda note: note[0])
     rejects: list[SpilledRejects] = [rejected for _, _, rejected, *_ in notes]
@@ -208,19 +207,18 @@ def finish_filtered(
     write_rejected([r.path for r in rejects if r.path is not None], out_dir)
     untrained = [sum(counts) for counts in zip(*(u for _, _, _, u, _, _, _ in notes))] or [0, 0, 0, 0]
     turns = sum((turns for *_, turns, _, _ in notes), Counter())
-    checks = [check for *_, check, _ in notes]
+    token_check = CheckCounts.summed(counts for *_, counts, _ in notes)
     special_text: dict[str, tuple[int, str]] = {}
     for *_, found in notes:  # in source order: the first row of each token is the first of the build
         for token, (count, first) in found.items():
             total, earliest = special_text.get(token, (0, first))
             special_text[token] = (total + count, earliest)
-    mismatch = next((check.first_mismatch for check in checks if check.first_mismatch), None)
-    if mismatch is not None:
-        logging.getLogger("varpack").warning("%s", mismatch)
+    mismatches = token_check.mismatch_warning()
+    if mismatches is not None:
+        logging.getLogger("varpack").warning("%s", mismatches)
     return Filtered(
         summarize(sum((r.by_reason for r in rejects), Counter())), untrained[0], untrained[1], turns, untrained[2], untrained[3],
-        sum(check.checked for check in checks), sum(check.equal for check in checks), special_text,
-        examples_mask_differ=sum(check.mask_only for check in checks),
+        token_check.checked, token_check.equal, special_text,
     )
 
 
@@ -320,7 +318,6 @@ def write_build_manifest(
     stats.examples_truncated += filtered.prompt_cut_examples
     stats.tokens_truncated += filtered.prompt_cut_tokens
     stats.examples_checked, stats.examples_equal = filtered.examples_checked, filtered.examples_equal
-    stats.examples_mask_differ = filtered.examples_mask_differ
     stats.token_check = token_check
     stats.special_token_text = {token: {"examples": n, "first_row": first} for token, (n, first) in filtered.special_text.items()}
     stats.num_example_ids = sum(kept_rows for part in joined["placed"] for _, (_, kept_rows) in part)

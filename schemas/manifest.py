@@ -259,8 +259,6 @@ class PackingStats:
     # Examples checked against the reference tokenization (a sample, or all), and those equal to it (format 6).
     examples_checked: int = 0
     examples_equal: int = 0
-    # Of the examples checked and not equal, those whose tokens are equal and whose loss mask is not; written only when set.
-    examples_mask_differ: int = 0
     # Which examples the build checked (--verify-tokens: "off", "sample" or "all"); "" in older builds.
     token_check: str = ""
     # Special tokens whose text the data's own text holds, tokenized as those tokens:
@@ -296,8 +294,7 @@ class PackingStats:
         data = {**dataclasses.asdict(self), "fill": self.fill}
         # Written only when set (chat builds, pipeline builds), so that other builds' manifests stay as they were.
         written_when_set = (
-            "chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", "pairs", "bad_pairs",
-            "examples_mask_differ", *SOURCE_LISTS
+            "chat_turns", "dangling_turns_dropped", "token_check", "special_token_text", "pairs", "bad_pairs", *SOURCE_LISTS
         )
         return {key: value for key, value in data.items() if value or key not in written_when_set}
 

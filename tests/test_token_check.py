@@ -9,18 +9,22 @@ and dropped dangling turns) but takes its tokens from the tokenizer alone.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline.beam_pipeline import finish_filtered
 from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
 from pipeline.encode.examples import EncodedBatch, Encoder, encode_ids
 from pipeline.encode.token_check import SAMPLE_SIZE, TokenChecker, first_differences, sample_mask
 from pipeline.encode.tokenizer import load_tokenizer
 from pipeline.errors import TokenMismatchError
+from pipeline.packing.spill import SpilledRejects
 from pipeline.pack import main
 from pipeline.read.formats import ExampleFormat, split_prompt_template
 from pipeline.read.readers import BatchRows
@@ -315,7 +319,8 @@ def test_a_loss_mask_the_whole_texts_offsets_contradict_is_caught_naming_the_row
 
 def test_a_left_cut_that_took_response_tokens_is_caught_naming_the_row():
     """Under --truncate-side left a cut must leave the response whole: an example holding the whole text's last
-    tokens, every one after the BOS trained, but with the response's first tokens cut away too, is a difference."""
+    tokens, every one after the BOS trained, but with the response's first tokens cut away too, is a difference, counted
+    under --on-token-mismatch count as what it is: a cut that took response tokens."""
     tokenizer = load_tokenizer()
     example_format = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template="{prompt}\\n{response}",
                                    keep_response=True)
@@ -330,28 +335,47 @@ def test_a_left_cut_that_took_response_tokens_is_caught_naming_the_row():
     batch = EncodedBatch(np.array([tokens.size]), tokens, mask)
     with pytest.raises(TokenMismatchError, match=r"data.jsonl row 0: .* took the first 3 tokens of its response"):
         TokenChecker(tokenizer, example_format, "error").check(table, BatchRows("data.jsonl"), batch, np.ones(1, bool))
+    # Counted, it is neither a difference in tokens nor one in the loss mask alone, and the warning says what it is.
+    counted = TokenChecker(tokenizer, example_format, "count").check(table, BatchRows("data.jsonl"), batch, np.ones(1, bool))
+    assert (counted.checked, counted.equal, counted.mask_only, counted.response_cut) == (1, 0, 0, 1)
+    assert counted.mismatch_warning().startswith(
+        "1 of 1 example checked differs from the token check's reference (1 with response tokens cut by --truncate-side left); "
+        "the first, data.jsonl row 0: its tokens are the whole text's last ones, but the cut of its head")
 
 
-def test_a_loss_mask_difference_is_counted_and_reported_as_one_not_as_a_tokenization_difference():
-    """Under --on-token-mismatch count, an example whose tokens equal the reference but whose loss mask does not is
-    counted apart from one whose tokens differ; the report and a refused reuse say which is which, and the logged
-    first difference does not suggest the option already given."""
+def test_a_loss_mask_difference_is_counted_and_reported_as_one_not_as_a_tokenization_difference(tmp_path, caplog):
+    """Under --on-token-mismatch count, the build's warning counts an example whose tokens equal the reference but whose
+    loss mask does not apart from one whose tokens differ, and shows the first without suggesting the option already
+    given. The manifest records only the examples checked and equal, so the report and a refused reuse say of any
+    build, packed by this varpack or an older one, that they differ in their tokens or loss mask."""
     example_format = ExampleFormat(ExampleKind.PROMPT_RESPONSE, ("q", "a"), prompt_template=DOCS_TEMPLATE)
     table = pa.table({"q": ["How old is Tom?", "What is 2+3?", "Who?"], "a": ["Five years old.", "5", "Me."]})
     batch, _ = encoded_and_checked(example_format, table)
     batch.loss_mask[0] = 1  # row 0's BOS, now trained: its tokens are still equal
     batch.tokens[batch.starts[1] + 2] += 1  # a token of row 1, now another
-    counted = TokenChecker(load_tokenizer(), example_format, "count").check(table, BatchRows("data.jsonl"), batch, np.ones(3, bool))
-    assert (counted.checked, counted.equal, counted.mask_only) == (3, 1, 1)
-    assert counted.first_mismatch.startswith("data.jsonl row 0: its tokens equal the whole text tokenized at once, but "
-                                             "its loss mask trains a prompt token at token 0")
-    assert "pass --on-token-mismatch count" not in counted.first_mismatch
-    assert "packed as built and counted (--on-token-mismatch count)" in counted.first_mismatch
-    stats = PackingStats(examples=3, examples_checked=3, examples_equal=1, examples_mask_differ=1, token_check="all")
+    checker = TokenChecker(load_tokenizer(), example_format, "count")
+    first, rest = (checker.check(table, BatchRows("data.jsonl"), batch, np.arange(3) == 0),
+                   checker.check(table, BatchRows("data.jsonl"), batch, np.arange(3) > 0))
+    assert (first.checked, first.equal, first.mask_only, rest.checked, rest.equal, rest.mask_only) == (1, 0, 1, 2, 1, 0)
+    assert first.first_mismatch.startswith("data.jsonl row 0: its tokens equal the whole text tokenized at once, but "
+                                           "its loss mask trains a prompt token at token 0")
+    assert "pass --on-token-mismatch count" not in first.first_mismatch
+    assert "packed as built and counted (--on-token-mismatch count)" in first.first_mismatch
+    # The two batches' notes as the build gathers them, in any order: the build's warning names the first in source order.
+    notes = [((0, part), rows, SpilledRejects(Counter()), (0, 0, 0, 0), Counter(), counts, {})
+             for part, rows, counts in [(1, 2, rest), (0, 1, first)]]
+    with caplog.at_level(logging.WARNING, logger="varpack"):
+        filtered = finish_filtered(notes, str(tmp_path), 0)
+    assert caplog.messages == [
+        "2 of 3 examples checked differ from the token check's reference (1 in tokens, 1 in the loss mask only); "
+        f"the first, {first.first_mismatch}"
+    ]
+    assert (filtered.examples_checked, filtered.examples_equal) == (3, 1)
+    stats = PackingStats(examples=3, examples_checked=3, examples_equal=1, token_check="all")
     assert describe_token_check(stats, "all") == (
-        "3 examples checked (all examples) against the tokenizer's own tokenization, 1 equal, 2 differ (1 in tokens, 1 in "
-        "the loss mask only; --on-token-mismatch count, the first is logged above)")
+        "3 examples checked (all examples) against the tokenizer's own tokenization, 1 equal, 2 differ in their tokens "
+        "or loss mask (--on-token-mismatch count; the warning above counts each kind and shows the first)")
+    assert describe_token_check(stats, "sample", reused=True).endswith(
+        "1 equal, 2 differ in their tokens or loss mask (--on-token-mismatch count; the first was logged when it was built)")
     assert reuse_token_check_error(stats, "sample", "error").startswith(
-        "2 examples of this build differ from the token check's reference (1 in tokens, 1 in the loss mask only; found "
-        "when it was built)")
-    assert PackingStats.from_dict(stats.to_dict()) == stats and "examples_mask_differ" not in PackingStats().to_dict()
+        "2 examples of this build differ from the token check's reference in their tokens or loss mask (found when it was built)")

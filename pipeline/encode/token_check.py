@@ -30,7 +30,9 @@ its tokens must be the whole text's last ones; where the cut falls (never in the
 ``first_differences`` compares the two, a pure function over token ids. A difference stops the
 build with an error naming the example and showing both sequences (``--on-token-mismatch
 error``, the default), or is counted in the report and the manifest (``count``); the examples
-checked and equal are recorded either way (``stats.examples_checked`` / ``examples_equal``).
+checked and equal are recorded either way (``stats.examples_checked`` / ``examples_equal``). Under
+``count`` the build logs the first difference and how many differ in tokens, in the loss mask alone,
+or by a cut that took response tokens (``CheckCounts.mismatch_warning``), which the manifest does not record.
 
 Which examples are checked needs no coordination between workers: with ``--verify-tokens
 sample`` (the default) an example is checked when its place in the dataset falls in a seeded
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +74,47 @@ CONTEXT_TOKENS = 8
 
 @dataclass(frozen=True)
 class CheckCounts:
-    """Examples of a batch checked and found equal to the reference, those of them whose tokens are equal but whose
-    loss mask is not, and the first one that differs (its message)."""
+    """Examples of a batch checked and found equal to the reference; of the others, those whose tokens equal it but
+    whose loss mask does not and those whose head's cut (``--truncate-side left``) took response tokens; and the
+    first one that differs (its message). Only the examples checked and equal go into the manifest: the others'
+    kinds are for the warning the build logs."""
 
     checked: int = 0
     equal: int = 0
     mask_only: int = 0
+    response_cut: int = 0
     first_mismatch: str | None = None
+
+    @classmethod
+    def summed(cls, counts: Iterable[CheckCounts]) -> CheckCounts:
+        """The counts of batches in source order; the first difference is the earliest batch's."""
+        counts = list(counts)
+        return cls(
+            sum(c.checked for c in counts), sum(c.equal for c in counts), sum(c.mask_only for c in counts),
+            sum(c.response_cut for c in counts), next((c.first_mismatch for c in counts if c.first_mismatch), None),
+        )
+
+    def mismatch_warning(self) -> str | None:
+        """What a build under ``--on-token-mismatch count`` logs of the examples that differ: how many, how they
+        differ, and the first; None when none does.
+
+        >>> print(CheckCounts(10, 7, mask_only=2, first_mismatch="row 4: ...").mismatch_warning())
+        3 of 10 examples checked differ from the token check's reference (1 in tokens, 2 in the loss mask only); the first, row 4: ...
+        """
+        if self.first_mismatch is None:
+            return None
+        tokens = self.checked - self.equal - self.mask_only - self.response_cut
+        kinds = [
+            f"{count:,} {kind}"
+            for count, kind in [(tokens, "in tokens"), (self.mask_only, "in the loss mask only"),
+                                (self.response_cut, "with response tokens cut by --truncate-side left")]
+            if count
+        ]
+        differ = self.checked - self.equal
+        return (
+            f"{differ:,} of {self.checked:,} example{'s' * (self.checked != 1)} checked differ{'s' * (differ == 1)} from the "
+            f"token check's reference ({', '.join(kinds)}); the first, {self.first_mismatch}"
+        )
 
 
 def first_differences(
@@ -244,10 +281,16 @@ class TokenChecker:
                 first = self.describe_mask(rows.name(int(source_rows[i])), ours, int(untrained_from[i]), int(mask_differences[i]))
             if self.on_mismatch == OnTokenMismatch.ERROR:
                 raise TokenMismatchError(first)
+        # Each unequal example (a preference pair: both its sequences) is counted once, under the first kind it shows
+        # of: tokens, a response cut, the loss mask alone; the same order as its message's.
         per_example = lengths.size // examples.size
         unequal = np.unique(differ // per_example).size
-        tokens_unequal = np.unique(np.flatnonzero((differences >= 0) | (response_cut > 0)) // per_example).size
-        return CheckCounts(int(examples.size), int(examples.size - unequal), int(unequal - tokens_unequal), first)
+        tokens_unequal = np.unique(np.flatnonzero(differences >= 0) // per_example).size
+        cut_or_tokens = np.unique(np.flatnonzero((differences >= 0) | (response_cut > 0)) // per_example).size
+        return CheckCounts(
+            int(examples.size), int(examples.size - unequal), int(unequal - cut_or_tokens), int(cut_or_tokens - tokens_unequal),
+            first,
+        )
 
     def sequences(self, batch: EncodedBatch, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The built token sequences of ``examples`` (indices into ``batch``) to compare, flat, and their lengths."""

@@ -160,24 +160,10 @@ def reuse_token_check_error(stats: PackingStats, verify_tokens: str, on_token_mi
     differ = stats.examples_checked - stats.examples_equal
     if differ and on_token_mismatch == OnTokenMismatch.ERROR and verify_tokens != VerifyTokens.OFF:
         return (
-            f"{plural(differ, 'example')} of this build differ from the token check's reference ({token_differences(stats)}; "
-            "found when it was built); --on-token-mismatch error refuses it: pass --force to rebuild and see the first"
+            f"{plural(differ, 'example')} of this build differ from the token check's reference in their tokens or loss mask "
+            "(found when it was built); --on-token-mismatch error refuses it: pass --force to rebuild and see the first"
         )
     return None
-
-
-def token_differences(stats: PackingStats) -> str:
-    """How the examples the token check found unequal differ: in their tokens, or in their loss mask alone.
-
-    >>> token_differences(PackingStats(examples_checked=10, examples_equal=7, examples_mask_differ=2))
-    '1 in tokens, 2 in the loss mask only'
-    """
-    mask = stats.examples_mask_differ
-    tokens = stats.examples_checked - stats.examples_equal - mask
-    kinds = [f"{tokens:,} in tokens"] if tokens else []
-    if mask:
-        kinds.append(f"{mask:,} in the loss mask only")
-    return ", ".join(kinds)
 
 
 def describe_token_check(stats: PackingStats, verify_tokens: str, reused: bool = False) -> str:
@@ -194,8 +180,8 @@ def describe_token_check(stats: PackingStats, verify_tokens: str, reused: bool =
     )
     differ = stats.examples_checked - stats.examples_equal
     if differ:
-        first = "logged when it was built" if reused else "logged above"
-        line += f", {differ:,} differ ({token_differences(stats)}; --on-token-mismatch count, the first is {first})"
+        logged = "the first was logged when it was built" if reused else "the warning above counts each kind and shows the first"
+        line += f", {differ:,} differ in their tokens or loss mask (--on-token-mismatch count; {logged})"
     return line
 
 
