@@ -162,7 +162,7 @@ def test_a_check_over_an_unchecked_build_or_differences_under_error_refuse_reuse
     stats = read_manifest(plan_build(PackConfig(dataset=data, out=str(tmp_path / "out"))).out_dir).stats
     stats.examples_checked, stats.examples_equal, stats.token_check = 5, 4, "all"
     assert reuse_token_check_error(stats, "sample", "count") is None
-    assert "1 example of this build differ" in (reuse_token_check_error(stats, "sample", "error") or "")
+    assert "1 example of this build differs from" in (reuse_token_check_error(stats, "sample", "error") or "")
     assert reuse_token_check_error(stats, "off", "error") is None
 
 
