@@ -161,7 +161,8 @@ def reuse_token_check_error(stats: PackingStats, verify_tokens: str, on_token_mi
     if differ and on_token_mismatch == OnTokenMismatch.ERROR and verify_tokens != VerifyTokens.OFF:
         return (
             f"{plural(differ, 'example')} of this build {'differs' if differ == 1 else 'differ'} from the token check's "
-            "reference in their tokens or loss mask (found when it was built); --on-token-mismatch error refuses it: pass --force to rebuild and see the first"
+            "reference in their tokens or loss mask (found when it was built); --on-token-mismatch error refuses it: "
+            "pass --force to rebuild and see the first"
         )
     return None
 
