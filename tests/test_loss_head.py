@@ -3,8 +3,6 @@
 ``use_loss_position_head`` computes logits only where a label is not -100, in chunks; the loss
 and every parameter's gradient must equal ``model(**batch).loss`` with all logits, on packed
 loader batches and on ordinary padded ones, for several architectures (untied and tied heads).
-A vocabulary that is no multiple of 64 (``VOCAB`` is one) is split in two parts, which must give
-the unsplit head's loss, log-probabilities and gradients.
 """
 
 from __future__ import annotations
@@ -16,26 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from shard_factory import build_shard_dir
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from loaders import PackedIterableDataset
 from loaders.collate import COUNT_KEYS
-from loaders.train import loss_head
-from loaders.train.loss_head import (
-    PADDED_LOSS_ROWS,
-    _linear_cross_entropy,
-    _LinearLogProbs,
-    linear_cross_entropy,
-    loss_positions,
-    use_loss_position_head,
-)
+from loaders.train.loss_head import PADDED_LOSS_ROWS, linear_cross_entropy, loss_positions, use_loss_position_head
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
 RTOL = 1e-5
-# The odd-vocabulary tests' head: rows of hidden states, rows a chunk, hidden size.
-ROWS, CHUNK_ROWS, HIDDEN_SIZE = 24, 10, 16
 
 
 @pytest.fixture(scope="module")
@@ -191,124 +178,3 @@ def test_an_lm_head_inside_a_prediction_head_is_refused():
     model = transformers.BertLMHeadModel(config)
     with pytest.raises(ValueError, match="the LM head sits inside another module"):
         use_loss_position_head(model)
-
-
-
-
-class Ops(TorchDispatchMode):
-    """Every aten op run under it: its name and tensor arguments, and each matrix product's shapes."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, list[torch.Tensor]]] = []
-        self.products: list[list[tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self.calls.append((func.overloadpacket.__name__, tensors))
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.products.append([tuple(t.shape) for t in (*tensors, out)])
-        return out
-
-    def names(self) -> set[str]:
-        return {name for name, _ in self.calls}
-
-    def vocabulary_columns(self) -> set[int]:
-        """The sizes in the products' shapes that are neither the hidden size nor a chunk's row count."""
-        return {dim for shapes in self.products for shape in shapes for dim in shape} - {HIDDEN_SIZE, CHUNK_ROWS, ROWS % CHUNK_ROWS}
-
-    def on(self, tensor: torch.Tensor) -> list[str]:
-        """The ops that took ``tensor`` or a view of it."""
-        storage = tensor.untyped_storage().data_ptr()
-        return [name for name, args in self.calls if any(a.untyped_storage().data_ptr() == storage for a in args)]
-
-
-def head_inputs(vocab: int, dtype: torch.dtype) -> dict:
-    """Hidden states, weight and bias of an LM head ([ROWS, 16], [vocab, 16], [vocab]), targets in both parts of
-    the vocabulary (0, the ids either side of the split, the last id), per-row weights and an upstream gradient."""
-    gen = torch.Generator().manual_seed(vocab)
-    aligned = vocab - vocab % 64
-    targets = torch.randint(0, vocab, (ROWS,), generator=gen)
-    targets[:5] = torch.tensor([0, max(aligned - 1, 0), min(aligned, vocab - 1), vocab - 1, vocab - 1])
-    if aligned < vocab:
-        targets[5:12] = torch.randint(aligned, vocab, (7,), generator=gen)
-    return {
-        "hidden": torch.randn(ROWS, HIDDEN_SIZE, generator=gen).to(dtype),
-        "weight": torch.randn(vocab, HIDDEN_SIZE, generator=gen).to(dtype),
-        "bias": torch.randn(vocab, generator=gen).to(dtype),
-        "targets": targets,
-        "row_weights": torch.rand(ROWS, generator=gen) * 2,
-        "upstream": torch.randn(ROWS, generator=gen),
-    }
-
-
-def head_outputs(inputs: dict, weighted: bool, autocast: bool = False) -> dict[str, torch.Tensor]:
-    """The head's summed loss, per-row losses and log-probabilities, in chunks of ``CHUNK_ROWS``, and the gradients
-    of the loss and of the log-probabilities for the hidden states, weight and bias; ``autocast``: the forward
-    under bf16 autocast, as scripts/train.py runs it."""
-    leaves = [inputs[name].detach().requires_grad_() for name in ("hidden", "weight", "bias")]
-    hidden, weight, bias = leaves
-    targets, row_weights = inputs["targets"], inputs["row_weights"] if weighted else None
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        total, rows = _linear_cross_entropy(hidden, weight, targets, bias, CHUNK_ROWS, row_weights, keep_rows=True)
-        log_probs = _LinearLogProbs.apply(hidden, weight, bias, targets, CHUNK_ROWS)
-    loss_grads = torch.autograd.grad(total * 0.37, leaves)
-    log_prob_grads = torch.autograd.grad(log_probs, leaves, inputs["upstream"])
-    return {"loss": total.detach(), "rows": rows, "log_probs": log_probs.detach(),
-            **{f"loss grad {name}": g for name, g in zip(("hidden", "weight", "bias"), loss_grads)},
-            **{f"log-prob grad {name}": g for name, g in zip(("hidden", "weight", "bias"), log_prob_grads)}}
-
-
-@pytest.mark.parametrize("vocab", [50257, 32001, 1000 + 3, 63, 65])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32 under bf16 autocast"])
-@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "row weights"])
-def test_an_odd_vocabulary_gives_the_unsplit_loss_log_probs_and_gradients(monkeypatch, vocab, precision, weighted):
-    """A vocabulary that is no multiple of 64 is split at the last multiple below it, so that the head's large
-    products have aligned rows on the GPU; the loss, per-row losses, log-probabilities and every gradient are
-    the unsplit head's, up to fp32 rounding (gradients from bf16 products, up to a bf16 rounding)."""
-    inputs = head_inputs(vocab, torch.bfloat16 if precision == "bf16" else torch.float32)
-    autocast = precision == "fp32 under bf16 autocast"
-    with monkeypatch.context() as patch, Ops() as whole:
-        patch.setattr(loss_head, "VOCAB_ALIGNMENT", 1)  # every vocabulary whole: the head as it was before the split
-        want = head_outputs(inputs, weighted, autocast)
-    with Ops() as split:
-        got = head_outputs(inputs, weighted, autocast)
-    aligned = vocab - vocab % 64
-    assert whole.vocabulary_columns() == {vocab}
-    assert split.vocabulary_columns() == ({aligned, vocab - aligned} if aligned else {vocab})
-    assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=1e-6)
-    for name in ("rows", "log_probs"):
-        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-5)
-    tolerance = 1e-5 if precision == "fp32" else 2**-7
-    for name in [name for name in want if "grad" in name]:
-        assert got[name].dtype == want[name].dtype == inputs["hidden"].dtype
-        err = ((got[name].float() - want[name].float()).norm() / want[name].float().norm()).item()
-        assert err < tolerance, f"{name}: relative error {err:.3g}"
-
-
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "fp32 under bf16 autocast"])
-def test_the_split_vocabulary_takes_views_of_the_weight_not_copies(autocast):
-    """The parts are views of the weight's rows; under autocast the weight is cast once per call, as autocast's
-    cache of a parameter's cast does for the unsplit head, not at each chunk's products."""
-    inputs = head_inputs(1000 + 3, torch.float32)
-    hidden, weight, bias = (inputs[name].requires_grad_() for name in ("hidden", "weight", "bias"))
-    with Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        linear_cross_entropy(hidden, weight, inputs["targets"], bias, CHUNK_ROWS)
-    assert ops.vocabulary_columns() == {960, 43}
-    if autocast:
-        assert ops.on(weight) == ["_to_copy"]
-    else:
-        assert set(ops.on(weight)) == {"slice", "t", "addmm", "mm"}
-
-
-@pytest.mark.parametrize("vocab", [64, 1024, 50240])
-def test_a_vocabulary_of_a_multiple_of_64_is_not_split(vocab):
-    """With an aligned vocabulary the head runs as one part: every product spans the whole vocabulary, and none of
-    the split's ops (views of the weight, the two parts' log-sum-exp, the target's part) runs."""
-    inputs = head_inputs(vocab, torch.float32)
-    with Ops() as ops:
-        head_outputs(inputs, weighted=True)
-    assert ops.vocabulary_columns() == {vocab}
-    assert not {"logaddexp", "where", "clamp", "ge"} & ops.names()
-    assert "slice" not in ops.on(inputs["weight"])

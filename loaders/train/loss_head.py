@@ -23,18 +23,13 @@ sequence's summed log-probability of its labels and its label count, ``[2, n]``,
 head recomputed chunk by chunk in backward): the per-sequence sums preference losses take
 (``loaders.train.preference``).
 
-A vocabulary that is not a multiple of 64 (a tokenizer's 128,256 tokens and an added pad token) is split
-at the last multiple of 64 below it: the large products run on the weight's first rows, whose logits
-rows are aligned for the GPU's fast matmul kernels, and a product of fewer than 64 columns on the rest
-(``_SplitVocabulary``); the log-softmax joins the two parts.
-
 Imports only torch at module import; transformers is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, cast
 
 import torch
 
@@ -52,124 +47,6 @@ SEQUENCE_LOG_PROBS = "sequence_log_probs"
 # Config attributes that change logits after the LM head's matmul; such models need their own head.
 LOGIT_MODIFIERS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling", "output_logits_scaling")
 LOGIT_CAPS = ("final_logit_softcapping", "logits_soft_cap")
-# A logits row of a multiple of this many elements keeps the LM head's matmuls on the GPU's fast kernels.
-VOCAB_ALIGNMENT = 64
-
-
-class _WholeVocabulary:
-    """The LM head's vocabulary as one part: each chunk's products and softmax span every column.
-
-    The methods take a chunk's logits (or their gradients) as a sequence of parts, columns in order.
-    """
-
-    def head(self, weight: torch.Tensor,
-             bias: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
-        """The weight's and bias's rows that each part's product takes."""
-        return (weight,), (bias,)
-
-    def parts(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Views of ``tensor``'s rows (a weight's gradient, a bias's) for each part."""
-        return (tensor,)
-
-    def logsumexp(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Each row's log-sum-exp over the whole vocabulary."""
-        return torch.logsumexp(logits[0], dim=-1)
-
-    def target_logits(self, logits: Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-        """Each row's logit of its target."""
-        return logits[0].gather(1, targets[:, None]).squeeze(1)
-
-    def softmax(self, logits: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The softmax over the whole vocabulary, in parts (possibly in ``logits``' memory)."""
-        return (torch.softmax(logits[0], dim=-1),)
-
-    def add_at_targets_(self, grads: Sequence[torch.Tensor], targets: torch.Tensor, value: float) -> None:
-        """Add ``value`` to each row's target column, in place."""
-        grads[0].scatter_add_(1, targets[:, None], torch.full_like(grads[0][:, :1], value))
-
-    def matmul(self, grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``grad @ weight`` summed over the vocabulary: the hidden states' gradient."""
-        return grads[0] @ weights[0]
-
-
-class _SplitVocabulary(_WholeVocabulary):
-    """The vocabulary as columns ``[:aligned]``, a multiple of ``VOCAB_ALIGNMENT``, and the fewer columns after them.
-
-    A logits row of an odd vocabulary (128,257) is aligned to one element, which keeps cuBLAS off
-    Hopper's fast kernels for the LM head; the first part's products have aligned rows, and the
-    second's are tiny. The parts are views of the weight's rows, not copies.
-    """
-
-    def __init__(self, aligned: int):
-        self.aligned = aligned
-
-    def head(self, weight: torch.Tensor,
-             bias: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
-        weight = _autocast_cast(weight)
-        return self.parts(weight), (None, None) if bias is None else self.parts(_autocast_cast(bias))
-
-    def parts(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tensor[: self.aligned], tensor[self.aligned :]
-
-    def logsumexp(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.logaddexp(torch.logsumexp(logits[0], dim=-1), torch.logsumexp(logits[1], dim=-1))
-
-    def target_logits(self, logits: Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
-        in_tail, main, tail = self._columns(targets)
-        return torch.where(in_tail, logits[1].gather(1, tail[:, None]).squeeze(1), logits[0].gather(1, main[:, None]).squeeze(1))
-
-    def softmax(self, logits: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        lse = self.logsumexp(logits)[:, None]
-        return tuple(part.sub_(lse).exp_() for part in logits)
-
-    def add_at_targets_(self, grads: Sequence[torch.Tensor], targets: torch.Tensor, value: float) -> None:
-        in_tail, main, tail = self._columns(targets)
-        share = in_tail[:, None].to(grads[0].dtype) * value
-        grads[0].scatter_add_(1, main[:, None], value - share)
-        grads[1].scatter_add_(1, tail[:, None], share)
-
-    def matmul(self, grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> torch.Tensor:
-        # The large product accumulates onto the small one: one rounding of the sum, after the small product's own.
-        return torch.addmm(grads[1] @ weights[1], grads[0], weights[0])
-
-    def _columns(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Whether each target is in the second part, and its column in each part (clamped into the part it is not in)."""
-        return targets >= self.aligned, targets.clamp(max=self.aligned - 1), (targets - self.aligned).clamp(min=0)
-
-
-def _vocabulary(size: int) -> _WholeVocabulary:
-    """A vocabulary of ``size`` columns split at its last multiple of ``VOCAB_ALIGNMENT`` when it has one below it."""
-    aligned = size - size % VOCAB_ALIGNMENT
-    return _SplitVocabulary(aligned) if 0 < aligned < size else _WholeVocabulary()
-
-
-def _autocast_cast(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` cast once to the dtype autocast runs matmuls in, when autocast is on: autocast caches its
-    cast of a parameter, but would cast a view of one (a part's weight rows) again at every product."""
-    device = tensor.device.type
-    if torch.is_autocast_enabled(device) and tensor.is_floating_point() and tensor.dtype != torch.float64:
-        return tensor.to(torch.get_autocast_dtype(device))
-    return tensor
-
-
-def _chunk_logits(h: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """A chunk's fp32 logits, one tensor per part of the vocabulary."""
-    return [torch.nn.functional.linear(h, w, b).float() for w, b in zip(weights, biases)]
-
-
-def _add_head_grads(vocabulary: _WholeVocabulary, grads: Sequence[torch.Tensor], h: torch.Tensor,
-                    weights: Sequence[torch.Tensor], grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
-                    grad_bias: torch.Tensor | None) -> None:
-    """From a chunk's gradient of its logits (in parts, ``h``'s dtype): write the gradient of the chunk's hidden
-    states ``h`` into ``grad_hidden``, and add the weight's and bias's to ``grad_weight`` and ``grad_bias`` (fp32)."""
-    if grad_hidden is not None:
-        grad_hidden.copy_(vocabulary.matmul(grads, weights))
-    if grad_weight is not None:
-        for weight_rows, grad in zip(vocabulary.parts(grad_weight), grads):
-            weight_rows.add_(grad.t() @ h)
-    if grad_bias is not None:
-        for bias_rows, grad in zip(vocabulary.parts(grad_bias), grads):
-            bias_rows.add_(grad.float().sum(0))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -191,27 +68,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Accumulated over chunks in fp32, as one matmul over all rows would accumulate.
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias and bias is not None else None
-        vocabulary = _vocabulary(weight.shape[0])
-        weights, biases = vocabulary.head(weight, bias)
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start : start + chunk_rows]
             t = targets[start : start + chunk_rows]
-            logits = _chunk_logits(h, weights, biases)
-            lse = vocabulary.logsumexp(logits)
-            ce = lse - vocabulary.target_logits(logits, t)
+            logits = torch.nn.functional.linear(h, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            ce = lse - logits.gather(1, t[:, None]).squeeze(1)
             w = None if row_weights is None else row_weights[start : start + chunk_rows].float()
             total += (ce if w is None else ce * w).sum()
             if keep_rows:
                 rows[start : start + chunk_rows] = ce
             if need_hidden or need_weight or need_bias:
                 # d(sum of CE)/d(logits) = softmax - one_hot, in the logits' dtype as autograd would have it.
-                grads = [part.sub_(lse[:, None]).exp_() for part in logits]
-                vocabulary.add_at_targets_(grads, t, -1.0)
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad.scatter_add_(1, t[:, None], torch.full_like(grad[:, :1], -1.0))
                 if w is not None:
-                    for grad in grads:
-                        grad.mul_(w[:, None])
-                _add_head_grads(vocabulary, [grad.to(h.dtype) for grad in grads], h, weights,
-                                None if grad_hidden is None else grad_hidden[start : start + chunk_rows], grad_weight, grad_bias)
+                    grad.mul_(w[:, None])
+                grad = grad.to(h.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start : start + chunk_rows] = grad @ weight
+                if grad_weight is not None:
+                    grad_weight += grad.t() @ h
+                if grad_bias is not None:
+                    grad_bias += grad.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(rows)
@@ -242,13 +121,10 @@ class _LinearLogProbs(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 chunk_rows: int) -> torch.Tensor:
         rows = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        vocabulary = _vocabulary(weight.shape[0])
-        weights, biases = vocabulary.head(weight, bias)
         for start in range(0, hidden.shape[0], chunk_rows):
-            h = hidden[start : start + chunk_rows]
-            logits = _chunk_logits(h, weights, biases)
+            logits = torch.nn.functional.linear(hidden[start : start + chunk_rows], weight, bias).float()
             t = targets[start : start + chunk_rows]
-            rows[start : start + chunk_rows] = vocabulary.target_logits(logits, t) - vocabulary.logsumexp(logits)
+            rows[start : start + chunk_rows] = logits.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk_rows = chunk_rows
         return rows
@@ -260,22 +136,23 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias and bias is not None else None
-        vocabulary = _vocabulary(weight.shape[0])
-        # In the hidden states' dtype, as autocast ran the forward (backward runs outside autocast).
-        weights, biases = vocabulary.head(weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             h = hidden[start : start + ctx.chunk_rows]
             t = targets[start : start + ctx.chunk_rows]
-            logits = _chunk_logits(h, weights, biases)
+            # In the hidden states' dtype, as autocast ran the forward (backward runs outside autocast).
+            head_weight = weight.to(h.dtype)
+            logits = torch.nn.functional.linear(h, head_weight, None if bias is None else bias.to(h.dtype)).float()
             # d(log p_t)/d(logits) = one_hot - softmax, times each row's upstream gradient.
-            grads = vocabulary.softmax(logits)
-            for grad in grads:
-                grad.neg_()
-            vocabulary.add_at_targets_(grads, t, 1.0)
-            for grad in grads:
-                grad.mul_(grad_rows[start : start + ctx.chunk_rows, None].float())
-            _add_head_grads(vocabulary, [grad.to(h.dtype) for grad in grads], h, weights,
-                            None if grad_hidden is None else grad_hidden[start : start + ctx.chunk_rows], grad_weight, grad_bias)
+            grad = torch.softmax(logits, dim=-1).neg_()
+            grad.scatter_add_(1, t[:, None], torch.ones_like(grad[:, :1]))
+            grad.mul_(grad_rows[start : start + ctx.chunk_rows, None].float())
+            grad = grad.to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + ctx.chunk_rows] = grad @ head_weight
+            if grad_weight is not None:
+                grad_weight += grad.t() @ h
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
