@@ -227,12 +227,14 @@ def test_a_signal_to_the_check_stops_its_ranks(shards, tiny_model_dir, signum):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
-def test_a_killed_check_leaves_no_rank_running(shards, tiny_model_dir):
+def test_a_killed_check_leaves_no_rank_running(shards, tiny_model_dir, tmp_path):
     """SIGKILL of the check (the OOM killer, kill -9, a scheduler's hard stop), which no handler sees: its ranks,
     one hung and one waiting for it in a collective, end with it at once instead of keeping their memory."""
     command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
                "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--inject-fault", "hung_rank"]
-    check = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True)
+    # A killed check cannot remove its scratch directory: keep it in the test's own.
+    check = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 120
         ranks = []
