@@ -12,6 +12,7 @@ on each data-parallel bug injected on purpose.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,6 +201,7 @@ def test_a_hung_rank_ends_the_check_at_its_timeout(capsys, shards, tiny_model_di
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_check_stops_its_ranks(shards, tiny_model_dir, signum):
     """SIGTERM or SIGINT to a running check: one line, exit 128 + the signal, no traceback, no rank left behind."""
@@ -223,9 +226,64 @@ def test_a_signal_to_the_check_stops_its_ranks(shards, tiny_model_dir, signum):
             os.killpg(check.pid, signal.SIGKILL)
 
 
-def session(sid: int) -> list[str]:
-    """The processes of session ``sid``."""
-    return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+def test_a_killed_check_leaves_no_rank_running(shards, tiny_model_dir, tmp_path):
+    """SIGKILL of the check (the OOM killer, kill -9, a scheduler's hard stop), which no handler sees: its ranks,
+    one hung and one waiting for it in a collective, end with it at once instead of keeping their memory."""
+    command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
+               "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--inject-fault", "hung_rank"]
+    # A killed check cannot remove its scratch directory: keep it in the test's own.
+    check = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 120
+        ranks = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ranks = [pid for pid in session(check.pid) if "--multiprocessing-fork" in cmdline(pid)]
+        assert len(ranks) == 2, session(check.pid)
+        used = cpu_time(ranks)
+        while time.monotonic() < deadline:  # until both ranks are stuck (under 2% of a core): one asleep, one waiting
+            time.sleep(1)
+            used, before = cpu_time(ranks), used
+            if all(now - then <= 2 for now, then in zip(used, before)):
+                break
+        check.kill()
+        check.wait()
+        deadline = time.monotonic() + 5
+        while session(check.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not session(check.pid), [cmdline(pid) for pid in session(check.pid)]
+    finally:
+        if session(check.pid):
+            os.killpg(check.pid, signal.SIGKILL)
+
+
+def session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running (an orphan's zombie is no process left running)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _, _, process_session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+            if int(process_session) == sid and state != "Z":
+                found.append(int(stat.parent.name))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    """The command line of process ``pid``, or "" when it is gone."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return ""
+
+
+def cpu_time(pids: list[int]) -> list[int]:
+    """The CPU time (user and system clock ticks) each of ``pids`` has used so far."""
+    used = []
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        used.append(int(fields[11]) + int(fields[12]))
+    return used
 
 
 @pytest.mark.parametrize("args,error", [

@@ -18,7 +18,7 @@ be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
 
 The whole check has ``timeout`` seconds (``DEFAULT_TIMEOUT``): a rank still running then is
 killed with the others, and the check fails in one line. SIGTERM or SIGINT to the check ends its
-ranks too.
+ranks too, and each rank ends the moment the check's process is gone, however it ended (``end_with_check``).
 
 It catches each data-parallel bug of this kind seen in other trainers (``FAULTS`` injects each,
 to test the check itself): a loss averaged per rank (transformers #34191, TRL #3538) or per
@@ -32,9 +32,12 @@ example boundary (NeMo #14437).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -80,6 +83,7 @@ FAULTS = {
     "hung_rank": "the last rank stops before its first collective, as one stuck reading the build would",
 }
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends (linux/prctl.h)
 
 
 class RankCheckError(ValueError):
@@ -305,8 +309,8 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)  # the ranks left waiting on a failed one are ended with a warning line each
-    context = mp.start_processes(_rank, args=(check, backend, port, str(scratch)), nprocs=check.ranks, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(_rank, args=(check, backend, port, str(scratch), os.getpid()), nprocs=check.ranks,
+                                 join=False, start_method="spawn")
     assert context is not None  # join=False returns the processes' context
 
     def wait(deadline: float) -> None:
@@ -334,8 +338,45 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
         spawn_log.setLevel(level)
 
 
-def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str) -> None:
-    """One rank: its step's packed gradients; rank 0 saves them with the step's loss. A failure is written as one line."""
+def end_with_check(check_pid: int) -> None:
+    """End this rank the moment the check's process ``check_pid`` is gone, however it ended: a SIGKILL (the OOM
+    killer, ``kill -9``, a scheduler's hard stop) runs no handler of the check, and a rank left behind would keep
+    its memory and wait in a collective until the process group's timeout, or forever.
+
+    On Linux the kernel sends the rank SIGKILL when the check ends (``PR_SET_PDEATHSIG``; torch's spawn asks for
+    SIGINT, which a rank blocked in a collective never acts on). Elsewhere a thread waits on the pipe from the
+    check and ends the rank when it closes, which a rank holding the GIL in a native call delays. A check already
+    gone before either is in place ends the rank here.
+    """
+    if not _killed_with_parent():
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            sentinel = parent.sentinel
+
+            def watch() -> None:
+                multiprocessing.connection.wait([sentinel])
+                os._exit(1)
+
+            threading.Thread(target=watch, name="varpack-check-watch", daemon=True).start()
+    if os.getppid() != check_pid:
+        os._exit(1)
+
+
+def _killed_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent ends; False where there is no ``prctl``."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+
+
+def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str, check_pid: int) -> None:
+    """One rank: its step's packed gradients; rank 0 saves them with the step's loss. A failure is written as one line.
+    It ends when the check's process ``check_pid`` does."""
+    end_with_check(check_pid)
     try:
         from transformers.utils.logging import disable_progress_bar
 
