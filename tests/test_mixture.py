@@ -753,36 +753,6 @@ def test_train_script_reports_each_sources_loss_in_both_loops(tmp_path):
             assert measured(record) == pytest.approx(measured(want), rel=1e-5), (run, record["step"])
 
 
-def test_two_ranks_log_each_sources_tokens_and_loss_like_one_process(tmp_path):
-    """Under ``torchrun --nproc_per_node 2`` (gloo) every line's ``source_tokens`` and ``source_loss`` cover
-    both ranks since the last line: those of one process taking both ranks' batches per step."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.test_train import MODEL, SCRIPT, load_script
-
-    rng = np.random.default_rng(7)
-    for name, seed in (("math", 1), ("chat", 2)):
-        build_shard_dir(tmp_path / name, rng.integers(8, 120, 60), capacity=256, vocab_size=128, seed=seed)
-    spec = tmp_path / "mix.json"
-    spec.write_text(json.dumps({"sources": {"math": "math", "chat": "chat"}, "weights": {"math": 3, "chat": 1}}))
-    common = ["--mixture", str(spec), "--random-init", MODEL, "--attn", "sdpa", "--precision", "fp32", "--lr", "1e-2",
-              "--batch-rows", "2", "--log-every", "2", "--max-steps", "4"]
-    load_script().main([*common, "--grad-accum", "2", "--out", str(tmp_path / "one")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-               *common, "--out", str(tmp_path / "two")]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    one, two = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
-                for run in ("one", "two"))
-    assert [r["step"] for r in two] == [r["step"] for r in one] == [2, 4]
-    for got, want in zip(two, one):
-        assert got["source_tokens"] == want["source_tokens"]
-        assert got["source_loss"] == pytest.approx(want["source_loss"], rel=1e-5)
-
-
 def test_evaluate_script_reports_the_loss_of_each_source(tmp_path, capsys):
     pytest.importorskip("transformers")
     import importlib.util

@@ -5,7 +5,8 @@ and micro-batches, divided by their global count. Two gloo ranks with two micro-
 (``torchrun``) then log the same loss, step after step, as one process accumulating the same four
 batches, although the ranks' batches hold different counts: a per-rank mean (transformers #34191)
 or a mean of micro-batch means (axolotl #3196) would not. ``--loss-reduction token`` and
-``sequence``, a single build and a mixture, the plain loop and ``PackedTrainer``.
+``sequence``, a single build and a mixture, the plain loop and ``PackedTrainer``. On a mixture the
+plain loop's lines also log each source's tokens and loss over every rank, as one process does.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def data(tmp_path_factory) -> dict[str, str]:
     return {"shards": str(builds["short"]), "mixture": str(root / "mixture.json")}
 
 
-def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())}
+def records(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())}
 
 
 def rank_batches(source: str, option: str, rank: int, reduction: str) -> list[dict]:
@@ -80,8 +81,12 @@ def test_two_ranks_of_two_micro_batches_log_the_loss_of_one_process(data, tmp_pa
                str(SCRIPT), *common, "--grad-accum", str(ACCUM), "--out", str(tmp_path / "ranks")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    one, ranks = losses(tmp_path / "one"), losses(tmp_path / "ranks")
-    assert sorted(ranks) == list(range(1, STEPS + 1))
+    one, ranks = records(tmp_path / "one"), records(tmp_path / "ranks")
+    assert sorted(ranks) == sorted(one) == list(range(1, STEPS + 1))
     for step in one:
-        assert ranks[step] == pytest.approx(one[step], rel=1e-5), (step, ranks, one)
+        assert ranks[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), (step, ranks, one)
+        if option == "--mixture" and trainer == "plain":
+            # Each line's tokens and loss per source cover every rank and micro-batch since the last line.
+            assert ranks[step]["source_tokens"] == one[step]["source_tokens"], step
+            assert ranks[step]["source_loss"] == pytest.approx(one[step]["source_loss"], rel=1e-5), step
 
