@@ -505,6 +505,8 @@ class PackedIterableDataset(IterableDataset):
         # Set the position now, not on the first next(): torchdata reads the state right after iter().
         self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
         self._loaded = False
+        if info is None:  # persistent workers go on from where this pass leaves the training process's copy
+            self._ledger.forget_passes(self._reading_state())
         return self._batches(position.epoch, position.start_row, first, num_workers)
 
     def _follow_training_process(self) -> None:
@@ -558,9 +560,17 @@ class PackedIterableDataset(IterableDataset):
         for position in range(first, len(plan), num_workers):
             batch = self._collate(plan.batch_rows(position))
             self._position = dataclasses.replace(self._position, next_batch=position + num_workers)
+            self._publish_reading_state()
             yield batch
         self._position = dataclasses.replace(self._position, finished=True)
+        self._publish_reading_state()
         self._read_through()
+
+    def _publish_reading_state(self) -> None:
+        """In the training process, reading the dataset itself: where its pass stands, for the persistent workers'
+        next pass (a worker started then would copy it)."""
+        if get_worker_info() is None:
+            self._ledger.read_on(self._reading_state())
 
     def _read_through(self) -> None:
         """A DataLoader worker read its share of the pass through: once all have, the next workers start after it."""

@@ -143,6 +143,11 @@ class WorkerLedger:
         self._values[GENERATION:] = [self._generation, -1, *reading_state,
                                      *[NOT_STARTED] * (len(self._values) - SHARES)]
 
+    def read_on(self, reading_state: Iterable[int]) -> None:
+        """The training process's dataset, reading itself, moved on to ``reading_state`` within its generation: a
+        persistent worker joining it takes that place."""
+        self._values[READING_STATE:SHARES] = list(reading_state)
+
     def _slot(self, worker_id: int, num_workers: int) -> int:
         if num_workers > MAX_WORKERS:
             raise ValueError(f"num_workers={num_workers}: a dataset is read by at most {MAX_WORKERS} DataLoader "
