@@ -586,6 +586,8 @@ class PackedIterableDataset(IterableDataset):
         """
         if self._loaded and self._restored_in_worker:
             return
+        if self._loaded and self._position.finished and self._ledger.read_past(self._position.epoch):
+            self._loaded = False  # a pass of workers went on from the loaded epoch's end, as from a finished pass
         epoch = self._ledger.epoch_read
         if epoch >= self._position.epoch:
             self._position = Position(epoch=epoch, finished=True)

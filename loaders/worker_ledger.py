@@ -123,6 +123,11 @@ class WorkerLedger:
                 return True
         return False
 
+    def read_past(self, epoch: int) -> bool:
+        """Whether a worker of this generation started a share of an epoch after ``epoch``."""
+        return any(self._values[slot + SHARE_FIELDS - 1] != NOT_STARTED and self._values[slot] > epoch
+                   for slot in range(SHARES, len(self._values), SHARE_FIELDS))
+
     def finish_share(self, worker_id: int, share: tuple[int, int, int]) -> None:
         """Mark the share finished; once every worker's share of the pass is, its epoch is read through."""
         if self._values[GENERATION] != self._generation:
