@@ -282,15 +282,15 @@ class PackedIterableDataset(IterableDataset):
     ``num_rows % batch_rows`` rows that do not fill a batch: fewer than ``world_size *
     batch_rows`` rows per epoch, a different set each epoch when shuffling. Nothing repeats.
 
-    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``; DataLoader
-    workers read the epoch it names, whole, persistent ones too (they take, at each pass, the
-    position the training process's copy was set to, from memory they share with it;
-    ``worker_ledger``). Without it, a reader that finishes its pass moves on to the next epoch by
-    itself, so persistent workers walk through epochs 0, 1, 2, ... in order; so do the workers a
-    DataLoader starts for each pass, from the training process's copy, which moves on with them
-    (they tell it which epoch all of them read through). A pass through workers broken off before
-    a worker read its share through is refused at the next pass, until ``set_epoch``: which of its
-    batches the loop took is unknown.
+    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``; DataLoader workers
+    read the epoch it names, whole, persistent ones too (they take, at each pass, the position
+    the training process's copy was set to, or reached reading itself, from memory they share
+    with it; ``worker_ledger``). Without it, a reader that finishes its pass moves on to the next
+    epoch by itself, so persistent workers walk through epochs 0, 1, 2, ... in order; so do the
+    workers a DataLoader starts for each pass, from the training process's copy, which moves on
+    with them (they tell it which epoch all of them read through). A pass through workers broken
+    off before a worker read its share through is refused at the next pass, until ``set_epoch``:
+    which of its batches the loop took is unknown.
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.

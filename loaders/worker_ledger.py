@@ -14,11 +14,12 @@ it) are known to no one. It refuses instead, until the training process names an
 ``set_epoch`` or loads a state, which starts the ledger afresh: a new generation, in which the marks
 of workers still running from before (a refused pass's) no longer count.
 
-Each generation also holds where the training process's dataset was set to read from. A persistent
-worker, kept from pass to pass, whose copy is of an earlier generation takes that place at the start
-of its next pass, as a worker started then would, instead of going on from its own. A worker's first
-pass reads from its copy, in the copy's generation: it may be a pass that was refused or dropped
-(its workers still starting when ``set_epoch`` ran), whose marks must not count.
+Each generation also holds where the training process's dataset was set to read from (a pass it reads
+itself starts a generation and moves that place along as it reads). A persistent worker, kept from pass
+to pass, whose copy is of an earlier generation takes that place at the start of its next pass, as a
+worker started then would, instead of going on from its own. A worker's first pass reads from its copy,
+in the copy's generation: it may be a pass that was refused or dropped (its workers still starting when
+``set_epoch`` ran), whose marks must not count.
 """
 
 from __future__ import annotations
