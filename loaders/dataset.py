@@ -282,15 +282,15 @@ class PackedIterableDataset(IterableDataset):
     ``num_rows % batch_rows`` rows that do not fill a batch: fewer than ``world_size *
     batch_rows`` rows per epoch, a different set each epoch when shuffling. Nothing repeats.
 
-    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``; DataLoader
-    workers read the epoch it names, whole, persistent ones too (they take, at each pass, the
-    position the training process's copy was set to, from memory they share with it;
-    ``worker_ledger``). Without it, a reader that finishes its pass moves on to the next epoch by
-    itself, so persistent workers walk through epochs 0, 1, 2, ... in order; so do the workers a
-    DataLoader starts for each pass, from the training process's copy, which moves on with them
-    (they tell it which epoch all of them read through). A pass through workers broken off before
-    a worker read its share through is refused at the next pass, until ``set_epoch``: which of its
-    batches the loop took is unknown.
+    Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``; DataLoader workers
+    read the epoch it names, whole, persistent ones too (they take, at each pass, the position
+    the training process's copy was set to, or reached reading itself, from memory they share
+    with it; ``worker_ledger``). Without it, a reader that finishes its pass moves on to the next
+    epoch by itself, so persistent workers walk through epochs 0, 1, 2, ... in order; so do the
+    workers a DataLoader starts for each pass, from the training process's copy, which moves on
+    with them (they tell it which epoch all of them read through). A pass through workers broken
+    off before a worker read its share through is refused at the next pass, until ``set_epoch``:
+    which of its batches the loop took is unknown.
 
     Options: the keyword arguments, or ``options=LoaderOptions(...)`` (the two combine: a keyword
     argument replaces that field), the one set of options ``PackedMixture`` shares.
@@ -505,6 +505,8 @@ class PackedIterableDataset(IterableDataset):
         # Set the position now, not on the first next(): torchdata reads the state right after iter().
         self._position = Position(position.epoch, position.start_row, pass_start, first, worker_id, num_workers)
         self._loaded = False
+        if info is None:  # persistent workers go on from where this pass leaves the training process's copy
+            self._ledger.forget_passes(self._reading_state())
         return self._batches(position.epoch, position.start_row, first, num_workers)
 
     def _follow_training_process(self) -> None:
@@ -558,9 +560,17 @@ class PackedIterableDataset(IterableDataset):
         for position in range(first, len(plan), num_workers):
             batch = self._collate(plan.batch_rows(position))
             self._position = dataclasses.replace(self._position, next_batch=position + num_workers)
+            self._publish_reading_state()
             yield batch
         self._position = dataclasses.replace(self._position, finished=True)
+        self._publish_reading_state()
         self._read_through()
+
+    def _publish_reading_state(self) -> None:
+        """In the training process, reading the dataset itself: where its pass stands, for the persistent workers'
+        next pass (a worker started then would copy it)."""
+        if get_worker_info() is None:
+            self._ledger.read_on(self._reading_state())
 
     def _read_through(self) -> None:
         """A DataLoader worker read its share of the pass through: once all have, the next workers start after it."""
@@ -576,6 +586,8 @@ class PackedIterableDataset(IterableDataset):
         """
         if self._loaded and self._restored_in_worker:
             return
+        if self._loaded and self._position.finished and self._ledger.read_past(self._position.epoch):
+            self._loaded = False  # a pass of workers went on from the loaded epoch's end, as from a finished pass
         epoch = self._ledger.epoch_read
         if epoch >= self._position.epoch:
             self._position = Position(epoch=epoch, finished=True)

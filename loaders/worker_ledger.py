@@ -14,11 +14,12 @@ it) are known to no one. It refuses instead, until the training process names an
 ``set_epoch`` or loads a state, which starts the ledger afresh: a new generation, in which the marks
 of workers still running from before (a refused pass's) no longer count.
 
-Each generation also holds where the training process's dataset was set to read from. A persistent
-worker, kept from pass to pass, whose copy is of an earlier generation takes that place at the start
-of its next pass, as a worker started then would, instead of going on from its own. A worker's first
-pass reads from its copy, in the copy's generation: it may be a pass that was refused or dropped
-(its workers still starting when ``set_epoch`` ran), whose marks must not count.
+Each generation also holds where the training process's dataset was set to read from (a pass it reads
+itself starts a generation and moves that place along as it reads). A persistent worker, kept from pass
+to pass, whose copy is of an earlier generation takes that place at the start of its next pass, as a
+worker started then would, instead of going on from its own. A worker's first pass reads from its copy,
+in the copy's generation: it may be a pass that was refused or dropped (its workers still starting when
+``set_epoch`` ran), whose marks must not count.
 """
 
 from __future__ import annotations
@@ -123,6 +124,11 @@ class WorkerLedger:
                 return True
         return False
 
+    def read_past(self, epoch: int) -> bool:
+        """Whether a worker of this generation started a share of an epoch after ``epoch``."""
+        return any(self._values[slot + SHARE_FIELDS - 1] != NOT_STARTED and self._values[slot] > epoch
+                   for slot in range(SHARES, len(self._values), SHARE_FIELDS))
+
     def finish_share(self, worker_id: int, share: tuple[int, int, int]) -> None:
         """Mark the share finished; once every worker's share of the pass is, its epoch is read through."""
         if self._values[GENERATION] != self._generation:
@@ -142,6 +148,11 @@ class WorkerLedger:
         self._generation = int(self._values[GENERATION]) + 1
         self._values[GENERATION:] = [self._generation, -1, *reading_state,
                                      *[NOT_STARTED] * (len(self._values) - SHARES)]
+
+    def read_on(self, reading_state: Iterable[int]) -> None:
+        """The training process's dataset, reading itself, moved on to ``reading_state`` within its generation: a
+        persistent worker joining it takes that place."""
+        self._values[READING_STATE:SHARES] = list(reading_state)
 
     def _slot(self, worker_id: int, num_workers: int) -> int:
         if num_workers > MAX_WORKERS:

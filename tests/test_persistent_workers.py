@@ -185,3 +185,20 @@ def test_any_loop_reads_the_same_batches_through_persistent_workers(build, examp
     assert persistent == loop_batches(build, example_of, loop, workers, False, loader_class)
     if all(taken is None for _, taken in loop):
         assert persistent == loop_batches(build, example_of, loop, 0, False)
+
+
+@pytest.mark.parametrize("taken", [None, 3])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_go_on_from_a_pass_the_training_process_read_itself(build, example_of, persistent, taken):
+    """Without set_epoch: a pass through workers, a pass the training process reads itself (num_workers=0, the same
+    dataset), read through or broken off after three batches, then a pass through the workers again. The workers go on
+    from where the training process's pass stopped, persistent ones too: epochs 0, 1 and 2, or epoch 0, the first
+    three batches of epoch 1 and its rest. (Persistent workers that missed the training process's pass read epoch 1
+    again.)"""
+    epochs = loop_batches(build, example_of, [(0, None), (1, None), (2, None)], 0, False)
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+    passes = run_loop(loader, dataset, example_of, [(None, None)])
+    passes += run_loop(DataLoader(dataset, batch_size=None), dataset, example_of, [(None, taken)])
+    passes += run_loop(loader, dataset, example_of, [(None, None)])
+    assert passes == ([epochs[0], epochs[1][:3], epochs[1][3:]] if taken else epochs)

@@ -167,3 +167,30 @@ def test_persistent_workers_started_by_state_dict_before_set_epoch_read_each_epo
         dataset.set_epoch(epoch)
         read_by_epoch.append([read(batch, example_of) for batch in loader])
     assert read_by_epoch == [[], epochs[1], epochs[2]]
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(1, False), (2, False), (2, True)])
+def test_a_resumed_pass_past_an_epoch_end_broken_off_then_set_epoch_reads_the_named_epoch_whole(
+        build, example_of, workers, persistent):
+    """Resumed from a state saved after epoch 0's loop ended: a pass through workers without set_epoch reads epoch 1
+    and breaks off after two batches; set_epoch(0) then reads epoch 0 whole, as in the run without a stop. (The
+    resumed dataset went on counting the finished epoch 0 as loaded, and its pass read nothing.)"""
+    reference = PackedIterableDataset(build.path, **SETTINGS)
+    epochs = []
+    for epoch in range(2):
+        reference.set_epoch(epoch)
+        epochs.append([read(batch, example_of) for batch in reference])
+    first = PackedIterableDataset(build.path, **SETTINGS)
+    loader = StatefulDataLoader(first, batch_size=None, num_workers=2)
+    first.set_epoch(0)
+    assert [read(batch, example_of) for batch in loader] == epochs[0]
+    state = saved(loader.state_dict())
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    dataset.load_state_dict(state)
+    loader = StatefulDataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=persistent)
+    batches = iter(loader)
+    assert [read(next(batches), example_of) for _ in range(2)] == epochs[1][:2]
+    time.sleep(0.2)  # the workers prefetch past the break
+    del batches
+    dataset.set_epoch(0)
+    assert len(epochs[0]) > 4 and [read(batch, example_of) for batch in loader] == epochs[0]
