@@ -53,7 +53,6 @@ so ``loaders`` still imports without them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -102,45 +101,6 @@ class EpochAfterEpoch(IterableDataset):
             self.dataset.set_epoch(self.dataset.epoch + 1)
 
 
-class TrainModeWalk:
-    """The modules of a training model, listed once, so that each step can tell in microseconds whether
-    ``model.train()`` (a walk of every module, which Trainer runs at each step) would change anything.
-
-    It would not when every module is training and each one's ``train`` only sets its flag when the flag already
-    holds: ``torch.nn.Module``'s, transformers' ``PreTrainedModel``'s and DDP's. A module whose ``train`` does more
-    (peft's DoRA clears its cache at each call) keeps the call at every step. The modules are those of the model
-    when listed: the trainer lists them again at each ``train()`` call and for another model object.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        from transformers import PreTrainedModel
-
-        self.model = model
-        self.modules = tuple(model.modules())
-        plain = {torch.nn.Module.train, PreTrainedModel.train, torch.nn.parallel.DistributedDataParallel.train}
-        self.plain_train = all(type(module).train in plain for module in self.modules)
-
-    def train_would_change_nothing(self) -> bool:
-        """Whether ``model.train()`` now would leave every module as it is and do nothing else."""
-        return self.plain_train and all(module.training for module in self.modules)
-
-
-@contextlib.contextmanager
-def train_call_skipped(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, ``model.train()`` returns at once: for a model already in train mode throughout, whose
-    ``train`` would only set flags that already hold (``TrainModeWalk.train_would_change_nothing``);
-    ``model.train(False)`` still runs."""
-
-    def train(mode: bool = True) -> torch.nn.Module:
-        return model if mode else type(model).train(model, mode)
-
-    object.__setattr__(model, "train", train)  # an instance attribute, so the class's train is untouched
-    try:
-        yield
-    finally:
-        object.__delattr__(model, "train")
-
-
 if TYPE_CHECKING:  # the mixin is only ever combined with a Trainer; at run time it stands alone
     from transformers import Trainer as _TrainerBase
     from transformers.trainer_utils import TrainOutput
@@ -164,12 +124,6 @@ class PackedTrainerMixin(_TrainerBase):
     # PackedTrainer's speed options; every bucket is compiled on the first training batch.
     speed: SpeedOptions | None = None
     _prewarmed: bool = False
-    # What Trainer would find by walking the model's modules at each step, found once a train() call (and again for
-    # another model object): the train-mode check, the model's non-embedding parameter count (floating_point_ops)
-    # and the unwrapped model (accelerate's unwrap_model walks every module of a model with no compiled one).
-    _train_walk: TrainModeWalk | None = None
-    _flops_counted: tuple[Any, int] | None = None
-    _unwrapped_of: tuple[Any, Any] | None = None
 
     def _check_packed(self, train_dataset: Any, args: Any) -> PackedIterableDataset:
         if not isinstance(train_dataset, PackedIterableDataset):
@@ -235,32 +189,7 @@ class PackedTrainerMixin(_TrainerBase):
         self._real_tokens += inputs[NUM_REAL_TOKENS]
         self._run_tokens += inputs[NUM_REAL_TOKENS]
         self._run_sequences += num_sequences(inputs)
-        with self._train_call_skipped_if_idle(model):
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    def _train_call_skipped_if_idle(self, model) -> contextlib.AbstractContextManager:
-        """Trainer's ``model.train()`` of the step skipped when it would change nothing (``TrainModeWalk``): after the
-        trainer's evaluation, or a ``model.eval()`` of the model or of any of its modules, it runs."""
-        if self._train_walk is None or self._train_walk.model is not model:
-            self._train_walk = TrainModeWalk(model)
-        return train_call_skipped(model) if self._train_walk.train_would_change_nothing() else contextlib.nullcontext()
-
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """Trainer's count, 6 x the input tokens x the model's non-embedding parameters, those counted once per
-        ``train()`` call and model object instead of at every micro-batch."""
-        model: Any = self.model  # a PreTrainedModel, or a model whose num_parameters the trainer calls alike
-        main_input = getattr(model, "main_input_name", "input_ids")
-        if main_input not in inputs or not hasattr(model, "num_parameters"):
-            return 0
-        if self._flops_counted is None or self._flops_counted[0] is not model:
-            self._flops_counted = (model, model.num_parameters(exclude_embeddings=True))
-        return 6 * inputs[main_input].numel() * self._flops_counted[1]
-
-    def _unwrapped(self, model) -> Any:
-        """``accelerator.unwrap_model(model)``, unwrapped once per model object."""
-        if self._unwrapped_of is None or self._unwrapped_of[0] is not model:
-            self._unwrapped_of = (model, self.accelerator.unwrap_model(model))
-        return self._unwrapped_of[1]
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _epochs_read(self) -> float:
         """The epochs of the dataset read so far on this rank: the epoch, plus the share of its rows read."""
@@ -279,7 +208,7 @@ class PackedTrainerMixin(_TrainerBase):
 
     def model_inputs(self, model, inputs: dict) -> dict:
         """``loaders.train.models.model_inputs`` for ``model``: the counts stay only for the loss-position head."""
-        full_logits = not getattr(self._unwrapped(model), "varpack_loss_head", False)
+        full_logits = not getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False)
         # The trainer has already put the inputs on args.device (_prepare_inputs): the move is a no-op.
         return training.model_inputs(inputs, self.args.device, full_logits)
 
@@ -358,7 +287,6 @@ class PackedTrainerMixin(_TrainerBase):
             restore_loader_state(self.packed_dataset, resume_from_checkpoint)
         self._real_tokens, self._real_tokens_since = 0, time.perf_counter()
         self._run_tokens, self._run_sequences = 0, 0
-        self._train_walk = self._flops_counted = self._unwrapped_of = None  # the model may have changed since
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -433,7 +361,7 @@ def _packed_trainer() -> type:
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             batch, inputs = inputs, self.model_inputs(model, inputs)
-            head = getattr(self._unwrapped(model), "varpack_loss_head", False)
+            head = getattr(self.accelerator.unwrap_model(model), "varpack_loss_head", False)
             # A training batch of a mixture: its loss per source is counted too.
             source_losses = self._source_losses if model.training and SOURCE_IDS in batch else None
             if LOSS_WEIGHTS in inputs and not head:
