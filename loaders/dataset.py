@@ -524,7 +524,9 @@ class PackedIterableDataset(IterableDataset):
     def _reading_state(self) -> tuple[int, ...]:
         """Where this copy reads from, as integers for the ledger: its position, whether it was loaded from a state,
         and whether that state's loader pass had ended (``_follow_training_process`` reads them back)."""
-        return (*map(int, dataclasses.astuple(self._position)), int(self._loaded), int(self._loader_pass_ended))
+        position = self._position  # field by field: dataclasses.astuple deep-copies, and this runs after every batch
+        return (position.epoch, position.start_row, position.pass_start, position.next_batch, position.worker_id,
+                position.num_workers, int(position.finished), int(self._loaded), int(self._loader_pass_ended))
 
     def _share(self) -> tuple[int, int, int]:
         """This reader's share of its pass, as the ledger names it: (epoch, start_row, num_workers)."""
@@ -550,6 +552,8 @@ class PackedIterableDataset(IterableDataset):
         number). Once run through, a pass without ``set_epoch`` reads the next epoch."""
         self._start_share()
         self._loaded = False
+        if get_worker_info() is None:  # read by the training process itself: persistent workers go on from here
+            self._ledger.forget_passes(self._reading_state())
         self._read_through()
         return
         yield

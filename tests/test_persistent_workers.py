@@ -202,3 +202,24 @@ def test_workers_go_on_from_a_pass_the_training_process_read_itself(build, examp
     passes += run_loop(DataLoader(dataset, batch_size=None), dataset, example_of, [(None, taken)])
     passes += run_loop(loader, dataset, example_of, [(None, None)])
     assert passes == ([epochs[0], epochs[1][:3], epochs[1][3:]] if taken else epochs)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_go_on_from_the_empty_pass_the_training_process_read_over_a_finished_loaded_epoch(build, example_of,
+                                                                                                   persistent):
+    """Workers already started, then a state saved after epoch 0's loop loaded, set_epoch(0) as a resumed run calls,
+    and the finished epoch's empty pass read by the training process itself: the workers' next passes, without
+    set_epoch, read epochs 1 and 2, persistent ones too. (Persistent workers that missed the training process's empty
+    pass read it again, and each later pass one epoch late.)"""
+    epochs = loop_batches(build, example_of, [(1, None), (2, None)], 0, False)
+    saved = PackedIterableDataset(build.path, **SETTINGS)
+    saver = StatefulDataLoader(saved, batch_size=None, num_workers=2)
+    run_loop(saver, saved, example_of, [(0, None)])
+    state = json.loads(json.dumps(saver.state_dict()))
+    dataset = PackedIterableDataset(build.path, **SETTINGS)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+    run_loop(loader, dataset, example_of, [(3, None)])
+    dataset.load_state_dict(state)
+    passes = run_loop(DataLoader(dataset, batch_size=None), dataset, example_of, [(0, None)])
+    passes += run_loop(loader, dataset, example_of, [(None, None), (None, None)])
+    assert passes == [[], *epochs]
