@@ -16,7 +16,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_resume import read
+from test_resume import epochs_read, read
 from torch.utils.data import DataLoader
 
 from loaders import PackedIterableDataset, PackedMixture
@@ -137,11 +137,7 @@ def saved(state):
 def test_persistent_workers_resumed_mid_epoch_read_the_rest_and_then_each_named_epoch(build, example_of, workers):
     """A run through persistent workers stopped after five batches of epoch 1 and resumed (the whole state into the
     dataset and the loader) reads the rest of epoch 1, then epochs 2 and 3 whole, as the run without a stop."""
-    reference = PackedIterableDataset(build.path, **SETTINGS)
-    epochs = []
-    for epoch in range(4):
-        reference.set_epoch(epoch)
-        epochs.append([read(batch, example_of) for batch in reference])
+    epochs = epochs_read(build, example_of, SETTINGS, 4)
     dataset = PackedIterableDataset(build.path, **SETTINGS)
     loader = StatefulDataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=True)
     dataset.set_epoch(0)

@@ -54,6 +54,11 @@ def uninterrupted(build, example_of, settings_, epochs=EPOCHS) -> list[tuple[int
     return reads
 
 
+def epochs_read(build, example_of, settings_, epochs) -> list[list[tuple[int, ...]]]:
+    """The example ids of each batch of each of the first ``epochs`` epochs, epoch by epoch, read without a stop."""
+    reads = uninterrupted(build, example_of, settings_, epochs)
+    return [[batch for read_epoch, batch in reads if read_epoch == epoch] for epoch in range(epochs)]
+
 def plain_loop(dataset, example_of, start, stop=None, save_after_loop=False):
     """The README's loop from ``start``: its reads, and the state saved after ``stop`` batches (or None).
 

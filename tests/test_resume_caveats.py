@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 from shard_factory import build_shard_dir
-from test_resume import CAPACITY, read
+from test_resume import CAPACITY, epochs_read, read
 from torch.utils.data import DataLoader
 
 from loaders import PackedIterableDataset
@@ -146,11 +146,7 @@ def test_persistent_workers_started_by_state_dict_before_set_epoch_read_each_epo
     loop's first set_epoch (a checkpoint or a log right after resuming) starts its persistent workers then; they
     still see the loop name the finished epoch, read nothing more of it, and then epochs 1 and 2 under their
     numbers."""
-    reference = PackedIterableDataset(build.path, **SETTINGS)
-    epochs = []
-    for epoch in range(3):
-        reference.set_epoch(epoch)
-        epochs.append([read(batch, example_of) for batch in reference])
+    epochs = epochs_read(build, example_of, SETTINGS, 3)
     dataset = PackedIterableDataset(build.path, **SETTINGS)
     loader = StatefulDataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=True)
     dataset.set_epoch(0)
@@ -175,11 +171,7 @@ def test_a_resumed_pass_past_an_epoch_end_broken_off_then_set_epoch_reads_the_na
     """Resumed from a state saved after epoch 0's loop ended: a pass through workers without set_epoch reads epoch 1
     and breaks off after two batches; set_epoch(0) then reads epoch 0 whole, as in the run without a stop. (The
     resumed dataset went on counting the finished epoch 0 as loaded, and its pass read nothing.)"""
-    reference = PackedIterableDataset(build.path, **SETTINGS)
-    epochs = []
-    for epoch in range(2):
-        reference.set_epoch(epoch)
-        epochs.append([read(batch, example_of) for batch in reference])
+    epochs = epochs_read(build, example_of, SETTINGS, 2)
     first = PackedIterableDataset(build.path, **SETTINGS)
     loader = StatefulDataLoader(first, batch_size=None, num_workers=2)
     first.set_epoch(0)
