@@ -53,6 +53,7 @@ so ``loaders`` still imports without them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -88,6 +89,7 @@ from loaders.train.loss import weighted_causal_lm_loss
 from loaders.train.loss_head import SEQUENCE_LOSSES
 from loaders.train.source_loss import SourceLosses
 from loaders.train.speed import SpeedOptions
+from loaders.train.step_graph import GraphedForwardBackward
 
 class EpochAfterEpoch(IterableDataset):
     """The dataset's batches, epoch after epoch, without end; ``set_epoch`` is called at each new epoch."""
@@ -173,7 +175,9 @@ class PackedTrainerMixin(_TrainerBase):
         local = self._window_normalizer(batches)
         if world_size() == 1:  # under torchrun, a rank's share may hold none while others' do
             training.check_trained_tokens(local, self.state.global_step + 1, self.packed_dataset.source)
-        total = global_loss_tokens(local, device)
+            total = training.count_on_device(local, device)  # copied without waiting for the GPU to drain
+        else:
+            total = global_loss_tokens(local, device)
         # With average_tokens_across_devices the trainer multiplies each rank's loss by the world size, which
         # DDP's gradient average undoes; without it, divide here instead.
         return batches, total if self.args.average_tokens_across_devices else total / world_size()
@@ -189,6 +193,10 @@ class PackedTrainerMixin(_TrainerBase):
         self._real_tokens += inputs[NUM_REAL_TOKENS]
         self._run_tokens += inputs[NUM_REAL_TOKENS]
         self._run_sequences += num_sequences(inputs)
+        return self._forward_backward(model, inputs, num_items_in_batch)
+
+    def _forward_backward(self, model, inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
+        """The micro-batch's forward and backward; returns its loss (Trainer's ``training_step``)."""
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _epochs_read(self) -> float:
@@ -340,9 +348,7 @@ def _packed_trainer() -> type:
                      speed: SpeedOptions | None = None, **kwargs: Any) -> None:
             if speed is not None:
                 if speed.step_graph:
-                    raise ValueError("PackedTrainer: step_graph is not offered: the Trainer runs clipping, the optimizer "
-                                     "and the scheduler itself, outside a step a CUDA graph could hold; use "
-                                     "scripts/train.py --step-graph (the plain loop), or leave it off")
+                    _check_step_graph_args(args)
                 speed.check_dataset(train_dataset, "PackedTrainer")
                 if model is None:
                     raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
@@ -358,6 +364,28 @@ def _packed_trainer() -> type:
             self.packed_dataset = self._check_packed(train_dataset, self.args)
             if isinstance(train_dataset, PackedMixture):
                 self._source_losses = SourceLosses(train_dataset.names, self.args.device)
+            self.graphed: GraphedForwardBackward | None = None
+
+        def _forward_backward(self, model, inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
+            """With ``speed.step_graph``, every micro-batch but a run's first as a CUDA graph replay
+            (``GraphedForwardBackward``); the first compiles, then every shape of the epoch ahead is captured."""
+            if self.speed is None or not self.speed.step_graph:
+                return super()._forward_backward(model, inputs, num_items_in_batch)
+            # A mixture's training batch asks the graph for each sequence's loss, for the loss per source.
+            per_sequence = {SEQUENCE_LOSSES: True} if self._source_losses is not None and SOURCE_IDS in inputs else {}
+            if self.graphed is None:
+                loss = super()._forward_backward(model, inputs, num_items_in_batch)
+                # Read from a copy of the dataset, which leaves the trainer's position where it is.
+                ahead = itertools.islice(copy.deepcopy(self.packed_dataset), self.state.max_steps - self.state.global_step)
+                self.graphed = GraphedForwardBackward(model, shapes=({**_graph_inputs(b), **per_sequence} for b in ahead))
+                return loss
+            model.train()
+            # The batch's tensors are copied into the graph's inputs as they are (pinned, without a host sync).
+            loss = self.graphed({**_graph_inputs(inputs), **per_sequence}, num_items_in_batch)
+            if per_sequence:
+                assert self._source_losses is not None and self.graphed.sequence_losses is not None
+                self._source_losses.add(self.graphed.sequence_losses, inputs[SOURCE_IDS])
+            return loss
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             batch, inputs = inputs, self.model_inputs(model, inputs)
@@ -588,6 +616,31 @@ def _check_dpo_settings(args: Any) -> None:
     if changed:
         raise ValueError(f"PackedDPOTrainer does not run DPOConfig's {', '.join(changed)}: they change TRL's loss; "
                          "leave them at their defaults")
+
+
+def _check_step_graph_args(args: Any) -> None:
+    """Refuse, in one line, TrainingArguments under which PackedTrainer cannot replay a micro-batch's forward and
+    backward as a CUDA graph (``SpeedOptions(step_graph=True)``)."""
+    if args is None:
+        cuda = torch.cuda.is_available()
+    else:
+        cuda = args.device.type == "cuda"
+        if args.gradient_accumulation_steps > 1:
+            raise ValueError(f"PackedTrainer: step_graph needs gradient_accumulation_steps=1, not "
+                             f"{args.gradient_accumulation_steps}: a graph holds one micro-batch's gradients")
+        if args.world_size > 1:
+            raise ValueError(f"PackedTrainer: step_graph runs on one process, not {args.world_size}: DDP's gradient "
+                             "all-reduce runs outside a graph; leave step_graph off under torchrun")
+        if args.torch_compile:
+            raise ValueError("PackedTrainer: step_graph captures the compiled layers of SpeedOptions(compile=True); "
+                             "set torch_compile=False in TrainingArguments")
+    if not cuda:
+        raise ValueError("PackedTrainer: step_graph replays CUDA graphs and needs a CUDA GPU; leave it off here")
+
+
+def _graph_inputs(batch: dict) -> dict:
+    """A loader batch as ``GraphedForwardBackward`` takes it: what the loss-position head reads, where it is."""
+    return {k: v for k, v in batch.items() if k != SOURCE_IDS}
 
 
 def _eval_datasets(eval_dataset: Any) -> list[Any]:
