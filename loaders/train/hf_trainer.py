@@ -39,8 +39,13 @@ What the trainers add to the ones they subclass:
 - ``PackedTrainer(..., speed=SpeedOptions(...))`` takes ``scripts/train.py``'s speed options
   (``loaders.train.speed``): the loss-position head, compiled layers on bucketed shapes (every
   bucket compiled on the first batch, before the first step) and the activation memory budget.
-  The whole-step CUDA graph is the plain loop's alone: the Trainer runs clipping, the optimizer
-  and the scheduler itself, outside any step a graph could hold.
+  With ``step_graph=True`` (one CUDA GPU, one process, ``gradient_accumulation_steps=1``, no fp16,
+  DeepSpeed, FSDP or ``torch_compile``; others are refused in one line) each micro-batch's forward
+  and backward is replayed as a CUDA graph per batch shape (``loaders.train.step_graph.GraphedForwardBackward``),
+  and the Trainer runs clipping, the optimizer and the scheduler on the gradients it leaves, eagerly.
+  The first step runs uncaptured; every shape of the epoch ahead (read from a copy of the dataset)
+  is captured before the second. All graphs write one set of gradients, held for the run beside
+  the weights. Loss weights and a mixture's loss per source come out of the graph too.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
@@ -342,6 +347,12 @@ def _packed_trainer() -> type:
 
         The loss is the model's (``use_loss_position_head`` works as it is); batches with
         ``loss_weights`` are reduced by ``loaders.loss_weights`` on the model's logits, or by the head.
+
+        The Trainer's ``logging_nan_inf_filter`` (on by default) reads every step's loss on the host
+        to drop a NaN or inf from the logged mean: a sync per step that leaves the GPU idle while the
+        Trainer's Python runs, which costs most where the step is short (a small model, or the step
+        graph). ``logging_nan_inf_filter=False`` (``scripts/train.py --trainer hf`` sets it) avoids it;
+        a NaN loss then shows in the log instead of being hidden.
         """
 
         def __init__(self, model: Any = None, args: Any = None, *, train_dataset: PackedIterableDataset,
@@ -631,6 +642,12 @@ def _check_step_graph_args(args: Any) -> None:
         if args.world_size > 1:
             raise ValueError(f"PackedTrainer: step_graph runs on one process, not {args.world_size}: DDP's gradient "
                              "all-reduce runs outside a graph; leave step_graph off under torchrun")
+        if args.fp16:
+            raise ValueError("PackedTrainer: step_graph does not scale the loss for fp16's gradient scaler, which runs "
+                             "outside the graph; train in bf16 (bf16=True) or leave step_graph off")
+        if args.deepspeed or args.fsdp:
+            raise ValueError("PackedTrainer: step_graph captures the model's own forward and backward, which DeepSpeed "
+                             "and FSDP replace with their sharded ones; leave step_graph off with them")
         if args.torch_compile:
             raise ValueError("PackedTrainer: step_graph captures the compiled layers of SpeedOptions(compile=True); "
                              "set torch_compile=False in TrainingArguments")

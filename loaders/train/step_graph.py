@@ -28,6 +28,11 @@ batch's loss tokens). A batch with ``sequence_losses=True`` (``loaders.train.los
 leaves each packed sequence's summed token loss and loss tokens of the step in
 ``step.sequence_losses``, a second output of its graph (a mixture's loss per source:
 ``loaders.train.source_loss``).
+
+``GraphedForwardBackward(model)`` captures a micro-batch's forward and backward alone, for a loop
+that runs clipping, the optimizer and the scheduler itself, eagerly (``PackedTrainer`` with
+``SpeedOptions(step_graph=True)``): each replay leaves the gradients in ``.grad`` and returns the
+loss. Both share the shape keys, the padding of labelled rows, the warm-up stream and the pool.
 """
 
 from __future__ import annotations
