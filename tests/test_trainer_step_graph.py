@@ -44,6 +44,7 @@ class TwoProcesses(transformers.TrainingArguments):
      "PackedTrainer: step_graph needs gradient_accumulation_steps=1, not 2: a graph holds one micro-batch's gradients"),
     (TwoProcesses, {}, "PackedTrainer: step_graph runs on one process, not 2"),
     (transformers.TrainingArguments, {"fp16": True}, "step_graph does not scale the loss for fp16's gradient scaler"),
+    (transformers.TrainingArguments, {"gradient_checkpointing": True}, "step_graph cannot capture gradient checkpointing"),
     (transformers.TrainingArguments, {"torch_compile": True}, "set torch_compile=False in TrainingArguments"),
     (transformers.TrainingArguments, {}, "PackedTrainer: step_graph replays CUDA graphs and needs a CUDA GPU"),
 ])

@@ -40,7 +40,7 @@ What the trainers add to the ones they subclass:
   (``loaders.train.speed``): the loss-position head, compiled layers on bucketed shapes (every
   bucket compiled on the first batch, before the first step) and the activation memory budget.
   With ``step_graph=True`` (one CUDA GPU, one process, ``gradient_accumulation_steps=1``, no fp16,
-  DeepSpeed, FSDP or ``torch_compile``; others are refused in one line) each micro-batch's forward
+  DeepSpeed, FSDP, gradient checkpointing or ``torch_compile``; others are refused in one line) each micro-batch's forward
   and backward is replayed as a CUDA graph per batch shape (``loaders.train.step_graph.GraphedForwardBackward``),
   and the Trainer runs clipping, the optimizer and the scheduler on the gradients it leaves, eagerly.
   The first step runs uncaptured; every shape of the epoch ahead (read from a copy of the dataset)
@@ -648,6 +648,10 @@ def _check_step_graph_args(args: Any) -> None:
         if args.deepspeed or args.fsdp:
             raise ValueError("PackedTrainer: step_graph captures the model's own forward and backward, which DeepSpeed "
                              "and FSDP replace with their sharded ones; leave step_graph off with them")
+        if args.gradient_checkpointing:
+            raise ValueError("PackedTrainer: step_graph cannot capture gradient checkpointing, which reads the RNG state "
+                             "on the host to recompute; set gradient_checkpointing=False (SpeedOptions' "
+                             "activation_memory_budget recomputes inside the compiled layers instead)")
         if args.torch_compile:
             raise ValueError("PackedTrainer: step_graph captures the compiled layers of SpeedOptions(compile=True); "
                              "set torch_compile=False in TrainingArguments")
