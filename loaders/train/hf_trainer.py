@@ -43,8 +43,8 @@ What the trainers add to the ones they subclass:
   DeepSpeed, FSDP, gradient checkpointing or ``torch_compile``; others are refused in one line) each micro-batch's forward
   and backward is replayed as a CUDA graph per batch shape (``loaders.train.step_graph.GraphedForwardBackward``),
   and the Trainer runs clipping, the optimizer and the scheduler on the gradients it leaves, eagerly.
-  The first step runs uncaptured; every shape of the epoch ahead (read from a copy of the dataset)
-  is captured before the second. All graphs write one set of gradients, held for the run beside
+  The first step runs uncaptured; every shape among an epoch's worth of the batches ahead (read
+  from a copy of the dataset) is captured before the second. All graphs write one set of gradients, held for the run beside
   the weights. Loss weights and a mixture's loss per source come out of the graph too.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
@@ -379,15 +379,19 @@ def _packed_trainer() -> type:
 
         def _forward_backward(self, model, inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
             """With ``speed.step_graph``, every micro-batch but a run's first as a CUDA graph replay
-            (``GraphedForwardBackward``); the first compiles, then every shape of the epoch ahead is captured."""
+            (``GraphedForwardBackward``); the first compiles, then the shapes of an epoch's worth of batches ahead
+            are captured."""
             if self.speed is None or not self.speed.step_graph:
                 return super()._forward_backward(model, inputs, num_items_in_batch)
             # A mixture's training batch asks the graph for each sequence's loss, for the loss per source.
             per_sequence = {SEQUENCE_LOSSES: True} if self._source_losses is not None and SOURCE_IDS in inputs else {}
             if self.graphed is None:
                 loss = super()._forward_backward(model, inputs, num_items_in_batch)
-                # Read from a copy of the dataset, which leaves the trainer's position where it is.
-                ahead = itertools.islice(copy.deepcopy(self.packed_dataset), self.state.max_steps - self.state.global_step)
+                # An epoch's worth of the batches ahead (into the next epoch after a resume), read from a copy of the
+                # dataset, which leaves the trainer's position where it is.
+                steps_left = self.state.max_steps - self.state.global_step
+                ahead = itertools.islice(EpochAfterEpoch(copy.deepcopy(self.packed_dataset)),
+                                         min(steps_left, len(self.packed_dataset)))
                 self.graphed = GraphedForwardBackward(model, shapes=({**_graph_inputs(b), **per_sequence} for b in ahead))
                 return loss
             model.train()
