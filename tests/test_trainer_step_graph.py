@@ -80,6 +80,9 @@ def test_each_replay_leaves_the_eager_backwards_gradients(tmp_path):
         count = torch.tensor(float(batch["num_loss_tokens"]), device="cuda")
         want_loss = model(**batch, num_items_in_batch=count).loss
         want_loss.backward()
+        # Held with its autograd graph, the eager loss would keep the AccumulateGrad nodes of the default stream
+        # alive into the capture, which then fails (a capture may not wait on the legacy stream).
+        want_loss = want_loss.detach()
         want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
         loss = graphed(batch, count)
