@@ -8,7 +8,7 @@ Three runs, one after the other, each in its own process so that one holds the c
 2. ``train.py`` with ``--train-flags`` (default ``--compile --step-graph --precision bf16-weights``)
    for ``--steps`` steps, logged every ``--log-every``;
 3. ``train.py --trainer hf`` (``PackedTrainer``) with ``--trainer-flags`` (default ``--compile
-   --precision bf16-weights``), the same steps and logs.
+   --step-graph --precision bf16-weights``), the same steps and logs.
 
 ``--runs`` picks 2, 3 or both (default both).
 
@@ -63,7 +63,7 @@ class UserPathConfig:
     num_workers: int = 2
     vocab_multiple: int = 64  # both sides' model vocabulary: the build's rounded up to a multiple of this (bench_train's)
     train_flags: str = "--compile --step-graph --precision bf16-weights"
-    trainer_flags: str = "--compile --precision bf16-weights"
+    trainer_flags: str = "--compile --step-graph --precision bf16-weights"
     runs: str = "train_py,trainer"
     out: str = ""
 

@@ -76,7 +76,7 @@ def test_the_trainer_takes_the_speed_options_and_trains_as_without_them(shards, 
 
 
 @pytest.mark.parametrize(("speed", "bucketed", "message"), [
-    (SpeedOptions(compile=True, step_graph=True), True, "step_graph is not offered"),
+    (SpeedOptions(compile=True, step_graph=True), True, "step_graph replays CUDA graphs and needs a CUDA GPU"),
     (SpeedOptions(compile=True), False, "bucket_shapes=True"),
 ])
 def test_the_trainer_refuses_what_it_cannot_honour(shards, tmp_path, speed, bucketed, message):

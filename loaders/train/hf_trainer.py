@@ -39,8 +39,13 @@ What the trainers add to the ones they subclass:
 - ``PackedTrainer(..., speed=SpeedOptions(...))`` takes ``scripts/train.py``'s speed options
   (``loaders.train.speed``): the loss-position head, compiled layers on bucketed shapes (every
   bucket compiled on the first batch, before the first step) and the activation memory budget.
-  The whole-step CUDA graph is the plain loop's alone: the Trainer runs clipping, the optimizer
-  and the scheduler itself, outside any step a graph could hold.
+  With ``step_graph=True`` (one CUDA GPU, one process, ``gradient_accumulation_steps=1``, no fp16,
+  DeepSpeed, FSDP, gradient checkpointing or ``torch_compile``; others are refused in one line) each micro-batch's forward
+  and backward is replayed as a CUDA graph per batch shape (``loaders.train.step_graph.GraphedForwardBackward``),
+  and the Trainer runs clipping, the optimizer and the scheduler on the gradients it leaves, eagerly.
+  The first step runs uncaptured; every shape among an epoch's worth of the batches ahead (read
+  from a copy of the dataset) is captured before the second. All graphs write one set of gradients, held for the run beside
+  the weights. Loss weights and a mixture's loss per source come out of the graph too.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
@@ -53,6 +58,7 @@ so ``loaders`` still imports without them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -88,6 +94,7 @@ from loaders.train.loss import weighted_causal_lm_loss
 from loaders.train.loss_head import SEQUENCE_LOSSES
 from loaders.train.source_loss import SourceLosses
 from loaders.train.speed import SpeedOptions
+from loaders.train.step_graph import GraphedForwardBackward
 
 class EpochAfterEpoch(IterableDataset):
     """The dataset's batches, epoch after epoch, without end; ``set_epoch`` is called at each new epoch."""
@@ -173,7 +180,9 @@ class PackedTrainerMixin(_TrainerBase):
         local = self._window_normalizer(batches)
         if world_size() == 1:  # under torchrun, a rank's share may hold none while others' do
             training.check_trained_tokens(local, self.state.global_step + 1, self.packed_dataset.source)
-        total = global_loss_tokens(local, device)
+            total = training.count_on_device(local, device)  # copied without waiting for the GPU to drain
+        else:
+            total = global_loss_tokens(local, device)
         # With average_tokens_across_devices the trainer multiplies each rank's loss by the world size, which
         # DDP's gradient average undoes; without it, divide here instead.
         return batches, total if self.args.average_tokens_across_devices else total / world_size()
@@ -189,6 +198,10 @@ class PackedTrainerMixin(_TrainerBase):
         self._real_tokens += inputs[NUM_REAL_TOKENS]
         self._run_tokens += inputs[NUM_REAL_TOKENS]
         self._run_sequences += num_sequences(inputs)
+        return self._forward_backward(model, inputs, num_items_in_batch)
+
+    def _forward_backward(self, model, inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
+        """The micro-batch's forward and backward; returns its loss (Trainer's ``training_step``)."""
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _epochs_read(self) -> float:
@@ -334,15 +347,19 @@ def _packed_trainer() -> type:
 
         The loss is the model's (``use_loss_position_head`` works as it is); batches with
         ``loss_weights`` are reduced by ``loaders.loss_weights`` on the model's logits, or by the head.
+
+        The Trainer's ``logging_nan_inf_filter`` (on by default) reads every step's loss on the host
+        to drop a NaN or inf from the logged mean: a sync per step that leaves the GPU idle while the
+        Trainer's Python runs, which costs most where the step is short (a small model, or the step
+        graph). ``logging_nan_inf_filter=False`` (``scripts/train.py --trainer hf`` sets it) avoids it;
+        a NaN loss then shows in the log instead of being hidden.
         """
 
         def __init__(self, model: Any = None, args: Any = None, *, train_dataset: PackedIterableDataset,
                      speed: SpeedOptions | None = None, **kwargs: Any) -> None:
             if speed is not None:
                 if speed.step_graph:
-                    raise ValueError("PackedTrainer: step_graph is not offered: the Trainer runs clipping, the optimizer "
-                                     "and the scheduler itself, outside a step a CUDA graph could hold; use "
-                                     "scripts/train.py --step-graph (the plain loop), or leave it off")
+                    _check_step_graph_args(args)
                 speed.check_dataset(train_dataset, "PackedTrainer")
                 if model is None:
                     raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
@@ -358,6 +375,32 @@ def _packed_trainer() -> type:
             self.packed_dataset = self._check_packed(train_dataset, self.args)
             if isinstance(train_dataset, PackedMixture):
                 self._source_losses = SourceLosses(train_dataset.names, self.args.device)
+            self.graphed: GraphedForwardBackward | None = None
+
+        def _forward_backward(self, model, inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
+            """With ``speed.step_graph``, every micro-batch but a run's first as a CUDA graph replay
+            (``GraphedForwardBackward``); the first compiles, then the shapes of an epoch's worth of batches ahead
+            are captured."""
+            if self.speed is None or not self.speed.step_graph:
+                return super()._forward_backward(model, inputs, num_items_in_batch)
+            # A mixture's training batch asks the graph for each sequence's loss, for the loss per source.
+            per_sequence = {SEQUENCE_LOSSES: True} if self._source_losses is not None and SOURCE_IDS in inputs else {}
+            if self.graphed is None:
+                loss = super()._forward_backward(model, inputs, num_items_in_batch)
+                # An epoch's worth of the batches ahead (into the next epoch after a resume), read from a copy of the
+                # dataset, which leaves the trainer's position where it is.
+                steps_left = self.state.max_steps - self.state.global_step
+                ahead = itertools.islice(EpochAfterEpoch(copy.deepcopy(self.packed_dataset)),
+                                         min(steps_left, len(self.packed_dataset)))
+                self.graphed = GraphedForwardBackward(model, shapes=({**_graph_inputs(b), **per_sequence} for b in ahead))
+                return loss
+            model.train()
+            # The batch's tensors are copied into the graph's inputs as they are (pinned, without a host sync).
+            loss = self.graphed({**_graph_inputs(inputs), **per_sequence}, num_items_in_batch)
+            if per_sequence:
+                assert self._source_losses is not None and self.graphed.sequence_losses is not None
+                self._source_losses.add(self.graphed.sequence_losses, inputs[SOURCE_IDS])
+            return loss
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             batch, inputs = inputs, self.model_inputs(model, inputs)
@@ -588,6 +631,41 @@ def _check_dpo_settings(args: Any) -> None:
     if changed:
         raise ValueError(f"PackedDPOTrainer does not run DPOConfig's {', '.join(changed)}: they change TRL's loss; "
                          "leave them at their defaults")
+
+
+def _check_step_graph_args(args: Any) -> None:
+    """Refuse, in one line, TrainingArguments under which PackedTrainer cannot replay a micro-batch's forward and
+    backward as a CUDA graph (``SpeedOptions(step_graph=True)``)."""
+    if args is None:
+        cuda = torch.cuda.is_available()
+    else:
+        cuda = args.device.type == "cuda"
+        if args.gradient_accumulation_steps > 1:
+            raise ValueError(f"PackedTrainer: step_graph needs gradient_accumulation_steps=1, not "
+                             f"{args.gradient_accumulation_steps}: a graph holds one micro-batch's gradients")
+        if args.world_size > 1:
+            raise ValueError(f"PackedTrainer: step_graph runs on one process, not {args.world_size}: DDP's gradient "
+                             "all-reduce runs outside a graph; leave step_graph off under torchrun")
+        if args.fp16:
+            raise ValueError("PackedTrainer: step_graph does not scale the loss for fp16's gradient scaler, which runs "
+                             "outside the graph; train in bf16 (bf16=True) or leave step_graph off")
+        if args.deepspeed or args.fsdp:
+            raise ValueError("PackedTrainer: step_graph captures the model's own forward and backward, which DeepSpeed "
+                             "and FSDP replace with their sharded ones; leave step_graph off with them")
+        if args.gradient_checkpointing:
+            raise ValueError("PackedTrainer: step_graph cannot capture gradient checkpointing, which reads the RNG state "
+                             "on the host to recompute; set gradient_checkpointing=False (SpeedOptions' "
+                             "activation_memory_budget recomputes inside the compiled layers instead)")
+        if args.torch_compile:
+            raise ValueError("PackedTrainer: step_graph captures the compiled layers of SpeedOptions(compile=True); "
+                             "set torch_compile=False in TrainingArguments")
+    if not cuda:
+        raise ValueError("PackedTrainer: step_graph replays CUDA graphs and needs a CUDA GPU; leave it off here")
+
+
+def _graph_inputs(batch: dict) -> dict:
+    """A loader batch as ``GraphedForwardBackward`` takes it: what the loss-position head reads, where it is."""
+    return {k: v for k, v in batch.items() if k != SOURCE_IDS}
 
 
 def _eval_datasets(eval_dataset: Any) -> list[Any]:

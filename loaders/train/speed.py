@@ -9,8 +9,9 @@ Each lever is measured in ``docs/benchmarks.md``:
   for every bucket before the first step (``prewarm_buckets``), so no step stops to compile.
 - ``activation_memory_budget`` below 1: compiled layers keep that share of the activations they
   save for backward and recompute the rest.
-- ``step_graph``: the whole optimizer step as one CUDA graph per batch shape
-  (``loaders.train.step_graph``); a loop that owns its optimizer step only (train.py's plain loop).
+- ``step_graph``: the whole optimizer step as one CUDA graph per batch shape in train.py's plain
+  loop (``loaders.train.step_graph.GraphedStep``); in ``PackedTrainer``, each micro-batch's forward
+  and backward (``GraphedForwardBackward``), the Trainer's clipping, optimizer and scheduler eager.
 
     speed = SpeedOptions(compile=True, activation_memory_budget=0.9)
     dataset = PackedIterableDataset("shards/DIR", batch_rows=2, **speed.dataset_options())
