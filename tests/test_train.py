@@ -57,6 +57,19 @@ def test_resume_continues_exactly(shards, tmp_path, trainer):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
+def test_the_trainer_logs_a_nan_loss_instead_of_hiding_it(shards, tmp_path):
+    """``train.py --trainer hf`` turns off the Trainer's NaN filter (a host sync every step): a step whose loss is NaN
+    is logged as NaN, not replaced by the mean of the steps before it."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "out"
+    # A learning rate that overflows the weights in the first update: the second step's loss is NaN.
+    load_script().main(["--shards", str(shards), "--random-init", MODEL, "--trainer", "hf", "--attn", "sdpa",
+                        "--precision", "fp32", "--lr", "1e38", "--warmup-steps", "0", "--max-grad-norm", "0",
+                        "--batch-rows", "2", "--log-every", "1", "--max-steps", "2", "--out", str(out)])
+    logged = losses(out)
+    assert np.isfinite(logged[1]) and np.isnan(logged[2]), logged
+
+
 @pytest.mark.parametrize("trainer", ["plain", "hf"])
 def test_bf16_weights_keep_weights_and_adamw_state_in_bf16_and_resume_exactly(shards, tmp_path, trainer):
     """``--precision bf16-weights``, the benchmarks' setting: the checkpoint's weights and AdamW moments are

@@ -46,16 +46,21 @@ class TwoProcesses(transformers.TrainingArguments):
     (transformers.TrainingArguments, {"fp16": True}, "step_graph does not scale the loss for fp16's gradient scaler"),
     (transformers.TrainingArguments, {"gradient_checkpointing": True}, "step_graph cannot capture gradient checkpointing"),
     (transformers.TrainingArguments, {"torch_compile": True}, "set torch_compile=False in TrainingArguments"),
+    (transformers.TrainingArguments, {"optim": "adalomo"}, "cannot run optim='adalomo', which updates the weights inside"),
+    (transformers.TrainingArguments, {"model_checkpointing": True}, "cannot capture the model's gradient checkpointing"),
     (transformers.TrainingArguments, {}, "PackedTrainer: step_graph replays CUDA graphs and needs a CUDA GPU"),
 ])
 def test_the_trainer_refuses_what_a_graph_cannot_hold(shards, tmp_path, arguments, settings, message):
     from loaders.train.hf_trainer import PackedTrainer
 
     out = tmp_path / "out"
+    model = tiny_llama(VOCAB, CAPACITY)
+    if settings.pop("model_checkpointing", False):  # turned on on the model, as PEFT's prepare_model_for_kbit_training does
+        model.gradient_checkpointing_enable()
     args = arguments(output_dir=str(out), max_steps=2, report_to="none", use_cpu=True, **settings)
     dataset = PackedIterableDataset(shards, batch_rows=2, seed=1, **GRAPHED.dataset_options())
     with pytest.raises(ValueError, match=message) as refused:
-        PackedTrainer(model=tiny_llama(VOCAB, CAPACITY), args=args, train_dataset=dataset, speed=GRAPHED)
+        PackedTrainer(model=model, args=args, train_dataset=dataset, speed=GRAPHED)
     assert "\n" not in str(refused.value)
     assert not out.exists(), "nothing is written before the refusal"
 

@@ -40,12 +40,15 @@ What the trainers add to the ones they subclass:
   (``loaders.train.speed``): the loss-position head, compiled layers on bucketed shapes (every
   bucket compiled on the first batch, before the first step) and the activation memory budget.
   With ``step_graph=True`` (one CUDA GPU, one process, ``gradient_accumulation_steps=1``, no fp16,
-  DeepSpeed, FSDP, gradient checkpointing or ``torch_compile``; others are refused in one line) each micro-batch's forward
+  DeepSpeed, FSDP, gradient checkpointing, LOMO or layerwise optimizers, or ``torch_compile``; others
+  are refused in one line) each micro-batch's forward
   and backward is replayed as a CUDA graph per batch shape (``loaders.train.step_graph.GraphedForwardBackward``),
   and the Trainer runs clipping, the optimizer and the scheduler on the gradients it leaves, eagerly.
   The first step runs uncaptured; every shape among an epoch's worth of the batches ahead (read
-  from a copy of the dataset) is captured before the second. All graphs write one set of gradients, held for the run beside
-  the weights. Loss weights and a mixture's loss per source come out of the graph too.
+  from a copy of the dataset) is captured before the second, a shape first met later when it comes.
+  All graphs write one set of gradients, held for the run beside the weights. Loss weights and a
+  mixture's loss per source come out of the graph too. The graphs train the parameters they
+  captured: one a callback freezes, replaces or adds later is not seen by them.
 - ``evaluate()`` on a PackedIterableDataset (``eval_dataset=``, e.g. with ``eval_strategy="steps"``)
   runs ``loaders.train.evaluate.evaluate_packed`` over all of its rows, the ranks sharing them:
   ``eval_loss`` is the mean token loss, with ``eval_perplexity`` and ``eval_mean_example_loss``;
@@ -359,7 +362,7 @@ def _packed_trainer() -> type:
                      speed: SpeedOptions | None = None, **kwargs: Any) -> None:
             if speed is not None:
                 if speed.step_graph:
-                    _check_step_graph_args(args)
+                    _check_step_graph_args(args, model)
                 speed.check_dataset(train_dataset, "PackedTrainer")
                 if model is None:
                     raise ValueError("PackedTrainer: speed= applies to a model; pass model= (not model_init=)")
@@ -394,9 +397,16 @@ def _packed_trainer() -> type:
                                          min(steps_left, len(self.packed_dataset)))
                 self.graphed = GraphedForwardBackward(model, shapes=({**_graph_inputs(b), **per_sequence} for b in ahead))
                 return loss
+            # What Trainer.training_step does around the forward and backward, which the replay replaces.
             model.train()
+            train_mode = getattr(self.optimizer, "train", None)
+            if callable(train_mode):  # a schedule-free optimizer's training mode
+                train_mode()
             # The batch's tensors are copied into the graph's inputs as they are (pinned, without a host sync).
             loss = self.graphed({**_graph_inputs(inputs), **per_sequence}, num_items_in_batch)
+            steps = self.args.torch_empty_cache_steps
+            if steps is not None and self.state.global_step % steps == 0:
+                torch.cuda.empty_cache()
             if per_sequence:
                 assert self._source_losses is not None and self.graphed.sequence_losses is not None
                 self._source_losses.add(self.graphed.sequence_losses, inputs[SOURCE_IDS])
@@ -633,9 +643,16 @@ def _check_dpo_settings(args: Any) -> None:
                          "leave them at their defaults")
 
 
-def _check_step_graph_args(args: Any) -> None:
-    """Refuse, in one line, TrainingArguments under which PackedTrainer cannot replay a micro-batch's forward and
-    backward as a CUDA graph (``SpeedOptions(step_graph=True)``)."""
+def _check_step_graph_args(args: Any, model: Any) -> None:
+    """Refuse, in one line, TrainingArguments or a model under which PackedTrainer cannot replay a micro-batch's
+    forward and backward as a CUDA graph (``SpeedOptions(step_graph=True)``)."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        # Turned on on the model itself (gradient_checkpointing_enable(), as PEFT's prepare_model_for_kbit_training
+        # does): its recomputation reads the RNG state on the host, and a reentrant checkpoint hides the layers'
+        # parameters from the graph's record of which ones get a gradient.
+        raise ValueError("PackedTrainer: step_graph cannot capture the model's gradient checkpointing; call "
+                         "model.gradient_checkpointing_disable() (SpeedOptions' activation_memory_budget recomputes "
+                         "inside the compiled layers instead) or leave step_graph off")
     if args is None:
         cuda = torch.cuda.is_available()
     else:
@@ -656,6 +673,10 @@ def _check_step_graph_args(args: Any) -> None:
             raise ValueError("PackedTrainer: step_graph cannot capture gradient checkpointing, which reads the RNG state "
                              "on the host to recompute; set gradient_checkpointing=False (SpeedOptions' "
                              "activation_memory_budget recomputes inside the compiled layers instead)")
+        optim = str(getattr(args.optim, "value", args.optim))
+        if "lomo" in optim or "layerwise" in optim:
+            raise ValueError(f"PackedTrainer: step_graph cannot run optim={optim!r}, which updates the weights inside the "
+                             "backward; choose another optimizer or leave step_graph off")
         if args.torch_compile:
             raise ValueError("PackedTrainer: step_graph captures the compiled layers of SpeedOptions(compile=True); "
                              "set torch_compile=False in TrainingArguments")
