@@ -163,6 +163,15 @@ def test_max_bad_rows_takes_every_fraction_from_0_to_1_and_says_the_range_of_oth
     assert not (tmp_path / "refused").exists()
 
 
+def test_max_bad_rows_minus_zero_is_zero_in_the_config_and_its_messages(chats, tmp_path, capsys):
+    """--max-bad-rows -0.0 is the bound 0.0: it stops at the first bad row and says 0.0, never -0.0."""
+    assert repr(PackConfig(dataset=str(chats), max_bad_rows=-0.0).max_bad_rows) == "0.0"
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--no-progress"]
+    assert main([*args, "--max-bad-rows", "-0.0"]) == 1
+    err = capsys.readouterr().err
+    assert "more than --max-bad-rows 0.0 (first: " in err and "-0.0" not in err, err
+
+
 def test_parquet_rows_are_named_by_index(tmp_path):
     prompts = [f"Question {i}?" for i in range(10)]
     prompts[6] = None
