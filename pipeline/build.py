@@ -194,6 +194,8 @@ def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
     spill_dir = spill.new_spill_dir(shard_dir, _temp_location(config.beam_args))
     storage.make_dirs(plan.out_dir)
     log(f"packing {config.dataset} into {plan.out_dir}")
+    # An earlier run's list of rejected rows, kept by check_output: a failure of this run leaves it, or its own.
+    listed = storage.exists(storage.join(plan.out_dir, REJECTED_NAME))
     if config.progress:
         progress.enable()
     try:
@@ -201,7 +203,8 @@ def _run(plan: BuildPlan, shard_dir: str, log: Callable[[str], None]) -> None:
     except BaseException as err:
         spill.remove_spill(spill_dir)
         # A build of bad rows only keeps the list of them, which its error points to.
-        discard(plan.out_dir, shard_dir, (REJECTED_NAME,) if isinstance(VarpackError.behind(err), NothingKeptError) else ())
+        nothing_kept = isinstance(VarpackError.behind(err), NothingKeptError)
+        discard(plan.out_dir, shard_dir, (REJECTED_NAME,) if nothing_kept or listed else ())
         raise
     finally:
         spill.remove_spill(spill_dir)

@@ -150,6 +150,8 @@ class PackConfig:
         # file:///abs/path names the local path /abs/path: Beam's filesystems know no file:// scheme.
         for name in ("dataset", "out"):
             object.__setattr__(self, name, local_path(getattr(self, name)))
+        if isinstance(self.max_bad_rows, float):
+            object.__setattr__(self, "max_bad_rows", self.max_bad_rows + 0.0)  # -0.0 is 0.0, and says so in messages
 
     @property
     def resolved_rows_per_shard(self) -> int:

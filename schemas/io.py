@@ -177,11 +177,16 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
-    """The error that reports ``err`` (a full disk, a read-only or missing directory, a link) met while writing
-    ``path``."""
+    """The error that reports ``err`` (a full disk, a read-only or missing directory, a link, a dangling link on the
+    way) met while writing ``path``."""
     if err.errno == errno.ELOOP:
         link = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink()), Path(path))
         return link_error(link, "a symbolic link")
+    dangling = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None and err.errno in (errno.ENOENT, errno.EEXIST):
+        target = os.readlink(dangling)
+        return WriteError(f"{path}: could not be written: {dangling} is a dangling symbolic link to {target}, which "
+                          f"does not exist; make {target} or point the link elsewhere, then run again")
     directory = Path(path).parent
     if err.errno == errno.ENOENT and not directory.exists():
         return WriteError(f"{path}: could not be written: the directory {directory} does not exist; make it or write "

@@ -163,6 +163,37 @@ def test_max_bad_rows_takes_every_fraction_from_0_to_1_and_says_the_range_of_oth
     assert not (tmp_path / "refused").exists()
 
 
+def test_the_rejected_list_of_a_run_that_wrote_nothing_is_kept_by_the_next_run(tmp_path, capsys):
+    """Every row bad under --max-bad-rows 1.0: no build, and rejected.jsonl lists them. The next run of the same build
+    keeps that list, saying where it is, not as a leftover to delete: one stopped by a lower bound leaves it as it was,
+    one that gets as far replaces it with its own."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps({"id": line, "conversations": value}) + "\n"
+                            for line, value, reason in ROWS if reason and reason != "only_dangling_turns"))
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--no-progress"]
+    assert main([*args, "--max-bad-rows", "1.0"]) == 1
+    (listed,) = (tmp_path / "out").rglob(REJECTED_NAME)
+    assert "all 6 rows read are bad rows (" in capsys.readouterr().err
+    rows = listed.read_text()
+    assert len(rows.splitlines()) == 6
+    for bound in ("2", "1.0"):
+        assert main([*args, "--max-bad-rows", bound]) == 1
+        err = capsys.readouterr().err
+        assert f"varpack: keeping {listed}, the rows rejected by an earlier run that wrote no build" in err, err
+        assert "leftover" not in err, err
+        assert listed.read_text() == rows
+        assert [p.name for p in listed.parent.iterdir()] == [REJECTED_NAME]
+
+
+def test_max_bad_rows_minus_zero_is_zero_in_the_config_and_its_messages(chats, tmp_path, capsys):
+    """--max-bad-rows -0.0 is the bound 0.0: it stops at the first bad row and says 0.0, never -0.0."""
+    assert repr(PackConfig(dataset=str(chats), max_bad_rows=-0.0).max_bad_rows) == "0.0"
+    args = ["--dataset", str(chats), "--out", str(tmp_path / "out"), "--on-bad-row", "skip", "--no-progress"]
+    assert main([*args, "--max-bad-rows", "-0.0"]) == 1
+    err = capsys.readouterr().err
+    assert "more than --max-bad-rows 0.0 (first: " in err and "-0.0" not in err, err
+
+
 def test_parquet_rows_are_named_by_index(tmp_path):
     prompts = [f"Question {i}?" for i in range(10)]
     prompts[6] = None

@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.check import check_isolation, main
-from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS, RankCheck, step_examples
+from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS, RankCheck, scratch_directory, step_examples
 
 transformers = pytest.importorskip("transformers")
 
@@ -227,12 +228,15 @@ def test_a_signal_to_the_check_stops_its_ranks(shards, tiny_model_dir, signum):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
-def test_a_killed_check_leaves_no_rank_running(shards, tiny_model_dir, tmp_path):
+def test_a_killed_check_leaves_no_rank_running_and_the_next_check_removes_its_scratch(
+        capsys, monkeypatch, shards, tiny_model_dir, tmp_path):
     """SIGKILL of the check (the OOM killer, kill -9, a scheduler's hard stop), which no handler sees: its ranks,
-    one hung and one waiting for it in a collective, end with it at once instead of keeping their memory."""
+    one hung and one waiting for it in a collective, end with it at once instead of keeping their memory. The
+    scratch directory it could not remove (where the ranks' gradients go) is removed by the next check, which
+    leaves alone a live check's, another user's, a link and what it points to; a directory whose process id was
+    taken by another process since (another start time) goes too."""
     command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
                "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--inject-fault", "hung_rank"]
-    # A killed check cannot remove its scratch directory: keep it in the test's own.
     check = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True,
                              env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
@@ -257,6 +261,32 @@ def test_a_killed_check_leaves_no_rank_running(shards, tiny_model_dir, tmp_path)
     finally:
         if session(check.pid):
             os.killpg(check.pid, signal.SIGKILL)
+    (killed,) = tmp_path.glob("varpack-check-*")
+    assert killed.name.startswith(f"varpack-check-{check.pid}-"), killed.name
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with contextlib.ExitStack() as still_running:
+        live = still_running.enter_context(scratch_directory())  # this process's: a check still running
+        (live / "gradients.pt").write_bytes(b"in use")
+        taken = tmp_path / killed.name.replace(f"-{check.pid}-", f"-{os.getpid()}-")  # this pid, another start time
+        taken.mkdir()
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        (victim / "keep.txt").write_text("not a check's")
+        link = tmp_path / killed.name.replace(f"-{check.pid}-", "-999999999-")  # named as a dead check's
+        link.symlink_to(victim)
+        foreign = tmp_path / killed.name.replace(f"-{check.pid}-", "-999999998-")  # a dead check of another user's
+        foreign.mkdir()
+        if os.getuid() == 0:
+            os.chown(foreign, 12345, 12345)
+        else:
+            foreign.rmdir()
+        status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn",
+                           "sdpa_segments", "--ranks", "2", "--grad-accum", "1")
+        assert status == 0, line
+        left = sorted(p.name for p in tmp_path.glob("varpack-check-*"))
+        assert left == sorted([live.name, link.name] + ([foreign.name] if os.getuid() == 0 else [])), left
+        assert (live / "gradients.pt").read_bytes() == b"in use" and link.is_symlink()
+        assert (victim / "keep.txt").read_text() == "not a check's"
 
 
 def session(sid: int) -> list[int]:

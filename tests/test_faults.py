@@ -442,6 +442,20 @@ def test_writing_into_a_missing_directory_names_the_directory_not_the_disk(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_out_through_a_dangling_link_names_the_link_and_its_target(data, tmp_path, capsys):
+    """--out at, or under, a symbolic link to a directory that is gone: one line naming the link and its target, not
+    a missing directory to make or a full disk; nothing is made at the target."""
+    target = tmp_path / "moved-away"
+    (tmp_path / "link").symlink_to(target)
+    for out in (tmp_path / "link" / "builds", tmp_path / "link"):
+        assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 1
+        (line,) = capsys.readouterr().err.splitlines()[-1:]
+        assert line.startswith(f"varpack: error: {out}"), line
+        assert line.endswith(f"could not be written: {tmp_path / 'link'} is a dangling symbolic link to {target}, "
+                             f"which does not exist; make {target} or point the link elsewhere, then run again"), line
+    assert not target.exists()
+
+
 def test_a_full_disk_in_a_worker_process_is_one_line_naming_the_file(data, tmp_path):
     out = tmp_path / "out"
     # Files over 100 KB cannot be written (EFBIG): a worker's spill or shard file fails.

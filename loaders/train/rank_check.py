@@ -19,6 +19,8 @@ be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
 The whole check has ``timeout`` seconds (``DEFAULT_TIMEOUT``): a rank still running then is
 killed with the others, and the check fails in one line. SIGTERM or SIGINT to the check ends its
 ranks too, and each rank ends the moment the check's process is gone, however it ended (``end_with_check``).
+The ranks hand their gradients back in a scratch directory named after the check's process; one that a killed
+check left (a model's gradients, maybe GiBs) is removed by the next check (``remove_abandoned_scratch``).
 
 It catches each data-parallel bug of this kind seen in other trainers (``FAULTS`` injects each,
 to test the check itself): a loss averaged per rank (transformers #34191, TRL #3538) or per
@@ -34,13 +36,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
+import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -84,6 +90,9 @@ FAULTS = {
 }
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends (linux/prctl.h)
+# A check's scratch directory in the temporary directory: varpack-check-<pid>-<start time>-<host>-<random>, the process
+# that made it by its id and start time (a reused id has another), on the host and pid namespace <host> names.
+SCRATCH_NAME = re.compile(r"^varpack-check-(\d+)-(\d+)-([0-9a-f]{8})-")
 
 
 class RankCheckError(ValueError):
@@ -192,11 +201,11 @@ def check_ranks(check: RankCheck) -> RankReport:
         cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
         rank_batches(check, 0)  # every rank gets as many batches as rank 0
         examples = step_examples(check)
-        with tempfile.TemporaryDirectory(prefix="varpack-check-") as scratch:
-            with running_ranks(check, "nccl" if cuda else "gloo", Path(scratch)) as wait:
+        with scratch_directory() as scratch:
+            with running_ranks(check, "nccl" if cuda else "gloo", scratch) as wait:
                 reference_loss, reference, normalizer = reference_gradients(model.to(device), examples, check.shards)
                 wait(deadline)
-            packed = torch.load(Path(scratch) / "gradients.pt", weights_only=True)
+            packed = torch.load(scratch / "gradients.pt", weights_only=True)
     errors = {name: float((packed["gradients"][name] - grad).norm() / grad.norm().clamp_min(1e-30))
               for name, grad in reference.items()}
     # NaN first: max() alone never picks a NaN error, as NaN compares False.
@@ -272,6 +281,67 @@ def build_example_targets(reader: Any) -> dict[int, int]:
     unique, inverse = np.unique(np.concatenate(ids), return_inverse=True)
     totals = np.bincount(inverse, weights=np.concatenate(counts)).astype(np.int64)
     return dict(zip(unique.tolist(), totals.tolist()))
+
+
+@contextlib.contextmanager
+def scratch_directory() -> Iterator[Path]:
+    """A new directory in the temporary directory for the ranks' gradients and errors, removed when the block ends,
+    named after this process (``SCRATCH_NAME``); those that killed checks left are removed first."""
+    root = Path(tempfile.gettempdir())
+    remove_abandoned_scratch(root)
+    pid, scope = os.getpid(), host_scope()
+    started = process_start(pid)
+    prefix = "varpack-check-" if started is None or scope is None else f"varpack-check-{pid}-{started}-{scope}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=root) as scratch:
+        yield Path(scratch)
+
+
+def remove_abandoned_scratch(root: Path) -> None:
+    """Remove the scratch directories in ``root`` whose check is gone (a SIGKILL runs no clean-up): only this user's
+    real directories (a link is neither followed nor removed), made on this host and pid namespace by a process that
+    is no longer running, or whose id another process has since taken (its start time differs)."""
+    scope = host_scope()
+    if scope is None or not shutil.rmtree.avoids_symlink_attacks:  # without descriptors, a swapped-in link is followed
+        return
+    with os.scandir(root) as entries:
+        for entry in entries:
+            match = SCRATCH_NAME.match(entry.name)
+            if match is None or match[3] != scope:
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # another check removed it meanwhile
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            if process_start(int(match[1])) == int(match[2]):
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):  # another check removing it at the same time
+                    shutil.rmtree(entry.path)
+            except OSError as err:
+                logging.getLogger(__name__).warning("could not remove %s, left by a check that was killed: %s",
+                                                    entry.path, err)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat``), or None when it is not running
+    (gone, or a zombie) or there is no ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def host_scope() -> str | None:
+    """8 hex digits naming this boot of this host and this process's pid namespace: process ids mean nothing beyond
+    them (a temporary directory shared by containers or over NFS); None without ``/proc``."""
+    try:
+        scope = Path("/proc/sys/kernel/random/boot_id").read_text().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return hashlib.sha256(scope.encode()).hexdigest()[:8]
 
 
 def free_port() -> int:

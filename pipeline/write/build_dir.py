@@ -130,6 +130,7 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
     # Before anything is deleted or written in it: a link planted there, or another user's directory, is refused.
     storage.make_own_dir(out_dir)
     problem = None
+    keep: tuple[str, ...] = ()
     if MANIFEST_NAME in names:
         try:
             manifest = read_build_manifest(out_dir)
@@ -155,14 +156,26 @@ def check_output(plan: BuildPlan, log: Callable[[str], None]) -> Manifest | None
             raise OutputDirError(f"{out_dir} cannot be reused: {problem}; pass --force to build it again")
         log(f"rebuilding {out_dir}: {problem}")
     elif names and local:
-        log(f"removing {len(names)} leftover files of an interrupted run from {out_dir}")
+        keep = previous_rejected(names, out_dir, log)
+        if len(names) > len(keep):
+            log(f"removing {len(names) - len(keep)} leftover files of an interrupted run from {out_dir}")
     if local:
         remove_leftovers(out_dir)
-        clear_build(out_dir)
+        clear_build(out_dir, keep)
     elif problem is not None:
         # No lock at a URL: only the manifest goes, so the next manifest published wins; attempts stay.
         storage.remove([storage.join(out_dir, MANIFEST_NAME)])
     return None
+
+
+def previous_rejected(names: list[str], out_dir: str, log: Callable[[str], None]) -> tuple[str, ...]:
+    """``(REJECTED_NAME,)`` when ``names``, a build directory without a manifest, hold the rows an earlier run of the
+    build rejected (one that wrote no build: every row bad, or stopped), which are kept until this run lists its own."""
+    if REJECTED_NAME not in names:
+        return ()
+    log(f"keeping {storage.join(out_dir, REJECTED_NAME)}, the rows rejected by an earlier run that wrote no build, "
+        "until this run lists its own")
+    return (REJECTED_NAME,)
 
 
 def clear_build(out_dir: str, keep: tuple[str, ...] = ()) -> None:
