@@ -344,3 +344,68 @@ def test_a_bad_loss_reduction_lists_the_values(capsys):
         main(["--model", "m", "--shards", "s", "--ranks", "2", "--loss-reduction", "mean"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "invalid choice: 'mean' (choose from 'token', 'sequence')" in err, err
+
+
+def test_looking_for_a_killed_checks_scratch_never_stops_a_check(tmp_path, monkeypatch, caplog):
+    """The clean-up before a check passes over, with a warning, what it cannot list or remove: a temporary directory
+    that may be written but not listed, and a dead check's directory deeper than rmtree's recursion; the check's own
+    scratch directory is still made."""
+    import shutil
+
+    from loaders.train import rank_check
+
+    deep = tmp_path / f"varpack-check-{dead_pid()}-1-{rank_check.host_scope()}-deep"
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    depth = sys.getrecursionlimit() + 100
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch_directory() as scratch:
+        assert scratch.is_dir()
+    assert "could not remove" in caplog.text and str(deep) in caplog.text
+    for level in range(depth, 0, -1):  # removed from the bottom up, as rmtree could not
+        os.rmdir(deep / ("d/" * level))
+    deep.rmdir()
+
+    listed_not = tmp_path / "drop-box"
+    listed_not.mkdir(mode=0o300)
+    # Root reads any directory: drop the two capabilities that let it, as a user's check would run.
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.getuid() == 0 else []
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("setpriv is needed to run without root's directory capabilities")
+    code = ("import tempfile; from loaders.train.rank_check import scratch_directory\n"
+            "with scratch_directory() as scratch: print('made', scratch)")
+    done = subprocess.run([*drop, sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(listed_not)})
+    assert done.returncode == 0 and "made" in done.stdout, done.stderr
+    assert "could not look for scratch directories" in done.stderr
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+@pytest.mark.skipif(subprocess.run(["unshare", "-pfT", "true"], capture_output=True).returncode != 0,
+                    reason="needs unshare with pid and time namespaces")
+def test_the_scratch_scope_names_the_time_namespace_and_needs_this_pid_namespaces_proc():
+    """A start time read in another time namespace is shifted, and a pid namespace that shows the host's /proc gives
+    another process's start time for this pid: either would make a live check's directory look abandoned. So the
+    scope differs across time namespaces, and is None (nothing removed, nothing named after this process) without a
+    /proc of this pid namespace."""
+    from loaders.train.rank_check import host_scope
+
+    code = "from loaders.train.rank_check import host_scope; print(host_scope())"
+    other_time = subprocess.run(["unshare", "-T", "--boottime", "100000", sys.executable, "-c", code],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    assert other_time not in ("None", host_scope())
+    host_proc = subprocess.run(["unshare", "-pf", sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    assert host_proc == "None"

@@ -303,25 +303,29 @@ def remove_abandoned_scratch(root: Path) -> None:
     scope = host_scope()
     if scope is None or not shutil.rmtree.avoids_symlink_attacks:  # without descriptors, a swapped-in link is followed
         return
-    with os.scandir(root) as entries:
-        for entry in entries:
-            match = SCRATCH_NAME.match(entry.name)
-            if match is None or match[3] != scope:
-                continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:  # another check removed it meanwhile
-                continue
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            if process_start(int(match[1])) == int(match[2]):
-                continue
-            try:
-                with contextlib.suppress(FileNotFoundError):  # another check removing it at the same time
-                    shutil.rmtree(entry.path)
-            except OSError as err:
-                logging.getLogger(__name__).warning("could not remove %s, left by a check that was killed: %s",
-                                                    entry.path, err)
+    try:
+        entries = list(os.scandir(root))
+    except OSError as err:  # a temporary directory that may be written but not listed
+        logging.getLogger(__name__).warning("could not look for scratch directories killed checks left in %s: %s", root, err)
+        return
+    for entry in entries:
+        match = SCRATCH_NAME.match(entry.name)
+        if match is None or match[3] != scope:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # another check removed it meanwhile
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if process_start(int(match[1])) == int(match[2]):
+            continue
+        try:
+            with contextlib.suppress(FileNotFoundError):  # another check removing it at the same time
+                shutil.rmtree(entry.path)
+        except (OSError, RecursionError) as err:  # RecursionError: a tree deeper than rmtree's recursion
+            logging.getLogger(__name__).warning("could not remove %s, left by a check that was killed: %s",
+                                                entry.path, err)
 
 
 def process_start(pid: int) -> int | None:
@@ -335,12 +339,18 @@ def process_start(pid: int) -> int | None:
 
 
 def host_scope() -> str | None:
-    """8 hex digits naming this boot of this host and this process's pid namespace: process ids mean nothing beyond
-    them (a temporary directory shared by containers or over NFS); None without ``/proc``."""
+    """8 hex digits naming this boot of this host and this process's pid and time namespaces: process ids and start
+    times mean nothing beyond them (a temporary directory shared by containers or over NFS; a start time read in
+    another time namespace is shifted); None without a ``/proc`` of this process's own pid namespace (one that shows
+    the host's processes would give another process's start time for this pid)."""
     try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
         scope = Path("/proc/sys/kernel/random/boot_id").read_text().strip() + os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
+    with contextlib.suppress(FileNotFoundError):  # a kernel without time namespaces has one clock for all
+        scope += os.readlink("/proc/self/ns/time")
     return hashlib.sha256(scope.encode()).hexdigest()[:8]
 
 
