@@ -184,9 +184,19 @@ def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
         return link_error(link, "a symbolic link")
     dangling = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink() and not p.exists()), None)
     if dangling is not None and err.errno in (errno.ENOENT, errno.EEXIST):
-        target = os.readlink(dangling)
-        return WriteError(f"{path}: could not be written: {dangling} is a dangling symbolic link to {target}, which "
-                          f"does not exist; make {target} or point the link elsewhere, then run again")
+        try:
+            dangling.resolve(strict=True)
+        except RuntimeError:  # Python 3.11 reports a loop so; later versions raise OSError (ELOOP)
+            return WriteError(f"{path}: could not be written: {dangling} is a symbolic link loop; remove it or point "
+                              "it at a directory, then run again")
+        except OSError as resolving:
+            if resolving.errno == errno.ELOOP:
+                return WriteError(f"{path}: could not be written: {dangling} is a symbolic link loop; remove it or "
+                                  "point it at a directory, then run again")
+        # The end of its chain of links, each relative target read from its link's directory.
+        target = os.path.realpath(dangling)
+        return WriteError(f"{path}: could not be written: {dangling} is a dangling symbolic link, leading to {target}, "
+                          f"which does not exist; make {target} or point the link elsewhere, then run again")
     directory = Path(path).parent
     if err.errno == errno.ENOENT and not directory.exists():
         return WriteError(f"{path}: could not be written: the directory {directory} does not exist; make it or write "

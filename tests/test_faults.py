@@ -446,14 +446,19 @@ def test_an_out_through_a_dangling_link_names_the_link_and_its_target(data, tmp_
     """--out at, or under, a symbolic link to a directory that is gone: one line naming the link and its target, not
     a missing directory to make or a full disk; nothing is made at the target."""
     target = tmp_path / "moved-away"
-    (tmp_path / "link").symlink_to(target)
-    for out in (tmp_path / "link" / "builds", tmp_path / "link"):
+    (tmp_path / "link").symlink_to("moved-away")  # relative: the target is read from the link's directory
+    (tmp_path / "chain").symlink_to("link")  # a link to the dangling link: the message names where the chain ends
+    for out, link in ((tmp_path / "link" / "builds", "link"), (tmp_path / "link", "link"), (tmp_path / "chain", "chain")):
         assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 1
         (line,) = capsys.readouterr().err.splitlines()[-1:]
         assert line.startswith(f"varpack: error: {out}"), line
-        assert line.endswith(f"could not be written: {tmp_path / 'link'} is a dangling symbolic link to {target}, "
+        assert line.endswith(f"could not be written: {tmp_path / link} is a dangling symbolic link, leading to {target}, "
                              f"which does not exist; make {target} or point the link elsewhere, then run again"), line
     assert not target.exists()
+    (tmp_path / "loop").symlink_to("loop")
+    assert pack.main(["--dataset", str(data), "--out", str(tmp_path / "loop"), *ARGS]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"{tmp_path / 'loop'} is a symbolic link loop; remove it or point it at a directory, then run again")
 
 
 def test_a_full_disk_in_a_worker_process_is_one_line_naming_the_file(data, tmp_path):
