@@ -26,7 +26,7 @@ from pipeline.config import PackConfig
 from pipeline.encode.chat_templates import resolve_chat_template
 from pipeline.encode.examples import Encoder
 from pipeline.encode.tokenizer import load_tokenizer
-from pipeline.encode.bad_rows import REJECTED_NAME
+from pipeline.encode.bad_rows import DROPPED_WHOLE, REJECTED_NAME, bound_exceeded
 from pipeline.errors import ConfigError, InputError, NothingKeptError
 from pipeline.packing import spill
 from pipeline.read.formats import resolve_format
@@ -170,6 +170,15 @@ def _check_reused(manifest: Manifest, out_dir: str, config: PackConfig, log: Cal
     refusal = reuse_token_check_error(manifest.stats, config.verify_tokens, config.on_token_mismatch)
     if refusal is not None:
         raise InputError(f"{out_dir}: {refusal}")
+    # --max-bad-rows is this run's bound, not the build's (not fingerprinted): the build's bad rows are held to it as a
+    # fresh run's would be. num_example_ids counts the source rows read (format 5 on).
+    rejected = manifest.rejected
+    bad = 0 if rejected is None else sum(n for reason, n in rejected.by_reason.items() if reason not in DROPPED_WHOLE)
+    rows = manifest.stats.num_example_ids
+    if bad and (rows or isinstance(config.max_bad_rows, int)) and bound_exceeded(bad, rows, config.max_bad_rows):
+        raise InputError(f"{out_dir}: the build to reuse left out {bad:,} bad rows of {rows:,} read, more than "
+                         f"--max-bad-rows {config.max_bad_rows} (listed in {storage.join(out_dir, REJECTED_NAME)}); "
+                         "fix the dataset, or raise --max-bad-rows")
     lines = unused_input_warnings(manifest.stats)
     if config.strict and lines:
         raise InputError(f"{lines[0].removeprefix('warning: ')} (--strict; the build was reused)")

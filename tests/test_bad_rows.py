@@ -185,6 +185,25 @@ def test_the_rejected_list_of_a_run_that_wrote_nothing_is_kept_by_the_next_run(t
         assert [p.name for p in listed.parent.iterdir()] == [REJECTED_NAME]
 
 
+def test_a_reused_build_is_held_to_this_runs_max_bad_rows(tmp_path, capsys):
+    """--max-bad-rows is the run's bound, not fingerprinted: a build made under a loose bound and reused by a run with a
+    tighter one is refused as a fresh run would stop, naming the list of its bad rows; a bound it meets reuses it."""
+    rows = [{"text": f"row {i} some text"} for i in range(20)]
+    rows[3], rows[7] = {"text": ""}, {"text": None}
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["--dataset", str(data), "--text-column", "text", "--out", str(tmp_path / "out"), "--on-bad-row", "skip",
+            "--no-progress", "--max-len", "64"]
+    assert main([*args, "--max-bad-rows", "1.0"]) == 0
+    for bound in ("0", "1", "0.05"):
+        capsys.readouterr()
+        assert main([*args, "--max-bad-rows", bound]) == 1
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"the build to reuse left out 2 bad rows of 20 read, more than --max-bad-rows {bound} (listed in " in line
+    for bound in ("2", "0.1"):
+        assert main([*args, "--max-bad-rows", bound]) == 0
+
+
 def test_max_bad_rows_minus_zero_is_zero_in_the_config_and_its_messages(chats, tmp_path, capsys):
     """--max-bad-rows -0.0 is the bound 0.0: it stops at the first bad row and says 0.0, never -0.0."""
     assert repr(PackConfig(dataset=str(chats), max_bad_rows=-0.0).max_bad_rows) == "0.0"
