@@ -68,13 +68,17 @@ from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, LossReduction, batch_normalizer
 from loaders.train.attention import attn_implementation_for
 from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size
-from loaders.train.models import load_causal_lm, model_inputs
+from loaders.train.models import check_token_ids, load_causal_lm, model_inputs
 
 # Largest relative gradient error and loss difference accepted, in float32: packed and one-at-a-time runs round
 # differently (about 1e-6 here), while each fault moves the gradients by a share of the batches' imbalance (>1e-2).
 DEFAULT_TOLERANCE = 1e-3
 # Seconds the whole check may take before its ranks are killed: a tiny model takes under a minute on CPU.
 DEFAULT_TIMEOUT = 600.0
+# The longest --timeout taken (about 11.6 days): the process group's timeout must fit a timedelta and gloo's milliseconds.
+MAX_TIMEOUT = 1e6
+# Where the ranks run: one GPU each (NCCL), the CPU (gloo), or auto: cuda when there is a GPU for every rank.
+DEVICES = ("auto", "cpu", "cuda")
 # Bugs the check exists to catch, injected on purpose (``fault=``) to show that it does.
 FAULTS = {
     "per_rank": "each rank divides by its own loss tokens, so DDP averages per-rank means (transformers #34191)",
@@ -128,7 +132,7 @@ class RankCheck:
     attn: str = "auto"  # the attention backend trained with (loaders.train.attention.attn_implementation_for)
     loss_reduction: str = "token"
     full_logits: bool = False  # the model's own loss over every token, not the loss-position head
-    device: str = "auto"  # cuda (one GPU a rank, NCCL), cpu (gloo), or auto: cuda when there is a GPU for every rank
+    device: str = "auto"  # one of DEVICES
     tolerance: float = DEFAULT_TOLERANCE
     fault: str | None = None  # a key of FAULTS
     timeout: float = DEFAULT_TIMEOUT  # seconds for the whole check
@@ -139,8 +143,12 @@ class RankCheck:
                 raise RankCheckError(f"--{name.replace('_', '-')} is {getattr(self, name)}; give a positive integer")
         if not self.tolerance > 0:
             raise RankCheckError(f"--tolerance is {self.tolerance}; give a positive number")
-        if not 0 < self.timeout < math.inf:
-            raise RankCheckError(f"--timeout is {self.timeout}; give a positive number of seconds")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise RankCheckError(f"--timeout is {self.timeout:g}; give a positive number of seconds, at most "
+                                 f"{MAX_TIMEOUT:g}")
+        if self.device not in DEVICES:
+            raise RankCheckError(f"--device is {self.device!r}; with --ranks give one of {', '.join(DEVICES)} (each "
+                                 "rank takes a GPU of its own)")
         if self.loss_reduction not in tuple(LossReduction):
             raise RankCheckError(f"--loss-reduction is {self.loss_reduction!r}; give one of "
                                  f"{', '.join(r.value for r in LossReduction)}")
@@ -201,6 +209,7 @@ def check_ranks(check: RankCheck) -> RankReport:
         cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
         rank_batches(check, 0)  # every rank gets as many batches as rank 0
         examples = step_examples(check)
+        check_token_ids(model, max(int(example.input_ids.max()) for example in examples), check.shards)
         with scratch_directory() as scratch:
             with running_ranks(check, "nccl" if cuda else "gloo", scratch) as wait:
                 reference_loss, reference, normalizer = reference_gradients(model.to(device), examples, check.shards)
@@ -393,7 +402,9 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
                         f"--timeout {check.timeout:g} s (one stuck, say reading the build, and the others waiting "
                         "for it in a collective); every rank was killed")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            said = sorted(scratch.glob("error-rank*.txt"))
+            # The rank that failed first says why; the others' lines (a peer gone) follow from it.
+            said = [scratch / f"error-rank{err.error_index}.txt"] + sorted(scratch.glob("error-rank*.txt"))
+            said = [path for path in said if path.exists()]
             line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
             raise RankCheckError(line) from None
 
@@ -432,6 +443,17 @@ def end_with_check(check_pid: int) -> None:
         os._exit(1)
 
 
+def end_on_sigint(rank: int, scratch: str) -> None:
+    """End this rank on SIGINT with status 130, writing "rank N ended by SIGINT" for the check: torch's spawn wrapper
+    takes the KeyboardInterrupt for its parent's stop and exits 0, which the check would count as a rank done."""
+
+    def ended(signum: int, frame: FrameType | None) -> None:
+        Path(scratch, f"error-rank{rank}.txt").write_text(f"rank {rank} ended by {signal.Signals(signum).name}\n")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, ended)
+
+
 def _killed_with_parent() -> bool:
     """Ask Linux to SIGKILL this process when its parent ends; False where there is no ``prctl``."""
     if not sys.platform.startswith("linux"):
@@ -445,8 +467,9 @@ def _killed_with_parent() -> bool:
 
 def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str, check_pid: int) -> None:
     """One rank: its step's packed gradients; rank 0 saves them with the step's loss. A failure is written as one line.
-    It ends when the check's process ``check_pid`` does."""
+    It ends when the check's process ``check_pid`` does, and on SIGINT with status 130, saying so."""
     end_with_check(check_pid)
+    end_on_sigint(rank, scratch)
     try:
         from transformers.utils.logging import disable_progress_bar
 
