@@ -226,7 +226,7 @@ def main_ranks(args: argparse.Namespace) -> int:
     except RankCheckInterrupted as err:
         print(f"varpack check: {err}", file=sys.stderr)
         return 128 + err.signum
-    except (VarpackError, ValueError, RuntimeError) as err:
+    except (VarpackError, ValueError, RuntimeError, OSError) as err:
         print(f"varpack check: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"varpack check: {report.verdict}")

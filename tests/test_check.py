@@ -380,6 +380,37 @@ def test_token_ids_outside_the_models_vocabulary_are_one_line_before_the_ranks_s
     assert not multiprocessing.active_children()
 
 
+@pytest.fixture
+def small_tmpdir(tmp_path, monkeypatch):
+    """A temporary directory on a 120 KiB tmpfs, less than the tiny model's gradients (about 150 KB)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    monkeypatch.setattr(tempfile, "tempdir", str(small))
+    yield small
+    subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.parametrize("when", ["before the ranks start", "filled meanwhile"])
+def test_a_full_scratch_directory_is_one_line_naming_it(capsys, monkeypatch, shards, tiny_model_dir, small_tmpdir,
+                                                         when):
+    """No room in $TMPDIR for the ranks' gradients: one line naming the scratch directory and "no space", exit 2,
+    no traceback, nothing left there; found before any rank starts, or (a disk filled meanwhile) when rank 0
+    cannot write them, nor why it failed."""
+    import loaders.train.rank_check
+
+    if when == "filled meanwhile":
+        monkeypatch.setattr(loaders.train.rank_check, "check_scratch_space", lambda scratch, model: None)
+    status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments",
+                       "--ranks", "2", "--grad-accum", "1")
+    assert status == 2 and "\n" not in line, line
+    assert re.match(rf"varpack check: error: (rank 0 failed: )?no space (left )?in the scratch directory "
+                    rf"{re.escape(str(small_tmpdir))}/varpack-check-\S+[ ;]", line), line
+    assert not list(small_tmpdir.iterdir())
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize("args,error", [
     (["--ranks", "2", "--attention-mask"], "--attention-mask applies to the isolation check, not with --ranks"),
     (["--grad-accum", "4"], "--grad-accum applies to the data-parallel check: add --ranks K"),

@@ -77,6 +77,8 @@ DEFAULT_TOLERANCE = 1e-3
 DEFAULT_TIMEOUT = 600.0
 # The longest --timeout taken (about 11.6 days): the process group's timeout must fit a timedelta and gloo's milliseconds.
 MAX_TIMEOUT = 1e6
+# Bytes the scratch directory keeps free beyond the gradients (torch.save's archive, the ranks' error lines).
+SCRATCH_MARGIN = 1 << 16
 # Where the ranks run: one GPU each (NCCL), the CPU (gloo), or auto: cuda when there is a GPU for every rank.
 DEVICES = ("auto", "cpu", "cuda")
 # Bugs the check exists to catch, injected on purpose (``fault=``) to show that it does.
@@ -211,6 +213,7 @@ def check_ranks(check: RankCheck) -> RankReport:
         examples = step_examples(check)
         check_token_ids(model, max(int(example.input_ids.max()) for example in examples), check.shards)
         with scratch_directory() as scratch:
+            check_scratch_space(scratch, model)
             with running_ranks(check, "nccl" if cuda else "gloo", scratch) as wait:
                 reference_loss, reference, normalizer = reference_gradients(model.to(device), examples, check.shards)
                 wait(deadline)
@@ -353,6 +356,15 @@ def host_scope() -> str | None:
     return hashlib.sha256(scope.encode()).hexdigest()[:8]
 
 
+def check_scratch_space(scratch: Path, model: torch.nn.Module) -> None:
+    """Refuse a scratch directory without room for ``model``'s gradients in float32, which rank 0 writes there."""
+    needed = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 + SCRATCH_MARGIN
+    free = shutil.disk_usage(scratch).free
+    if free < needed:
+        raise RankCheckError(f"no space in the scratch directory {scratch} for the ranks' gradients ({needed:,} bytes, "
+                             f"{free:,} free); set TMPDIR to a directory with room")
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for the ranks' rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -403,10 +415,14 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
                         "for it in a collective); every rank was killed")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             # The rank that failed first says why; the others' lines (a peer gone) follow from it.
-            said = [scratch / f"error-rank{err.error_index}.txt"] + sorted(scratch.glob("error-rank*.txt"))
-            said = [path for path in said if path.exists()]
-            line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
-            raise RankCheckError(line) from None
+            paths = [scratch / f"error-rank{err.error_index}.txt"] + sorted(scratch.glob("error-rank*.txt"))
+            said = [line for path in paths if path.exists() and (line := path.read_text().strip())]
+            if said:
+                raise RankCheckError(said[0]) from None
+            if shutil.disk_usage(scratch).free < SCRATCH_MARGIN:  # filled meanwhile: the rank could not say why
+                raise RankCheckError(f"rank {err.error_index} failed: no space left in the scratch directory {scratch}; "
+                                     "set TMPDIR to a directory with room") from None
+            raise RankCheckError((str(err).strip().splitlines() or [type(err).__name__])[-1]) from None
 
     try:
         yield wait
@@ -448,7 +464,7 @@ def end_on_sigint(rank: int, scratch: str) -> None:
     takes the KeyboardInterrupt for its parent's stop and exits 0, which the check would count as a rank done."""
 
     def ended(signum: int, frame: FrameType | None) -> None:
-        Path(scratch, f"error-rank{rank}.txt").write_text(f"rank {rank} ended by {signal.Signals(signum).name}\n")
+        say_why(rank, scratch, f"rank {rank} ended by {signal.Signals(signum).name}")
         os._exit(128 + signum)
 
     signal.signal(signal.SIGINT, ended)
@@ -485,10 +501,16 @@ def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str, ch
         if rank == 0:
             torch.save({"loss": loss, "gradients": gradients}, Path(scratch) / "gradients.pt")
     except (ValueError, RuntimeError, OSError) as err:
-        Path(scratch, f"error-rank{rank}.txt").write_text(f"rank {rank}: {str(err).strip().splitlines()[0]}\n")
+        say_why(rank, scratch, f"rank {rank}: {str(err).strip().splitlines()[0]}")
         sys.stderr.flush()
         os._exit(1)
     finish_distributed_run()
+
+
+def say_why(rank: int, scratch: str, line: str) -> None:
+    """Leave ``line``, why this rank ends, for the check; in a full scratch directory the check finds that itself."""
+    with contextlib.suppress(OSError):
+        Path(scratch, f"error-rank{rank}.txt").write_text(line + "\n")
 
 
 def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple[float, dict[str, torch.Tensor]]:
