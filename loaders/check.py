@@ -42,6 +42,7 @@ from loaders.train.rank_check import (
     DEFAULT_TIMEOUT,
     DEFAULT_TOLERANCE,
     FAULTS,
+    MAX_TIMEOUT,
     RankCheck,
     RankCheckInterrupted,
     check_ranks,
@@ -205,7 +206,7 @@ def make_parser(prog: str = "python -m loaders.check") -> argparse.ArgumentParse
                             f"(default: {DEFAULT_TOLERANCE:g})")
     ranks.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                        help="seconds the whole check may take; a rank still running then is killed with the others "
-                            f"and the check exits 2 (default: {DEFAULT_TIMEOUT:g})")
+                            f"and the check exits 2 (default: {DEFAULT_TIMEOUT:g}, at most {MAX_TIMEOUT:g})")
     ranks.add_argument("--inject-fault", default=None, choices=tuple(FAULTS), help=argparse.SUPPRESS)
     return parser
 

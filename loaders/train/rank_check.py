@@ -17,8 +17,9 @@ NaN or infinite anywhere is a failure) and the loss difference (relative to the 
 be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
 
 The whole check has ``timeout`` seconds (``DEFAULT_TIMEOUT``): a rank still running then is
-killed with the others, and the check fails in one line. SIGTERM or SIGINT to the check ends its
-ranks too, and each rank ends the moment the check's process is gone, however it ended (``end_with_check``).
+killed with the others, and the check fails in one line, as it does at once when a rank fails: one ended by SIGINT
+says so (``end_on_sigint``). SIGTERM or SIGINT to the check ends its ranks too, and each rank ends the moment
+the check's process is gone, however it ended (``end_with_check``).
 The ranks hand their gradients back in a scratch directory named after the check's process; one that a killed
 check left (a model's gradients, maybe GiBs) is removed by the next check (``remove_abandoned_scratch``).
 
