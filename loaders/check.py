@@ -32,16 +32,17 @@ import argparse
 import itertools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import torch
 
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, LossReduction
-from loaders.train.models import load_causal_lm, model_inputs
+from loaders.train.models import check_token_ids, load_causal_lm, model_inputs, vocab_size
 from loaders.train.rank_check import (
     DEFAULT_TIMEOUT,
     DEFAULT_TOLERANCE,
     FAULTS,
+    MAX_TIMEOUT,
     RankCheck,
     RankCheckInterrupted,
     check_ranks,
@@ -93,11 +94,6 @@ class IsolationReport:
             assert self.culprit is not None  # every failed check names one
             reason = "; and ".join(SETTINGS[name] for name in self.culprit.split("+"))
         return f"FAILED: {reason} ({measured})"
-
-
-def vocab_size(model: torch.nn.Module) -> int:
-    """The rows of a transformers model's input embedding (``model.get_input_embeddings()``)."""
-    return cast(Callable[[], torch.nn.Embedding], model.get_input_embeddings)().num_embeddings
 
 
 def _sequences(batch: dict) -> list[tuple[int, int]]:
@@ -210,7 +206,7 @@ def make_parser(prog: str = "python -m loaders.check") -> argparse.ArgumentParse
                             f"(default: {DEFAULT_TOLERANCE:g})")
     ranks.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                        help="seconds the whole check may take; a rank still running then is killed with the others "
-                            f"and the check exits 2 (default: {DEFAULT_TIMEOUT:g})")
+                            f"and the check exits 2 (default: {DEFAULT_TIMEOUT:g}, at most {MAX_TIMEOUT:g})")
     ranks.add_argument("--inject-fault", default=None, choices=tuple(FAULTS), help=argparse.SUPPRESS)
     return parser
 
@@ -231,7 +227,7 @@ def main_ranks(args: argparse.Namespace) -> int:
     except RankCheckInterrupted as err:
         print(f"varpack check: {err}", file=sys.stderr)
         return 128 + err.signum
-    except (VarpackError, ValueError, RuntimeError) as err:
+    except (VarpackError, ValueError, RuntimeError, OSError) as err:
         print(f"varpack check: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"varpack check: {report.verdict}")
@@ -269,10 +265,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loaders.check") -
         dataset = PackedIterableDataset(args.shards, batch_rows=args.batch_rows, shuffle=False, verify_checksum=False)
         batch = first_batch_with_examples(dataset, args.examples)
         model = load_causal_lm(args.model, attn_implementation_for(args.attn), dtype).to(device).eval()
-        vocab = vocab_size(model)
-        if int(batch["input_ids"].max()) >= vocab:
-            raise ValueError(f"{args.shards}: token id {int(batch['input_ids'].max())} is outside the model's vocabulary "
-                             f"of {vocab}: these shards were built with another tokenizer")
+        check_token_ids(model, int(batch["input_ids"].max()), args.shards)
         if args.no_cache:
             cast(Any, model.config).use_cache = False
         if args.attention_mask:

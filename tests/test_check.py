@@ -30,7 +30,14 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.check import check_isolation, main
-from loaders.train.rank_check import DEFAULT_TOLERANCE, FAULTS, RankCheck, scratch_directory, step_examples
+from loaders.train.rank_check import (
+    DEFAULT_TOLERANCE,
+    FAULTS,
+    RankCheck,
+    process_start,
+    scratch_directory,
+    step_examples,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -240,18 +247,7 @@ def test_a_killed_check_leaves_no_rank_running_and_the_next_check_removes_its_sc
     check = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True,
                              env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        deadline = time.monotonic() + 120
-        ranks = []
-        while len(ranks) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            ranks = [pid for pid in session(check.pid) if "--multiprocessing-fork" in cmdline(pid)]
-        assert len(ranks) == 2, session(check.pid)
-        used = cpu_time(ranks)
-        while time.monotonic() < deadline:  # until both ranks are stuck (under 2% of a core): one asleep, one waiting
-            time.sleep(1)
-            used, before = cpu_time(ranks), used
-            if all(now - then <= 2 for now, then in zip(used, before)):
-                break
+        stuck_ranks(check.pid)
         check.kill()
         check.wait()
         deadline = time.monotonic() + 5
@@ -289,6 +285,45 @@ def test_a_killed_check_leaves_no_rank_running_and_the_next_check_removes_its_sc
         assert (victim / "keep.txt").read_text() == "not a check's"
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+def test_a_rank_ended_by_sigint_is_named_at_once(shards, tiny_model_dir):
+    """SIGINT to one rank (torch's spawn wrapper would take it for a stop and exit 0, a rank done): the check ends
+    at once, naming that rank, exit 2, one line, instead of blaming another rank or waiting out --timeout."""
+    command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
+               "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--timeout", "100",
+               "--inject-fault", "hung_rank"]
+    check = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        last = max(stuck_ranks(check.pid), key=lambda pid: (process_start(pid) or 0, pid))  # rank 1, started last
+        os.kill(last, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = check.communicate(timeout=60)
+        assert check.returncode == 2, err
+        assert err.strip() == "varpack check: error: rank 1 ended by SIGINT", err
+        assert time.monotonic() - sent < 15
+    finally:
+        if session(check.pid):
+            os.killpg(check.pid, signal.SIGKILL)
+
+
+def stuck_ranks(sid: int) -> list[int]:
+    """The two ranks of the check whose session is ``sid``, once both are stuck (under 2% of a core): under the
+    ``hung_rank`` fault, the last asleep and the other waiting for it in a collective."""
+    deadline = time.monotonic() + 120
+    ranks: list[int] = []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        ranks = [pid for pid in session(sid) if "--multiprocessing-fork" in cmdline(pid)]
+    assert len(ranks) == 2, session(sid)
+    used = cpu_time(ranks)
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        used, before = cpu_time(ranks), used
+        if all(now - then <= 2 for now, then in zip(used, before)):
+            break
+    return ranks
+
+
 def session(sid: int) -> list[int]:
     """The processes of session ``sid`` still running (an orphan's zombie is no process left running)."""
     found = []
@@ -320,12 +355,60 @@ def cpu_time(pids: list[int]) -> list[int]:
     (["--grad-accum", "1000"], "rank 0 of 2 gets 6 batches of 2 rows, fewer than --grad-accum 1000"),
     (["--tolerance", "0"], "--tolerance is 0.0; give a positive number"),
     (["--ranks", "-1"], "--ranks is -1; give a positive integer"),
-    (["--timeout", "0"], "--timeout is 0.0; give a positive number of seconds"),
+    (["--timeout", "0"], "--timeout is 0; give a positive number of seconds"),
+    (["--timeout", "1e14"], "--timeout is 1e+14; give a positive number of seconds, at most 1e+06"),
+    (["--device", "bogus"], "--device is 'bogus'; with --ranks give one of auto, cpu, cuda"),
+    (["--device", "cuda:1"], "--device is 'cuda:1'; with --ranks give one of auto, cpu, cuda"),
 ])
 def test_the_data_parallel_check_refuses_bad_input_in_one_line(capsys, shards, tiny_model_dir, args, error):
     status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--ranks", "2", *args)
     assert status == 2 and "\n" not in line, line
     assert line.startswith("varpack check: error:") and error in line, line
+
+
+def test_token_ids_outside_the_models_vocabulary_are_one_line_before_the_ranks_start(capsys, shards, tmp_path):
+    """A build of another tokenizer (ids up to 299) against a model of 100 tokens: refused naming the build, exit 2
+    (not 1, which says the gradients differ), no traceback, no rank started."""
+    import tiny_model
+
+    tiny_model.tiny_llama(100, 2 * CAPACITY).save_pretrained(tmp_path / "model")
+    status, line = run(capsys, "--model", str(tmp_path / "model"), "--shards", str(shards), "--attn", "sdpa_segments",
+                       "--ranks", "2", "--grad-accum", "1")
+    assert status == 2 and "\n" not in line, line
+    assert re.fullmatch(rf"varpack check: error: {re.escape(str(shards))}: token id 2\d\d is outside the model's "
+                        r"vocabulary of 100: these shards were built with another tokenizer", line), line
+    assert not multiprocessing.active_children()
+
+
+@pytest.fixture
+def small_tmpdir(tmp_path, monkeypatch):
+    """A temporary directory on a 120 KiB tmpfs, less than the tiny model's gradients (about 150 KB)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    monkeypatch.setattr(tempfile, "tempdir", str(small))
+    yield small
+    subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.parametrize("when", ["before the ranks start", "filled meanwhile"])
+def test_a_full_scratch_directory_is_one_line_naming_it(capsys, monkeypatch, shards, tiny_model_dir, small_tmpdir,
+                                                         when):
+    """No room in $TMPDIR for the ranks' gradients: one line naming the scratch directory and "no space", exit 2,
+    no traceback, nothing left there; found before any rank starts, or (a disk filled meanwhile) when rank 0
+    cannot write them, nor why it failed."""
+    import loaders.train.rank_check
+
+    if when == "filled meanwhile":
+        monkeypatch.setattr(loaders.train.rank_check, "check_scratch_space", lambda scratch, model: None)
+    status, line = run(capsys, "--model", str(tiny_model_dir), "--shards", str(shards), "--attn", "sdpa_segments",
+                       "--ranks", "2", "--grad-accum", "1")
+    assert status == 2 and "\n" not in line, line
+    assert re.match(rf"varpack check: error: (rank 0 failed: )?no space (left )?in the scratch directory "
+                    rf"{re.escape(str(small_tmpdir))}/varpack-check-\S+[ ;]", line), line
+    assert not list(small_tmpdir.iterdir())
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("args,error", [

@@ -1,6 +1,6 @@
 """Model-side helpers for training on packed batches: loading a causal LM (and readying it), regional compilation,
-bucket prewarming, the batch keys a model takes, counts on the device without a sync, the check that
-a step trains something, the warm-up schedule, peak memory.
+bucket prewarming, the batch keys a model takes, token ids against the model's vocabulary, counts on the device
+without a sync, the check that a step trains something, the warm-up schedule, peak memory.
 
 ``scripts/`` (train, bench_train, evaluate), ``loaders.train.hf_trainer`` and ``loaders.check`` use them.
 Imports only torch at module import; transformers is imported to load a model.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, cast
 
 import torch
 
@@ -121,6 +121,19 @@ def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
     ``source_ids`` are for reporting only."""
     drop = (*COUNT_KEYS, SOURCE_IDS) if full_logits else (SOURCE_IDS,)
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k not in drop}
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The rows of a transformers model's input embedding (``model.get_input_embeddings()``)."""
+    return cast(Callable[[], torch.nn.Embedding], model.get_input_embeddings)().num_embeddings
+
+
+def check_token_ids(model: torch.nn.Module, largest_token_id: int, source: str) -> None:
+    """Refuse token ids (of ``source``, the shards) outside ``model``'s vocabulary, which its embedding would index past."""
+    vocab = vocab_size(model)
+    if largest_token_id >= vocab:
+        raise ValueError(f"{source}: token id {largest_token_id} is outside the model's vocabulary of {vocab}: these "
+                         "shards were built with another tokenizer")
 
 
 def count_on_device(count: float, device: torch.device) -> torch.Tensor:

@@ -17,8 +17,9 @@ NaN or infinite anywhere is a failure) and the loss difference (relative to the 
 be within ``tolerance`` (default ``DEFAULT_TOLERANCE``), in float32.
 
 The whole check has ``timeout`` seconds (``DEFAULT_TIMEOUT``): a rank still running then is
-killed with the others, and the check fails in one line. SIGTERM or SIGINT to the check ends its
-ranks too, and each rank ends the moment the check's process is gone, however it ended (``end_with_check``).
+killed with the others, and the check fails in one line, as it does at once when a rank fails: one ended by SIGINT
+says so (``end_on_sigint``). SIGTERM or SIGINT to the check ends its ranks too, and each rank ends the moment
+the check's process is gone, however it ended (``end_with_check``).
 The ranks hand their gradients back in a scratch directory named after the check's process; one that a killed
 check left (a model's gradients, maybe GiBs) is removed by the next check (``remove_abandoned_scratch``).
 
@@ -68,13 +69,19 @@ from loaders.collate import IGNORE_INDEX, NUM_LOSS_TOKENS, NUM_REAL_TOKENS
 from loaders.loss_weights import LOSS_WEIGHT_SUM, LOSS_WEIGHTS, LossReduction, batch_normalizer
 from loaders.train.attention import attn_implementation_for
 from loaders.train.distributed import finish_distributed_run, step_normalizer, world_size
-from loaders.train.models import load_causal_lm, model_inputs
+from loaders.train.models import check_token_ids, load_causal_lm, model_inputs
 
 # Largest relative gradient error and loss difference accepted, in float32: packed and one-at-a-time runs round
 # differently (about 1e-6 here), while each fault moves the gradients by a share of the batches' imbalance (>1e-2).
 DEFAULT_TOLERANCE = 1e-3
 # Seconds the whole check may take before its ranks are killed: a tiny model takes under a minute on CPU.
 DEFAULT_TIMEOUT = 600.0
+# The longest --timeout taken (about 11.6 days): the process group's timeout must fit a timedelta and gloo's milliseconds.
+MAX_TIMEOUT = 1e6
+# Bytes the scratch directory keeps free beyond the gradients (torch.save's archive, the ranks' error lines).
+SCRATCH_MARGIN = 1 << 16
+# Where the ranks run: one GPU each (NCCL), the CPU (gloo), or auto: cuda when there is a GPU for every rank.
+DEVICES = ("auto", "cpu", "cuda")
 # Bugs the check exists to catch, injected on purpose (``fault=``) to show that it does.
 FAULTS = {
     "per_rank": "each rank divides by its own loss tokens, so DDP averages per-rank means (transformers #34191)",
@@ -128,7 +135,7 @@ class RankCheck:
     attn: str = "auto"  # the attention backend trained with (loaders.train.attention.attn_implementation_for)
     loss_reduction: str = "token"
     full_logits: bool = False  # the model's own loss over every token, not the loss-position head
-    device: str = "auto"  # cuda (one GPU a rank, NCCL), cpu (gloo), or auto: cuda when there is a GPU for every rank
+    device: str = "auto"  # one of DEVICES
     tolerance: float = DEFAULT_TOLERANCE
     fault: str | None = None  # a key of FAULTS
     timeout: float = DEFAULT_TIMEOUT  # seconds for the whole check
@@ -139,8 +146,12 @@ class RankCheck:
                 raise RankCheckError(f"--{name.replace('_', '-')} is {getattr(self, name)}; give a positive integer")
         if not self.tolerance > 0:
             raise RankCheckError(f"--tolerance is {self.tolerance}; give a positive number")
-        if not 0 < self.timeout < math.inf:
-            raise RankCheckError(f"--timeout is {self.timeout}; give a positive number of seconds")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise RankCheckError(f"--timeout is {self.timeout:g}; give a positive number of seconds, at most "
+                                 f"{MAX_TIMEOUT:g}")
+        if self.device not in DEVICES:
+            raise RankCheckError(f"--device is {self.device!r}; with --ranks give one of {', '.join(DEVICES)} (each "
+                                 "rank takes a GPU of its own)")
         if self.loss_reduction not in tuple(LossReduction):
             raise RankCheckError(f"--loss-reduction is {self.loss_reduction!r}; give one of "
                                  f"{', '.join(r.value for r in LossReduction)}")
@@ -201,7 +212,9 @@ def check_ranks(check: RankCheck) -> RankReport:
         cast(Any, model.config).use_cache = False  # a transformers PretrainedConfig
         rank_batches(check, 0)  # every rank gets as many batches as rank 0
         examples = step_examples(check)
+        check_token_ids(model, max(int(example.input_ids.max()) for example in examples), check.shards)
         with scratch_directory() as scratch:
+            check_scratch_space(scratch, model)
             with running_ranks(check, "nccl" if cuda else "gloo", scratch) as wait:
                 reference_loss, reference, normalizer = reference_gradients(model.to(device), examples, check.shards)
                 wait(deadline)
@@ -354,6 +367,15 @@ def host_scope() -> str | None:
     return hashlib.sha256(scope.encode()).hexdigest()[:8]
 
 
+def check_scratch_space(scratch: Path, model: torch.nn.Module) -> None:
+    """Refuse a scratch directory without room for ``model``'s gradients in float32, which rank 0 writes there."""
+    needed = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 + SCRATCH_MARGIN
+    free = shutil.disk_usage(scratch).free
+    if free < needed:
+        raise RankCheckError(f"no space in the scratch directory {scratch} for the ranks' gradients ({needed:,} bytes, "
+                             f"{free:,} free); set TMPDIR to a directory with room")
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for the ranks' rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -403,9 +425,15 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
                         f"--timeout {check.timeout:g} s (one stuck, say reading the build, and the others waiting "
                         "for it in a collective); every rank was killed")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            said = sorted(scratch.glob("error-rank*.txt"))
-            line = said[0].read_text().strip() if said else (str(err).strip().splitlines() or [type(err).__name__])[-1]
-            raise RankCheckError(line) from None
+            # The rank that failed first says why; the others' lines (a peer gone) follow from it.
+            paths = [scratch / f"error-rank{err.error_index}.txt"] + sorted(scratch.glob("error-rank*.txt"))
+            said = [line for path in paths if path.exists() and (line := path.read_text().strip())]
+            if said:
+                raise RankCheckError(said[0]) from None
+            if shutil.disk_usage(scratch).free < SCRATCH_MARGIN:  # filled meanwhile: the rank could not say why
+                raise RankCheckError(f"rank {err.error_index} failed: no space left in the scratch directory {scratch}; "
+                                     "set TMPDIR to a directory with room") from None
+            raise RankCheckError((str(err).strip().splitlines() or [type(err).__name__])[-1]) from None
 
     try:
         yield wait
@@ -442,6 +470,17 @@ def end_with_check(check_pid: int) -> None:
         os._exit(1)
 
 
+def end_on_sigint(rank: int, scratch: str) -> None:
+    """End this rank on SIGINT with status 130, writing "rank N ended by SIGINT" for the check: torch's spawn wrapper
+    takes the KeyboardInterrupt for its parent's stop and exits 0, which the check would count as a rank done."""
+
+    def ended(signum: int, frame: FrameType | None) -> None:
+        say_why(rank, scratch, f"rank {rank} ended by {signal.Signals(signum).name}")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, ended)
+
+
 def _killed_with_parent() -> bool:
     """Ask Linux to SIGKILL this process when its parent ends; False where there is no ``prctl``."""
     if not sys.platform.startswith("linux"):
@@ -455,8 +494,9 @@ def _killed_with_parent() -> bool:
 
 def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str, check_pid: int) -> None:
     """One rank: its step's packed gradients; rank 0 saves them with the step's loss. A failure is written as one line.
-    It ends when the check's process ``check_pid`` does."""
+    It ends when the check's process ``check_pid`` does, and on SIGINT with status 130, saying so."""
     end_with_check(check_pid)
+    end_on_sigint(rank, scratch)
     try:
         from transformers.utils.logging import disable_progress_bar
 
@@ -472,10 +512,16 @@ def _rank(rank: int, check: RankCheck, backend: str, port: int, scratch: str, ch
         if rank == 0:
             torch.save({"loss": loss, "gradients": gradients}, Path(scratch) / "gradients.pt")
     except (ValueError, RuntimeError, OSError) as err:
-        Path(scratch, f"error-rank{rank}.txt").write_text(f"rank {rank}: {str(err).strip().splitlines()[0]}\n")
+        say_why(rank, scratch, f"rank {rank}: {str(err).strip().splitlines()[0]}")
         sys.stderr.flush()
         os._exit(1)
     finish_distributed_run()
+
+
+def say_why(rank: int, scratch: str, line: str) -> None:
+    """Leave ``line``, why this rank ends, for the check; in a full scratch directory the check finds that itself."""
+    with contextlib.suppress(OSError):
+        Path(scratch, f"error-rank{rank}.txt").write_text(line + "\n")
 
 
 def packed_gradients(check: RankCheck, rank: int, device: torch.device) -> tuple[float, dict[str, torch.Tensor]]:
