@@ -407,7 +407,8 @@ def test_a_full_scratch_directory_is_one_line_naming_it(capsys, monkeypatch, sha
     assert status == 2 and "\n" not in line, line
     assert re.match(rf"varpack check: error: (rank 0 failed: )?no space (left )?in the scratch directory "
                     rf"{re.escape(str(small_tmpdir))}/varpack-check-\S+[ ;]", line), line
-    assert not list(small_tmpdir.iterdir())
+    # torch's spawn may leave its own empty error file (pytorch-errorfile-*) of a rank that failed; no scratch is left.
+    assert not [p for p in small_tmpdir.iterdir() if not p.name.startswith("pytorch-errorfile-")]
     assert not multiprocessing.active_children()
 
 
