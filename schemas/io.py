@@ -186,13 +186,14 @@ def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
     if dangling is not None and err.errno in (errno.ENOENT, errno.EEXIST):
         try:
             dangling.resolve(strict=True)
+            loop = False
         except RuntimeError:  # Python 3.11 reports a loop so; later versions raise OSError (ELOOP)
+            loop = True
+        except OSError as resolving:
+            loop = resolving.errno == errno.ELOOP
+        if loop:
             return WriteError(f"{path}: could not be written: {dangling} is a symbolic link loop; remove it or point "
                               "it at a directory, then run again")
-        except OSError as resolving:
-            if resolving.errno == errno.ELOOP:
-                return WriteError(f"{path}: could not be written: {dangling} is a symbolic link loop; remove it or "
-                                  "point it at a directory, then run again")
         # The end of its chain of links, each relative target read from its link's directory.
         target = os.path.realpath(dangling)
         return WriteError(f"{path}: could not be written: {dangling} is a dangling symbolic link, leading to {target}, "
