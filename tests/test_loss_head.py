@@ -17,6 +17,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.collate import COUNT_KEYS
+from loaders.train import loss_head
 from loaders.train.loss_head import PADDED_LOSS_ROWS, linear_cross_entropy, loss_positions, use_loss_position_head
 
 transformers = pytest.importorskip("transformers")
@@ -97,6 +98,81 @@ def test_linear_cross_entropy_equals_the_full_logits(chunk_rows):
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g.to(w.dtype), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_fused_gradient_formula_is_the_in_place_one(dtype, weighted):
+    """The formula CUDA compiles into fused kernels gives the eager path's losses and gradients (here run eagerly)."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(9, 70, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 70, (9,), generator=gen)
+    weights = torch.rand(9, generator=gen) if weighted else None
+    want_ce, want_grad = loss_head._cross_entropy_and_grad_eager(logits.clone(), targets, weights)
+    got_ce, got_grad = loss_head._cross_entropy_and_grad_fused(logits, targets, weights)
+    assert got_grad.dtype == dtype
+    torch.testing.assert_close(got_ce, want_ce)
+    torch.testing.assert_close(got_grad, want_grad.to(dtype))
+    assert (got_grad.float().sum(1).abs() < 1e-2).all(), "each row's softmax - one_hot sums to 0"
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_fused_head_on_the_gpu_equals_the_eager_one(monkeypatch, weighted):
+    """bf16 on CUDA: the compiled log-softmax and the fp32 accumulation inside each chunk's product give the
+    eager path's loss and gradients, over chunks of different sizes; and both are the fp64 computation's."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(2500, 256, generator=gen) * 0.5).to("cuda", torch.bfloat16)
+    weight = (torch.randn(5003, 256, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    targets = torch.randint(0, 5003, (2500,), generator=gen).cuda()
+    row_weights = torch.rand(2500, generator=gen).cuda() if weighted else None
+
+    def run() -> tuple[torch.Tensor, ...]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = loss_head._linear_cross_entropy(h, w, targets, None, 700, row_weights, keep_rows=True)
+        (loss[0] * 0.01).backward()
+        return loss[0].detach(), loss[1], h.grad, w.grad
+
+    fused = run()
+    monkeypatch.setattr(loss_head, "_fuse", lambda tensor: False)
+    monkeypatch.setattr(loss_head, "add_product", lambda total, a, b: total.add_(a @ b))
+    eager = run()
+    logits = hidden.double() @ weight.double().T
+    ce = torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None]).squeeze(1)
+    want_loss = (ce if row_weights is None else ce * row_weights).sum()
+    for got in (fused, eager):
+        assert got[0].item() == pytest.approx(want_loss.item(), rel=1e-3)
+        torch.testing.assert_close(got[1].double(), ce, rtol=0, atol=0.05)
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(fused[1], eager[1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(fused[2].float(), eager[2].float(), rtol=2e-2, atol=1e-5)
+    # The eager path rounds each chunk's product to bf16 before adding: the fused one is nearer the fp64 sum.
+    grad = torch.softmax(logits, -1)
+    grad[torch.arange(2500), targets] -= 1
+    if row_weights is not None:
+        grad *= row_weights[:, None].double()
+    want_weight = 0.01 * grad.T @ hidden.double()
+    errors = [((got[3].double() - want_weight).norm() / want_weight.norm()).item() for got in (fused, eager)]
+    assert errors[0] < 1e-2 and errors[0] <= errors[1] * 1.05, errors
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_add_product_accumulates_in_fp32_on_the_gpu():
+    """``add_product`` adds bf16 products into an fp32 total without rounding each product to bf16."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(512, 300, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(300, 384, generator=gen).to("cuda", torch.bfloat16)
+    total = torch.randn(512, 384, generator=gen).cuda() * 1e3
+    want = total.double() + a.double() @ b.double()
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # as a model's forward runs the head
+        loss_head.add_product(total, a, b)
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(total.double(), want, rtol=1e-6, atol=1e-3)
 
 
 def test_loss_positions_are_the_shifted_labels():

@@ -49,13 +49,100 @@ LOGIT_MODIFIERS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", 
 LOGIT_CAPS = ("final_logit_softcapping", "logits_soft_cap")
 
 
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's cross-entropy of ``logits`` [n, V] against ``targets`` [n], in fp32."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
+
+
+def _cross_entropy_and_grad_eager(logits: torch.Tensor, targets: torch.Tensor,
+                                  row_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy (fp32) and d(sum of CE times ``row_weights``)/d(logits) in fp32, through one fp32
+    copy of ``logits`` worked on in place."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, targets[:, None]).squeeze(1)
+    # d(CE)/d(logits) = softmax - one_hot.
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, targets[:, None], torch.full_like(grad[:, :1], -1.0))
+    if row_weights is not None:
+        grad.mul_(row_weights[:, None])
+    return ce, grad
+
+
+def _cross_entropy_and_grad_fused(logits: torch.Tensor, targets: torch.Tensor,
+                                  row_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_cross_entropy_and_grad_eager`` written as one reduction and one element-wise map, which torch.compile
+    fuses into two kernels that read ``logits`` in their own dtype and write the gradient in it (no fp32 copy)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    ce = lse - x.gather(1, targets[:, None]).squeeze(1)
+    softmax = torch.exp(x - lse[:, None])
+    hit = torch.arange(x.shape[1], device=x.device) == targets[:, None]
+    grad = torch.where(hit, softmax - 1.0, softmax)
+    if row_weights is not None:
+        grad = grad * row_weights[:, None]
+    return ce, grad.to(logits.dtype)
+
+
+def _scaled_eager(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (tensor.float() * scale).to(dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=None)
+
+
+def _fuse(tensor: torch.Tensor) -> bool:
+    """Whether work on ``tensor`` runs as compiled, fused kernels: on CUDA with Triton, outside a region already
+    being compiled (where the outer compile fuses it)."""
+    from torch.utils._triton import has_triton
+
+    return tensor.is_cuda and not torch.compiler.is_compiling() and has_triton()
+
+
+def _cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor,
+                            row_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy of ``logits`` against ``targets`` (fp32) and d(sum of CE times
+    ``row_weights``)/d(logits): on CUDA in fused kernels and in the logits' dtype, else in fp32 in place."""
+    if not _fuse(logits):
+        return _cross_entropy_and_grad_eager(logits, targets, row_weights)
+    # The rows of a chunk vary (the last chunk, each batch's labelled count): one kernel for every count.
+    torch._dynamo.maybe_mark_dynamic(logits, 0)
+    torch._dynamo.maybe_mark_dynamic(targets, 0)
+    if row_weights is not None:
+        torch._dynamo.maybe_mark_dynamic(row_weights, 0)
+    return _compiled(_cross_entropy_and_grad_fused)(logits, targets, row_weights)
+
+
+def _scaled(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` times ``scale`` in fp32, as ``dtype``: on CUDA in one kernel, with no fp32 temporary."""
+    if not _fuse(tensor):
+        return _scaled_eager(tensor, scale, dtype)
+    return _compiled(_scaled_eager)(tensor, scale, dtype)
+
+
+def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` for an fp32 ``total``: on CUDA with half-precision ``a`` and ``b``, inside the product
+    (cuBLAS adds into its fp32 output, as one product over every chunk would accumulate); else a product, then an
+    addition."""
+    if total.is_cuda and total.dtype == torch.float32 and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cuda", enabled=False):
+            torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += a @ b
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, each row times its
     ``row_weights`` when given, chunk by chunk; and, with ``keep_rows``, each row's cross-entropy
     (unweighted, fp32, without gradient; else an empty tensor).
 
     The forward pass computes each chunk's fp32 log-softmax and, when gradients are needed, its
-    gradients for ``hidden``, ``weight`` and ``bias`` right away; backward only scales them.
+    gradients for ``hidden``, ``weight`` and ``bias`` right away; backward only scales them. On CUDA the
+    log-softmax and its gradient are two fused kernels over the chunk's logits (``_cross_entropy_and_grad``) and
+    the weight's gradient is accumulated in fp32 inside each chunk's product (``add_product``).
     """
 
     @staticmethod
@@ -68,29 +155,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Accumulated over chunks in fp32, as one matmul over all rows would accumulate.
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_bias and bias is not None else None
+        need_grad = need_hidden or need_weight or need_bias
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start : start + chunk_rows]
             t = targets[start : start + chunk_rows]
-            logits = torch.nn.functional.linear(h, weight, bias).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            ce = lse - logits.gather(1, t[:, None]).squeeze(1)
             w = None if row_weights is None else row_weights[start : start + chunk_rows].float()
+            logits = torch.nn.functional.linear(h, weight, bias)
+            if need_grad:
+                ce, grad = _cross_entropy_and_grad(logits, t, w)
+                grad = grad.to(h.dtype)
+            else:
+                ce = _cross_entropy(logits, t)
             total += (ce if w is None else ce * w).sum()
             if keep_rows:
                 rows[start : start + chunk_rows] = ce
-            if need_hidden or need_weight or need_bias:
-                # d(sum of CE)/d(logits) = softmax - one_hot, in the logits' dtype as autograd would have it.
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad.scatter_add_(1, t[:, None], torch.full_like(grad[:, :1], -1.0))
-                if w is not None:
-                    grad.mul_(w[:, None])
-                grad = grad.to(h.dtype)
-                if grad_hidden is not None:
-                    grad_hidden[start : start + chunk_rows] = grad @ weight
-                if grad_weight is not None:
-                    grad_weight += grad.t() @ h
-                if grad_bias is not None:
-                    grad_bias += grad.float().sum(0)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_rows] = grad @ weight
+            if grad_weight is not None:
+                add_product(grad_weight, grad.t(), h)
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(rows)
@@ -101,9 +185,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_output.float()
         return (
-            None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
-            None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype),
-            None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype),
+            None if grad_hidden is None else _scaled(grad_hidden, scale, grad_hidden.dtype),
+            None if grad_weight is None else _scaled(grad_weight, scale, ctx.weight_dtype),
+            None if grad_bias is None else _scaled(grad_bias, scale, ctx.weight_dtype),
             None,
             None,
             None,
@@ -150,7 +234,7 @@ class _LinearLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + ctx.chunk_rows] = grad @ head_weight
             if grad_weight is not None:
-                grad_weight += grad.t() @ h
+                add_product(grad_weight, grad.t(), h)
             if grad_bias is not None:
                 grad_bias += grad.float().sum(0)
         return (
