@@ -116,6 +116,51 @@ def test_the_fused_gradient_formula_is_the_in_place_one(dtype, weighted):
     assert (got_grad.float().sum(1).abs() < 1e-2).all(), "each row's softmax - one_hot sums to 0"
 
 
+
+def fused_on_cpu(monkeypatch) -> None:
+    """Run the head's fused path (compiled kernels, CUDA's default) on the CPU, from a fresh compile."""
+    monkeypatch.setattr(loss_head, "_fuse", lambda tensor: True)
+    monkeypatch.setattr(loss_head, "_FUSION_FAILED", [])
+    loss_head._compiled.cache_clear()
+    torch._dynamo.reset()
+
+
+def head_loss_and_grads(chunk_rows: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(300, 32, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(500, 32, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 500, (300,), generator=gen)
+    row_weights = torch.rand(300, generator=gen)
+    loss = loss_head._linear_cross_entropy(hidden, weight, targets, None, chunk_rows, row_weights, keep_rows=True)
+    (loss[0] * 0.25).backward()
+    return loss[0].detach(), loss[1], hidden.grad, weight.grad
+
+
+def test_the_compiled_head_equals_the_eager_one(monkeypatch):
+    """The fused kernels, compiled for real (here by the CPU's inductor), over chunks of 128, 128 and 44 rows (one
+    kernel for every row count), give the eager path's loss, per-row losses and gradients."""
+    eager = head_loss_and_grads(128)
+    fused_on_cpu(monkeypatch)
+    fused = head_loss_and_grads(128)
+    assert not loss_head._FUSION_FAILED
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(fused[1], eager[1])
+    torch.testing.assert_close(fused[2], eager[2], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(fused[3], eager[3], rtol=2e-2, atol=1e-3)
+
+
+def test_a_head_whose_kernels_cannot_compile_trains_eagerly_with_a_warning(monkeypatch):
+    """Without a working compiler for the fused kernels the head warns once and computes the same loss eagerly."""
+    eager = head_loss_and_grads(128)
+    fused_on_cpu(monkeypatch)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("varpack-no-such-compiler",))
+    with pytest.warns(UserWarning, match="fused kernels did not compile"):
+        got = head_loss_and_grads(128)
+    assert loss_head._FUSION_FAILED
+    for g, w in zip(got, eager):
+        torch.testing.assert_close(g, w)
+
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 
 

@@ -94,12 +94,29 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=None)
 
 
+# Set when the fused kernels failed to compile (no C compiler for Triton's launcher, say): eager from then on.
+_FUSION_FAILED: list[str] = []
+
+
 def _fuse(tensor: torch.Tensor) -> bool:
     """Whether work on ``tensor`` runs as compiled, fused kernels: on CUDA with Triton, outside a region already
-    being compiled (where the outer compile fuses it)."""
+    being compiled (where the outer compile fuses it), unless they failed to compile before."""
     from torch.utils._triton import has_triton
 
-    return tensor.is_cuda and not torch.compiler.is_compiling() and has_triton()
+    return tensor.is_cuda and not _FUSION_FAILED and not torch.compiler.is_compiling() and has_triton()
+
+
+def _run_fused(fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
+    """``fn`` compiled, on ``args``; if it cannot be compiled, ``eager`` on them, with one warning for the process."""
+    try:
+        return _compiled(fn)(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        import warnings
+
+        _FUSION_FAILED.append(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+        warnings.warn(f"varpack: the loss-position head's fused kernels did not compile ({_FUSION_FAILED[0]}); "
+                      "it runs its eager kernels instead, the same loss at more memory and time", stacklevel=2)
+        return eager(*args)
 
 
 def _cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor,
@@ -113,14 +130,14 @@ def _cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor,
     torch._dynamo.maybe_mark_dynamic(targets, 0)
     if row_weights is not None:
         torch._dynamo.maybe_mark_dynamic(row_weights, 0)
-    return _compiled(_cross_entropy_and_grad_fused)(logits, targets, row_weights)
+    return _run_fused(_cross_entropy_and_grad_fused, _cross_entropy_and_grad_eager, logits, targets, row_weights)
 
 
 def _scaled(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` times ``scale`` in fp32, as ``dtype``: on CUDA in one kernel, with no fp32 temporary."""
     if not _fuse(tensor):
         return _scaled_eager(tensor, scale, dtype)
-    return _compiled(_scaled_eager)(tensor, scale, dtype)
+    return _run_fused(_scaled_eager, _scaled_eager, tensor, scale, dtype)
 
 
 def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
