@@ -30,6 +30,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.check import check_isolation, main
+from loaders.train.models import check_token_ids
 from loaders.train.rank_check import (
     DEFAULT_TOLERANCE,
     FAULTS,
@@ -372,12 +373,45 @@ def test_token_ids_outside_the_models_vocabulary_are_one_line_before_the_ranks_s
     import tiny_model
 
     tiny_model.tiny_llama(100, 2 * CAPACITY).save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # what saving the model printed
     status, line = run(capsys, "--model", str(tmp_path / "model"), "--shards", str(shards), "--attn", "sdpa_segments",
                        "--ranks", "2", "--grad-accum", "1")
     assert status == 2 and "\n" not in line, line
     assert re.fullmatch(rf"varpack check: error: {re.escape(str(shards))}: token id 2\d\d is outside the model's "
                         r"vocabulary of 100: these shards were built with another tokenizer", line), line
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 100])
+def test_the_vocabulary_of_an_adapter_with_trainable_tokens_is_read_from_its_embedding_weight(capsys, shards, tmp_path, vocab):
+    """peft's wrapper of trainable tokens around the input embeddings has their weight but no ``num_embeddings``: an
+    adapter of the build's vocabulary is checked, one of a smaller vocabulary is refused in one line, exit 2."""
+    import tiny_model
+
+    peft = pytest.importorskip("peft")
+    tiny_model.tiny_llama(vocab, 2 * CAPACITY).save_pretrained(tmp_path / "base")  # the adapter names its base by path
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], trainable_token_indices={"embed_tokens": [5, vocab - 1]})
+    peft.get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()  # what saving the model printed
+    status, line = run(capsys, "--model", str(tmp_path / "adapter"), "--shards", str(shards), "--attn", "sdpa_segments")
+    assert "Traceback" not in line, line
+    line = line.splitlines()[-1]
+    if vocab == VOCAB:
+        assert status == 0 and line.startswith("varpack check: ok: packed examples are isolated"), line
+    else:
+        assert status == 2 and f"is outside the model's vocabulary of {vocab}: these shards" in line, line
+
+
+def test_a_model_without_an_input_embedding_weight_is_one_error_naming_it():
+    """A model whose input embeddings hold no weight has no vocabulary to check ids against: a ValueError (one line,
+    exit 2, from the command) naming what its get_input_embeddings() gives, not an AttributeError."""
+    import tiny_model
+
+    model = tiny_model.tiny_llama(VOCAB, 2 * CAPACITY)
+    model.set_input_embeddings(torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"the model \(LlamaForCausalLM\) has no input embedding weight .*gives Identity"):
+        check_token_ids(model, 5, "shards")
 
 
 @pytest.fixture
