@@ -382,7 +382,9 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         >> beam.MapTuple(
             lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check, b.special_text)
         ),
-    ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows, config.num_examples)))
+    ) | "WriteRejected" >> beam.MapTuple(
+        lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows, config.num_examples))
+    )
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.examples, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (

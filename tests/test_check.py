@@ -287,21 +287,47 @@ def test_a_killed_check_leaves_no_rank_running_and_the_next_check_removes_its_sc
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
-def test_a_rank_ended_by_sigint_is_named_at_once(shards, tiny_model_dir):
-    """SIGINT to one rank (torch's spawn wrapper would take it for a stop and exit 0, a rank done): the check ends
-    at once, naming that rank, exit 2, one line, instead of blaming another rank or waiting out --timeout."""
+@pytest.mark.parametrize("rank", [1, 0], ids=["asleep", "waiting-in-a-collective"])
+def test_a_rank_ended_by_sigint_is_named_at_once(shards, tiny_model_dir, rank):
+    """SIGINT to one rank (torch's spawn wrapper would take it for a stop and exit 0, a rank done), whether it is in
+    Python (rank 1, asleep under hung_rank) or blocked in a gloo collective (rank 0, waiting for rank 1), where a
+    Python signal handler never runs: the check ends at once, naming that rank, exit 2, one line, instead of blaming
+    another rank or waiting out --timeout."""
     command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
                "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--timeout", "100",
                "--inject-fault", "hung_rank"]
     check = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        last = max(stuck_ranks(check.pid), key=lambda pid: (process_start(pid) or 0, pid))  # rank 1, started last
-        os.kill(last, signal.SIGINT)
+        by_start = sorted(stuck_ranks(check.pid), key=lambda pid: (process_start(pid) or 0, pid))  # rank 0 first
+        time.sleep(2)  # well inside the collective
+        os.kill(by_start[rank], signal.SIGINT)
         sent = time.monotonic()
         _, err = check.communicate(timeout=60)
         assert check.returncode == 2, err
-        assert err.strip() == "varpack check: error: rank 1 ended by SIGINT", err
+        assert err.strip() == f"varpack check: error: rank {rank} ended by SIGINT", err
         assert time.monotonic() - sent < 15
+    finally:
+        if session(check.pid):
+            os.killpg(check.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+def test_a_rank_sent_sigint_while_it_starts_up_is_named_in_one_line(shards, tiny_model_dir):
+    """SIGINT to a rank still importing torch (the ranks start with it blocked, so it waits for the rank's own
+    handling): one line naming the rank, exit 2, no KeyboardInterrupt traceback."""
+    command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
+               "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--timeout", "100",
+               "--inject-fault", "hung_rank"]
+    check = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline, ranks = time.monotonic() + 120, []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [pid for pid in session(check.pid) if "--multiprocessing-fork" in cmdline(pid)]
+        time.sleep(0.4)  # rank 1 is still importing
+        os.kill(max(ranks, key=lambda pid: (process_start(pid) or 0, pid)), signal.SIGINT)
+        _, err = check.communicate(timeout=60)
+        assert check.returncode == 2, err
+        assert err.strip() == "varpack check: error: rank 1 ended by SIGINT", err
     finally:
         if session(check.pid):
             os.killpg(check.pid, signal.SIGKILL)
