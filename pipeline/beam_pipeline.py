@@ -55,7 +55,7 @@ from pipeline.encode.preference import PairEncoder, PairTokenChecker
 from pipeline.encode.token_check import CheckCounts, TokenChecker, sample_mask
 from pipeline.encode.tokenizer import LoadedTokenizer
 from pipeline.errors import InputError
-from pipeline.packing.groups import BatchKey, group_parts, make_layout
+from pipeline.packing.groups import BatchKey, group_parts, make_layout, rows_kept
 from pipeline.packing.shard_plans import GroupBatch, PackedGroup, ShardPlan, assemble_shard, pack_group
 from pipeline.packing.spill import SpilledRejects, spill
 from pipeline.parent_watch import PACK_PID_ENV, exit_with_parent
@@ -102,7 +102,9 @@ class ReadAndEncode(beam.DoFn):
         args = (tokenizer, plan.example_format, config.max_len, config.overflow, config.on_bad_row, config.strict)
         self.encoder = PairEncoder(*args, layout=config.preference_layout) if config.is_preference else Encoder(*args)
         self.known_examples = plan.source.known_examples
-        self.bad_row_limit = worker_bound(config.max_bad_rows, self.known_examples)
+        # Rows not counted before reading may run past --num-examples, and a worker cannot tell which of its rows do.
+        past_limit = config.num_examples is not None and self.known_examples is None
+        self.bad_row_limit = None if past_limit else worker_bound(config.max_bad_rows, self.known_examples)
         self.bad_rows, self.first_bad_row, self.rows_read = 0, None, 0
         self.checker = None
         if config.verify_tokens != VerifyTokens.OFF:
@@ -189,17 +191,22 @@ def finish_filtered(
     notes: list[tuple[tuple[int, int], int, SpilledRejects, tuple[int, ...], Counter[str], CheckCounts, dict]],
     out_dir: str,
     max_bad_rows: int | float,
+    num_examples: int | None = None,
 ) -> Filtered:
     """Check ``--max-bad-rows`` over the whole build and write ``rejected.jsonl``, rows in source order.
 
     ``notes`` holds, for each batch, its key, its source rows read, its rows left out, its untrained and
     prompt-cut counts (examples, tokens, examples, tokens), its chat turn counts, what checking its
     tokens found and the special tokens whose text its data holds. The examples that differ from the reference (under
-    ``--on-token-mismatch count``) are logged as a warning: how many, in what, and the first.
+    ``--on-token-mismatch count``) are logged as a warning: how many, in what, and the first. The build is the first
+    ``num_examples`` rows read: bad rows past them (read where rows are not counted before reading) are not its own.
     """
     notes = sorted(notes, key=lambda note: note[0])
-    rejects: list[SpilledRejects] = [rejected for _, _, rejected, *_ in notes]
-    rows_read = sum(rows for _, rows, *_ in notes)
+    kept = rows_kept(np.array([rows for _, rows, *_ in notes], dtype=np.int64), num_examples)
+    rejects: list[SpilledRejects] = [
+        rejected if rows == k else rejected.within(int(k)) for (_, rows, rejected, *_), k in zip(notes, kept)
+    ]
+    rows_read = int(kept.sum())
     bad = sum(r.bad for r in rejects)
     first_bad = next((r.first_bad for r in rejects if r.first_bad is not None), None)
     if first_bad is not None and bound_exceeded(bad, rows_read, max_bad_rows):
@@ -375,7 +382,9 @@ def build_graph(p: beam.Pipeline, plan: BuildPlan, shard_dir: str, spill_dir: st
         >> beam.MapTuple(
             lambda key, b: (key, b.rows_read, b.rejected, b.untrained + b.prompt_cut, b.turns, b.token_check, b.special_text)
         ),
-    ) | "WriteRejected" >> beam.MapTuple(lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows)))
+    ) | "WriteRejected" >> beam.MapTuple(
+        lambda key, notes: (key, finish_filtered(list(notes), out_dir, config.max_bad_rows, config.num_examples))
+    )
     counts = encoded | "Counts" >> beam.MapTuple(lambda key, batch: (key, (batch.examples, batch.rows_read)))
     # After WriteRejected: a build of bad rows only stops at --max-bad-rows, not for holding no examples.
     placed = (

@@ -177,27 +177,27 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
-    """The error that reports ``err`` (a full disk, a read-only or missing directory, a link, a dangling link on the
-    way) met while writing ``path``."""
+    """The error that reports ``err`` (a full disk, a read-only or missing directory, a link, a link loop or a dangling
+    link on the way, a file where a directory should be) met while writing ``path``."""
+    links = [p for p in (Path(path), *Path(path).parents) if p.is_symlink()]
+    loop = next((link for link in links if _is_link_loop(link)), None)
+    if loop is not None and err.errno in (errno.ELOOP, errno.ENOENT, errno.EEXIST):
+        return WriteError(f"{path}: could not be written: {loop} is a symbolic link loop; remove it or point "
+                          "it at a directory, then run again")
     if err.errno == errno.ELOOP:
-        link = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink()), Path(path))
-        return link_error(link, "a symbolic link")
-    dangling = next((p for p in (Path(path), *Path(path).parents) if p.is_symlink() and not p.exists()), None)
+        return link_error(links[0] if links else Path(path), "a symbolic link")
+    dangling = next((link for link in links if not link.exists()), None)
     if dangling is not None and err.errno in (errno.ENOENT, errno.EEXIST):
-        try:
-            dangling.resolve(strict=True)
-            loop = False
-        except RuntimeError:  # Python 3.11 reports a loop so; later versions raise OSError (ELOOP)
-            loop = True
-        except OSError as resolving:
-            loop = resolving.errno == errno.ELOOP
-        if loop:
-            return WriteError(f"{path}: could not be written: {dangling} is a symbolic link loop; remove it or point "
-                              "it at a directory, then run again")
         # The end of its chain of links, each relative target read from its link's directory.
         target = os.path.realpath(dangling)
         return WriteError(f"{path}: could not be written: {dangling} is a dangling symbolic link, leading to {target}, "
                           f"which does not exist; make {target} or point the link elsewhere, then run again")
+    if err.errno in (errno.EEXIST, errno.ENOTDIR):
+        file = next((p for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            what = f"a symbolic link to the file {os.path.realpath(file)}" if file.is_symlink() else "a file"
+            return WriteError(f"{path}: could not be written: {file} is {what}, not a directory; write elsewhere, "
+                              "or move it away, then run again")
     directory = Path(path).parent
     if err.errno == errno.ENOENT and not directory.exists():
         return WriteError(f"{path}: could not be written: the directory {directory} does not exist; make it or write "
@@ -206,6 +206,17 @@ def write_error(path: str | os.PathLike[str], err: OSError) -> WriteError:
         f"{path}: could not be written ({err.strerror or err}); free some space or fix the directory's permissions, "
         "then run again"
     )
+
+
+def _is_link_loop(link: Path) -> bool:
+    """Whether following ``link`` never ends: a chain of links that leads back into itself."""
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # Python 3.11 reports a loop so; later versions raise OSError (ELOOP)
+        return True
+    except OSError as resolving:
+        return resolving.errno == errno.ELOOP
+    return False
 
 
 @contextlib.contextmanager

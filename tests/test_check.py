@@ -30,6 +30,7 @@ from shard_factory import build_shard_dir
 
 from loaders import PackedIterableDataset
 from loaders.check import check_isolation, main
+from loaders.train.models import check_token_ids
 from loaders.train.rank_check import (
     DEFAULT_TOLERANCE,
     FAULTS,
@@ -286,21 +287,47 @@ def test_a_killed_check_leaves_no_rank_running_and_the_next_check_removes_its_sc
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
-def test_a_rank_ended_by_sigint_is_named_at_once(shards, tiny_model_dir):
-    """SIGINT to one rank (torch's spawn wrapper would take it for a stop and exit 0, a rank done): the check ends
-    at once, naming that rank, exit 2, one line, instead of blaming another rank or waiting out --timeout."""
+@pytest.mark.parametrize("rank", [1, 0], ids=["asleep", "waiting-in-a-collective"])
+def test_a_rank_ended_by_sigint_is_named_at_once(shards, tiny_model_dir, rank):
+    """SIGINT to one rank (torch's spawn wrapper would take it for a stop and exit 0, a rank done), whether it is in
+    Python (rank 1, asleep under hung_rank) or blocked in a gloo collective (rank 0, waiting for rank 1), where a
+    Python signal handler never runs: the check ends at once, naming that rank, exit 2, one line, instead of blaming
+    another rank or waiting out --timeout."""
     command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
                "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--timeout", "100",
                "--inject-fault", "hung_rank"]
     check = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        last = max(stuck_ranks(check.pid), key=lambda pid: (process_start(pid) or 0, pid))  # rank 1, started last
-        os.kill(last, signal.SIGINT)
+        by_start = sorted(stuck_ranks(check.pid), key=lambda pid: (process_start(pid) or 0, pid))  # rank 0 first
+        time.sleep(2)  # well inside the collective
+        os.kill(by_start[rank], signal.SIGINT)
         sent = time.monotonic()
         _, err = check.communicate(timeout=60)
         assert check.returncode == 2, err
-        assert err.strip() == "varpack check: error: rank 1 ended by SIGINT", err
+        assert err.strip() == f"varpack check: error: rank {rank} ended by SIGINT", err
         assert time.monotonic() - sent < 15
+    finally:
+        if session(check.pid):
+            os.killpg(check.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+def test_a_rank_sent_sigint_while_it_starts_up_is_named_in_one_line(shards, tiny_model_dir):
+    """SIGINT to a rank still importing torch (the ranks start with it blocked, so it waits for the rank's own
+    handling): one line naming the rank, exit 2, no KeyboardInterrupt traceback."""
+    command = [sys.executable, "-m", "loaders.check", "--model", str(tiny_model_dir), "--shards", str(shards),
+               "--attn", "sdpa_segments", "--ranks", "2", "--grad-accum", "1", "--timeout", "100",
+               "--inject-fault", "hung_rank"]
+    check = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline, ranks = time.monotonic() + 120, []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [pid for pid in session(check.pid) if "--multiprocessing-fork" in cmdline(pid)]
+        time.sleep(0.4)  # rank 1 is still importing
+        os.kill(max(ranks, key=lambda pid: (process_start(pid) or 0, pid)), signal.SIGINT)
+        _, err = check.communicate(timeout=60)
+        assert check.returncode == 2, err
+        assert err.strip() == "varpack check: error: rank 1 ended by SIGINT", err
     finally:
         if session(check.pid):
             os.killpg(check.pid, signal.SIGKILL)
@@ -372,12 +399,45 @@ def test_token_ids_outside_the_models_vocabulary_are_one_line_before_the_ranks_s
     import tiny_model
 
     tiny_model.tiny_llama(100, 2 * CAPACITY).save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # what saving the model printed
     status, line = run(capsys, "--model", str(tmp_path / "model"), "--shards", str(shards), "--attn", "sdpa_segments",
                        "--ranks", "2", "--grad-accum", "1")
     assert status == 2 and "\n" not in line, line
     assert re.fullmatch(rf"varpack check: error: {re.escape(str(shards))}: token id 2\d\d is outside the model's "
                         r"vocabulary of 100: these shards were built with another tokenizer", line), line
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 100])
+def test_the_vocabulary_of_an_adapter_with_trainable_tokens_is_read_from_its_embedding_weight(capsys, shards, tmp_path, vocab):
+    """peft's wrapper of trainable tokens around the input embeddings has their weight but no ``num_embeddings``: an
+    adapter of the build's vocabulary is checked, one of a smaller vocabulary is refused in one line, exit 2."""
+    import tiny_model
+
+    peft = pytest.importorskip("peft")
+    tiny_model.tiny_llama(vocab, 2 * CAPACITY).save_pretrained(tmp_path / "base")  # the adapter names its base by path
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], trainable_token_indices={"embed_tokens": [5, vocab - 1]})
+    peft.get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    capsys.readouterr()  # what saving the model printed
+    status, line = run(capsys, "--model", str(tmp_path / "adapter"), "--shards", str(shards), "--attn", "sdpa_segments")
+    assert "Traceback" not in line, line
+    line = line.splitlines()[-1]
+    if vocab == VOCAB:
+        assert status == 0 and line.startswith("varpack check: ok: packed examples are isolated"), line
+    else:
+        assert status == 2 and f"is outside the model's vocabulary of {vocab}: these shards" in line, line
+
+
+def test_a_model_without_an_input_embedding_weight_is_one_error_naming_it():
+    """A model whose input embeddings hold no weight has no vocabulary to check ids against: a ValueError (one line,
+    exit 2, from the command) naming what its get_input_embeddings() gives, not an AttributeError."""
+    import tiny_model
+
+    model = tiny_model.tiny_llama(VOCAB, 2 * CAPACITY)
+    model.set_input_embeddings(torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"the model \(LlamaForCausalLM\) has no input embedding weight .*gives Identity"):
+        check_token_ids(model, 5, "shards")
 
 
 @pytest.fixture

@@ -461,6 +461,35 @@ def test_an_out_through_a_dangling_link_names_the_link_and_its_target(data, tmp_
         f"{tmp_path / 'loop'} is a symbolic link loop; remove it or point it at a directory, then run again")
 
 
+def test_an_out_under_a_link_loop_names_the_loop(data, tmp_path, capsys):
+    """--out at, or under, a chain of links that leads back into itself: one line naming the loop, whichever link of
+    it --out names, never a link varpack refuses to write through."""
+    (tmp_path / "la").symlink_to("lb")
+    (tmp_path / "lb").symlink_to("la")
+    for out in (tmp_path / "la", tmp_path / "la" / "sub", tmp_path / "lb" / "sub" / "deeper"):
+        assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 1
+        (line,) = capsys.readouterr().err.splitlines()[-1:]
+        assert line == (f"varpack: error: {out}: could not be written: {tmp_path / out.relative_to(tmp_path).parts[0]} is a "
+                        "symbolic link loop; remove it or point it at a directory, then run again"), line
+    assert sorted(p.name for p in tmp_path.iterdir() if p != data) == ["la", "lb"]
+
+
+def test_an_out_that_is_or_is_under_a_file_says_so(data, tmp_path, capsys):
+    """--out naming a file, a link to a file or a path under a file: one line saying it is a file, not a directory,
+    never a full disk or permissions; the file is left as it was."""
+    (tmp_path / "afile").write_text("kept\n")
+    (tmp_path / "tofile").symlink_to("afile")
+    for out, *what in ((tmp_path / "afile", tmp_path / "afile", "a file"),
+                      (tmp_path / "tofile", tmp_path / "tofile", f"a symbolic link to the file {tmp_path / 'afile'}"),
+                      (tmp_path / "afile" / "sub", tmp_path / "afile", "a file"),
+                      (tmp_path / "tofile" / "sub", tmp_path / "tofile", f"a symbolic link to the file {tmp_path / 'afile'}")):
+        assert pack.main(["--dataset", str(data), "--out", str(out), *ARGS]) == 1
+        (line,) = capsys.readouterr().err.splitlines()[-1:]
+        assert line == (f"varpack: error: {out}: could not be written: {what[0]} is {what[1]}, not a directory; write "
+                        "elsewhere, or move it away, then run again"), line
+    assert (tmp_path / "afile").read_text() == "kept\n"
+
+
 def test_a_full_disk_in_a_worker_process_is_one_line_naming_the_file(data, tmp_path):
     out = tmp_path / "out"
     # Files over 100 KB cannot be written (EFBIG): a worker's spill or shard file fails.

@@ -10,6 +10,7 @@ the whole read path (listing, split choice, reading) is varpack's and datasets' 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,9 +23,10 @@ from fsspec.registry import _registry as fsspec_implementations
 from pipeline.build import build, plan_build
 from pipeline.config import PackConfig
 from pipeline.errors import HubUnreachableError, InputError
+from pipeline.pack import main
 from pipeline.read import repo_files
 from pipeline.read.sources import resolve_source
-from schemas import GroupCut
+from schemas import GroupCut, read_manifest
 from tests.test_pipeline_e2e import assert_holds_encoded_examples
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -162,3 +164,31 @@ def test_hub_files_read_without_a_count_record_the_group_cut_unless_num_examples
     assert plan_build(PackConfig(dataset="flan", revision=REVISION)).inputs.group_cut == GroupCut.EXAMPLE
     assert plan_build(PackConfig(dataset="flan", revision=REVISION, num_examples=15, examples_per_group=15)).inputs.group_cut is None
     assert plan_build(PackConfig(dataset="orcamath", revision=REVISION)).inputs.group_cut is None
+
+
+def test_bad_rows_past_num_examples_are_not_part_of_the_build_fresh_or_reused(hub, tmp_path, capsys):
+    """Hub JSON lines are not counted before reading, so rows past --num-examples may be read; the build is the first N
+    rows read all the same: bad rows past them are neither held to --max-bad-rows nor listed, and the same command run
+    again reuses the build it wrote (the bound over the same rows), where a tighter bound refuses it."""
+    repo = hub / "datasets" / "owner" / f"data@{REVISION}"
+    repo.mkdir(parents=True)
+    rows = [{"text": f"row {i} some words"} for i in range(16)]
+    rows[3], rows[9], rows[13], rows[15] = {"text": ""}, {"text": None}, {"text": ""}, {"text": None}
+    for name, part in (("train-a.jsonl", rows[:8]), ("train-b.jsonl", rows[8:])):
+        (repo / name).write_text("".join(json.dumps(row) + "\n" for row in part))
+    out = tmp_path / "out"
+    args = ["--dataset", "hf:owner/data", "--revision", REVISION, "--text-column", "text", "--num-examples", "10",
+            "--max-len", "64", "--on-bad-row", "skip", "--no-progress", "--no-report", "--out", str(out)]
+    for run in ("fresh", "reused"):
+        assert main([*args, "--max-bad-rows", "0.2"]) == 0, f"{run}: {capsys.readouterr().err}"
+    (build_dir,) = [path for path in out.iterdir() if path.is_dir()]
+    manifest = read_manifest(build_dir)
+    assert (manifest.stats.num_example_ids, manifest.rejected.rows) == (10, 2)
+    listed = [json.loads(line)["where"] for line in (build_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [where.rsplit("/", 1)[-1] for where in listed] == ["train-a.jsonl line 4", "train-b.jsonl line 2"]
+    capsys.readouterr()
+    assert main([*args, "--max-bad-rows", "0.1"]) == 1
+    assert "left out 2 bad rows of 10 read, more than --max-bad-rows 0.1" in capsys.readouterr().err
+    shutil.rmtree(out)
+    assert main([*args, "--max-bad-rows", "1"]) == 1
+    assert "2 of 10 rows read are bad, more than --max-bad-rows 1 (first: " in capsys.readouterr().err

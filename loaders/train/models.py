@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any
 
 import torch
 
@@ -124,8 +124,20 @@ def model_inputs(batch: dict, device: torch.device, full_logits: bool) -> dict:
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    """The rows of a transformers model's input embedding (``model.get_input_embeddings()``)."""
-    return cast(Callable[[], torch.nn.Embedding], model.get_input_embeddings)().num_embeddings
+    """The rows of the weight of a transformers model's input embeddings (``model.get_input_embeddings()``), whatever
+    module holds them (an ``nn.Embedding``, or a wrapper such as peft's for trainable tokens, which has the weight's
+    shape but no ``num_embeddings``); ValueError when the model has none."""
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get_input_embeddings() if callable(get_input_embeddings) else None
+    except NotImplementedError:  # transformers' PreTrainedModel says so for a model without input embeddings
+        embeddings = None
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"the model ({type(model).__name__}) has no input embedding weight to tell its vocabulary from "
+                         f"(get_input_embeddings() gives {type(embeddings).__name__}); the check needs a causal LM that "
+                         "transformers loads with its input embeddings")
+    return int(weight.shape[0])
 
 
 def check_token_ids(model: torch.nn.Module, largest_token_id: int, source: str) -> None:

@@ -42,6 +42,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -411,8 +412,16 @@ def running_ranks(check: RankCheck, backend: str, scratch: Path) -> Iterator[Any
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)  # the ranks left waiting on a failed one are ended with a warning line each
-    context = mp.start_processes(_rank, args=(check, backend, port, str(scratch), os.getpid()), nprocs=check.ranks,
-                                 join=False, start_method="spawn")
+    # The ranks start with SIGINT blocked (they inherit this thread's signal mask): one sent while a rank still imports
+    # waits for end_on_sigint instead of printing a KeyboardInterrupt traceback. The spawn start method's resource
+    # tracker is started first: starting it unblocks SIGINT in the thread that starts it.
+    multiprocessing.resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        context = mp.start_processes(_rank, args=(check, backend, port, str(scratch), os.getpid()), nprocs=check.ranks,
+                                     join=False, start_method="spawn")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert context is not None  # join=False returns the processes' context
 
     def wait(deadline: float) -> None:
@@ -471,14 +480,19 @@ def end_with_check(check_pid: int) -> None:
 
 
 def end_on_sigint(rank: int, scratch: str) -> None:
-    """End this rank on SIGINT with status 130, writing "rank N ended by SIGINT" for the check: torch's spawn wrapper
-    takes the KeyboardInterrupt for its parent's stop and exits 0, which the check would count as a rank done."""
+    """End this rank on SIGINT with status 130, writing "rank N ended by SIGINT" for the check, whatever the rank is
+    doing: torch's spawn wrapper would take a KeyboardInterrupt for its parent's stop and exit 0, which the check
+    would count as a rank done, and a Python handler runs only when the main thread returns to the interpreter,
+    never while it waits in a collective. So every thread blocks SIGINT (the rank started so, and its threads inherit
+    the mask), and one thread waits for it: one sent while the rank was starting up was kept pending until now."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
-    def ended(signum: int, frame: FrameType | None) -> None:
+    def wait() -> None:
+        signum = signal.sigwait({signal.SIGINT})
         say_why(rank, scratch, f"rank {rank} ended by {signal.Signals(signum).name}")
         os._exit(128 + signum)
 
-    signal.signal(signal.SIGINT, ended)
+    threading.Thread(target=wait, name="varpack-check-sigint", daemon=True).start()
 
 
 def _killed_with_parent() -> bool:

@@ -69,13 +69,14 @@ class RowProblem(Exception):
 
 @dataclass(frozen=True)
 class BadRow:
-    """One bad row: where the user finds it, why it is bad, and its values (a JSON line that is not an object: the
-    value it holds)."""
+    """One bad row: where the user finds it, why it is bad, its values (a JSON line that is not an object: the
+    value it holds) and its index in the batch read."""
 
     where: str
     reason: Reason
     message: str
     row: object
+    batch_row: int = 0
 
     @property
     def is_bad(self) -> bool:

@@ -395,7 +395,7 @@ class Encoder:
             for i, row in zip(indices, table.take(pa.array(indices, type=pa.int64())).to_pylist())
         ]
         names = rows.names(source_rows[indices])
-        bad_rows = [BadRow(where, *problems[i], row) for i, where, row in zip(indices, names, values)]
+        bad_rows = [BadRow(where, *problems[i], row, int(source_rows[i])) for i, where, row in zip(indices, names, values)]
         keep = np.ones(table.num_rows, dtype=bool)
         keep[indices] = False
         return bad_rows, table.filter(pa.array(keep)), source_rows[keep]

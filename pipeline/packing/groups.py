@@ -70,13 +70,22 @@ def make_layout(
     examples = np.array([e for _, (e, _) in ordered], dtype=np.int64)
     rows = np.array([r for _, (_, r) in ordered], dtype=np.int64)
     first_rows = np.cumsum(rows) - rows
-    kept = rows if limit is None else np.clip(limit - first_rows, 0, rows)
+    kept = rows_kept(rows, limit)
     total = int(kept.sum())
     if total == 0:
         raise InputError("the dataset holds no examples")
     if not examples[kept > 0].any():
         raise NothingKeptError(nothing_kept(total, rejected, listed_in))
     return Layout(keys, first_rows, kept)
+
+
+def rows_kept(rows: np.ndarray, limit: int | None) -> np.ndarray:
+    """How many of each batch's ``rows`` read (batches in source order) are among the first ``limit`` rows.
+
+    >>> rows_kept(np.array([4, 4, 4]), limit=6).tolist()
+    [4, 2, 0]
+    """
+    return rows if limit is None else np.clip(limit - (np.cumsum(rows) - rows), 0, rows)
 
 
 def group_parts(first_row: int, kept_rows: int, examples_per_group: int = EXAMPLES_PER_GROUP) -> list[tuple[int, int, int]]:

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import storage
-from pipeline.encode.bad_rows import BadRow
+from pipeline.encode.bad_rows import DROPPED_WHOLE, BadRow
 from pipeline.encode.examples import EncodedBatch
 from pipeline.encode.token_check import CheckCounts
 from pipeline.packing.pairs import segments_per_pair
@@ -50,6 +50,25 @@ class SpilledRejects:
     bad: int = 0
     first_bad: BadRow | None = None
     path: str | None = None
+
+    def within(self, kept_rows: int) -> SpilledRejects:
+        """Those of the batch's first ``kept_rows`` rows, the rows of the build (rows past ``--num-examples`` are not),
+        their lines in a file of their own."""
+        if self.path is None:
+            return self
+        where = open_arrow_file(_rejected_rows_path(self.path)).read_all()
+        rows = where.column("row").to_numpy()
+        listed = int(np.searchsorted(rows, kept_rows))
+        if listed == rows.size:
+            return self
+        if listed == 0:
+            return SpilledRejects(Counter())
+        by_reason = Counter(where.column("reason").slice(0, listed).to_pylist())
+        bad = sum(n for reason, n in by_reason.items() if reason not in DROPPED_WHOLE)
+        lines = storage.read_bytes(self.path).split(b"\n")[:listed]
+        path = self.path.removesuffix(".jsonl") + f".first-{kept_rows}.jsonl"
+        storage.write_scratch(path, lambda local: Path(local).write_bytes(b"".join(line + b"\n" for line in lines)))
+        return SpilledRejects(by_reason, bad, self.first_bad if bad else None, path)
 
 
 @dataclass(frozen=True)
@@ -128,16 +147,26 @@ def spill(
 
 
 def spill_rejected(rejected: list[BadRow], path: str) -> SpilledRejects:
-    """Write the lines of ``rejected.jsonl`` for a batch's rows left out beside its spill file ``path``; their counts."""
+    """Write the lines of ``rejected.jsonl`` for a batch's rows left out beside its spill file ``path``, in row order,
+    and their rows and reasons beside them (``SpilledRejects.within``); their counts."""
+    rejected = sorted(rejected, key=lambda row: row.batch_row)
     bad = [row for row in rejected if row.is_bad]
     rejected_path = None
     if rejected:
         rejected_path = path.removesuffix(".arrow") + ".rejected.jsonl"
         lines = "".join(row.to_json() + "\n" for row in rejected).encode("utf-8")
         storage.write_scratch(rejected_path, lambda local: Path(local).write_bytes(lines))
+        rows = pa.table({"row": pa.array([row.batch_row for row in rejected], pa.int32()),
+                         "reason": pa.array([str(row.reason) for row in rejected], pa.string())})
+        _write_table(rows, _rejected_rows_path(rejected_path))
     # The first bad row travels for the --max-bad-rows error, which names where it is and why: not its values.
     first = dataclasses.replace(bad[0], row={}) if bad else None
     return SpilledRejects(Counter(str(row.reason) for row in rejected), len(bad), first, rejected_path)
+
+
+def _rejected_rows_path(rejected_path: str) -> str:
+    """Where the rows and reasons of the lines in ``rejected_path`` are."""
+    return rejected_path.removesuffix(".jsonl") + ".rows.arrow"
 
 
 def examples_path(path: str) -> str:

@@ -109,16 +109,17 @@ class Source:
 
 
 def _limit_tasks(tasks: list[ReadTask], limit: int | None) -> tuple[ReadTask, ...]:
-    """The tasks that hold the first ``limit`` examples, the last one capped; all of them past an uncounted task."""
+    """The tasks that hold the first ``limit`` examples, the last one capped; all of them past an uncounted task, each
+    capped at the rows still wanted (rows read past the first ``limit`` are left out when the build is laid out)."""
     if limit is None:
         return tuple(tasks)
     kept: list[ReadTask] = []
     remaining = limit
     for i, task in enumerate(tasks):
-        if task.rows is None:
-            return tuple(kept + tasks[i:])
         if remaining <= 0:
             break
+        if task.rows is None:
+            return tuple(kept + [dataclasses.replace(t, limit=min(remaining, t.limit or remaining)) for t in tasks[i:]])
         kept.append(dataclasses.replace(task, limit=remaining) if task.rows > remaining else task)
         remaining -= min(task.rows, remaining)
     return tuple(kept)
