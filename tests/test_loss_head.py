@@ -161,6 +161,23 @@ def test_a_head_whose_kernels_cannot_compile_trains_eagerly_with_a_warning(monke
         torch.testing.assert_close(g, w)
 
 
+
+def test_evaluation_under_no_grad_computes_no_head_gradients(monkeypatch):
+    """Under torch.no_grad the head computes the loss only, though its weight requires gradients (a model being
+    trained, evaluated between steps): the same loss, no gradient kernel run."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(40, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(60, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 60, (40,), generator=gen)
+    want = linear_cross_entropy(hidden, weight, targets, chunk_rows=16).detach()
+    calls = []
+    monkeypatch.setattr(loss_head, "_cross_entropy_and_grad", lambda *args: calls.append(1))
+    with torch.no_grad():
+        got = linear_cross_entropy(hidden, weight, targets, chunk_rows=16)
+    assert not calls and not got.requires_grad
+    torch.testing.assert_close(got, want)
+
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 
 

@@ -296,6 +296,10 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """``linear_cross_entropy`` and, with ``keep_rows``, each row's unweighted cross-entropy (fp32 [N], no gradient)."""
     if chunk_rows is None:
         chunk_rows = max(1, CHUNK_LOGITS // weight.shape[0])
+    if not torch.is_grad_enabled():
+        # Under no_grad (evaluation) the inputs may still require gradients: none are computed.
+        hidden, weight = hidden.detach(), weight.detach()
+        bias = None if bias is None else bias.detach()
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_rows, keep_rows)
 
 
