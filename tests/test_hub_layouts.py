@@ -166,6 +166,17 @@ def test_hub_files_read_without_a_count_record_the_group_cut_unless_num_examples
     assert plan_build(PackConfig(dataset="orcamath", revision=REVISION)).inputs.group_cut is None
 
 
+def test_a_hub_dataset_builds_under_strict_with_no_column_called_unread(hub, tmp_path, capsys):
+    """A Hub dataset's columns are columns, not files left unread: no "not read" warning, so --strict builds it."""
+    repo = hub / "datasets" / "owner" / f"data@{REVISION}"
+    repo.mkdir(parents=True)
+    (repo / "train-a.jsonl").write_text("".join(json.dumps({"text": f"row {i} words"}) + "\n" for i in range(4)))
+    args = ["--dataset", "hf:owner/data", "--revision", REVISION, "--text-column", "text", "--max-len", "64",
+            "--no-progress", "--no-report", "--strict", "--out", str(tmp_path / "out")]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "not read" not in capsys.readouterr().err
+
+
 def test_bad_rows_past_num_examples_are_not_part_of_the_build_fresh_or_reused(hub, tmp_path, capsys):
     """Hub JSON lines are not counted before reading, so rows past --num-examples may be read; the build is the first N
     rows read all the same: bad rows past them are neither held to --max-bad-rows nor listed, and the same command run

@@ -215,7 +215,7 @@ def _hub(repo: str, config: PackConfig, name: str, default_format: ExampleFormat
     tasks = [task for scan in scans for task in scan.tasks]
     return Source(
         name, inputs, _common_columns(scans), _limit_tasks(tasks, config.num_examples), default_format, notes,
-        _relative(layout.files, base), _any_columns(scans),
+        _relative(layout.files, base), all_columns=_any_columns(scans),
     )
 
 
