@@ -461,6 +461,18 @@ def test_an_out_through_a_dangling_link_names_the_link_and_its_target(data, tmp_
         f"{tmp_path / 'loop'} is a symbolic link loop; remove it or point it at a directory, then run again")
 
 
+def test_an_out_going_up_through_a_link_is_locked_where_the_build_is(data, tmp_path, monkeypatch):
+    """--out LINK/../x builds beside the link's target, as the filesystem resolves '..'; its lock is taken there
+    too, so a run naming the real directory waits on the same lock, and no directory is made where the path reads."""
+    (tmp_path / "real" / "dir").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    Path("dl").symlink_to("real/dir")
+    assert pack.main(["--dataset", str(data), "--out", "dl/../x", *ARGS]) == 0
+    (build,) = [path for path in (tmp_path / "real" / "x").iterdir() if path.is_dir()]
+    assert Path(lock_path(f"dl/../x/{build.name}")).resolve() == Path(lock_path(str(build))).resolve()
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_out_under_a_link_loop_names_the_loop(data, tmp_path, capsys):
     """--out at, or under, a chain of links that leads back into itself: one line naming the loop, whichever link of
     it --out names, never a link varpack refuses to write through."""

@@ -33,9 +33,21 @@ from schemas.io import link_error, open_own, write_error
 POLL_S = 0.2
 
 
+def _physical(build_dir: str) -> str:
+    """``build_dir`` as the filesystem finds it: a '..' in its parent is resolved from where the links before it point
+    (``LINK/..`` goes up from the link's target, not back to where the link lies), so that every spelling of one
+    directory names the same path. Without a '..', the path as written names the same place."""
+    parent, name = os.path.split(build_dir.rstrip(os.sep) or build_dir)
+    if os.pardir in parent.split(os.sep):
+        parent = os.path.realpath(parent)
+    elif parent:
+        parent = os.path.normpath(parent)
+    return os.path.join(parent, name)
+
+
 def lock_path(build_dir: str) -> str:
     """The lock file of ``build_dir``: ``.NAME.lock`` beside it."""
-    parent, name = os.path.split(os.path.normpath(build_dir))
+    parent, name = os.path.split(_physical(build_dir))
     return os.path.join(parent, f".{name}.lock")
 
 
@@ -107,7 +119,7 @@ def _try_lock(path: str, shared: bool) -> int | None:
 def _refuse_link(build_dir: str) -> None:
     """Raise LinkError when the build directory is a symbolic link: its name is predictable too, and what
     pack writes or deletes there would land where the link points."""
-    if os.path.islink(os.path.normpath(build_dir)):
+    if os.path.islink(_physical(build_dir)):
         raise link_error(build_dir, "a symbolic link")
 
 
@@ -124,8 +136,8 @@ def build_lock(
     path = lock_path(build_dir)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    except OSError as err:
-        raise write_error(os.path.dirname(path), err) from err
+    except OSError as err:  # named as the user spelled it: the link, not where it leads
+        raise write_error(os.path.dirname(build_dir.rstrip(os.sep)) or os.curdir, err) from err
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waiting = False
     while (fd := _try_lock(path, shared)) is None:
