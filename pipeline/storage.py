@@ -17,7 +17,6 @@ from typing import IO
 from pipeline.errors import ConfigError
 from schemas import io as schemas_io
 from schemas import storage as remote
-from schemas.checksum import stream_sha256
 from schemas.io import UPLOAD_MARK, atomic_output, open_own, write_error
 
 
@@ -63,17 +62,6 @@ def open_read(path: str) -> IO[bytes]:
     if is_url(path):
         return remote.open_read(path)
     return schemas_io.open_regular(path)  # a FIFO planted at the name is refused, not waited on for ever
-
-
-def sha256(path: str) -> str:
-    """Hex sha256 of the file at the URL ``path``, read with retries: a read cut off or stalled is started again."""
-    fs, fs_path = remote.filesystem(path)
-
-    def digest() -> str:
-        with fs.open(fs_path, "rb") as f:
-            return stream_sha256(f)
-
-    return remote.retried(path, digest)
 
 
 def size(path: str) -> int:

@@ -22,7 +22,6 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import pyarrow as pa
 
@@ -99,8 +98,13 @@ def identity_problem(schema: pa.Schema, manifest: Manifest, index: int) -> str |
     return None
 
 
-def file_identity_problem(source: pa.NativeFile | BinaryIO, manifest: Manifest, index: int) -> str | None:
-    """``identity_problem`` of an open shard file, reading only its schema (an Arrow IPC file's footer)."""
+def file_identity_problem(source: pa.BufferReader, manifest: Manifest, index: int) -> str | None:
+    """``identity_problem`` of a shard's bytes (``schemas.arrow_file.arrow_source``), reading only its schema (an Arrow
+    IPC file's footer).
+
+    Not a Python file object: pyarrow reads one from its own I/O threads, which keep it and take the GIL to let go of
+    it, and one doing so as the interpreter exits aborts the process ("terminate called without an active exception").
+    """
     try:
         schema = pa.ipc.open_file(source).schema
     except (pa.ArrowException, OSError, ValueError) as err:

@@ -133,6 +133,26 @@ def test_the_same_inputs_packed_again_to_s3_reuse_the_build(s3_server, s3_build,
     assert sorted(s3fs_of(s3_server).find(s3_build.removeprefix("s3://"))) == before
 
 
+def test_the_reuse_check_reads_no_shard_from_a_thread_of_pyarrow(s3, s3_build, monkeypatch):
+    """Handed a Python file object, pyarrow reads it from its own I/O threads, which then hold it and take the GIL to
+    let go of it: when that fell on the interpreter's exit, a pack that had printed its report ended with SIGABRT
+    ("terminate called without an active exception"). The reuse check reads every shard in its own thread."""
+    from fsspec.spec import AbstractBufferedFile
+
+    from pipeline.write.build_dir import reuse_problem
+
+    readers: set[int] = set()
+    read = AbstractBufferedFile.read
+
+    def recorded(self, *args, **kwargs):
+        readers.add(threading.get_ident())
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(AbstractBufferedFile, "read", recorded)
+    assert reuse_problem(read_manifest(f"{s3_build}/{MANIFEST_NAME}"), s3_build) is None
+    assert readers <= {threading.get_ident()}
+
+
 def test_the_loader_streams_a_build_on_s3_through_its_cache_and_resumes_exactly(s3, s3_build, tmp_path):
     cache = tmp_path / "cache"
     streamed = batches(s3_build, cache_dir=cache)

@@ -18,6 +18,7 @@ from pipeline.encode.bad_rows import REJECTED_NAME
 from pipeline.errors import OutputDirError
 from pipeline.packing import spill
 from schemas import MANIFEST_NAME, Manifest, ManifestError, read_manifest, stream_sha256
+from schemas.arrow_file import arrow_source
 from schemas.io import temporary_target
 from schemas.shard_identity import file_identity_problem
 from schemas.verified import VerifiedShards, disk_identity
@@ -43,7 +44,9 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
     the shard of this build its place in the manifest says: ``schemas/shard_identity.py``), or None.
 
     A local build's shards are hashed once per host (``schemas/verified.py``): a shard this host
-    hashed whole before, and that is still the same file, is not hashed again.
+    hashed whole before, and that is still the same file, is not hashed again. A shard's schema is
+    read from its bytes (mapped, or downloaded), never through a Python file object that pyarrow's
+    threads would read (``schemas.shard_identity.file_identity_problem``).
     """
     if manifest.rejected is not None and manifest.rejected.rows and not storage.exists(storage.join(out_dir, REJECTED_NAME)):
         return f"{REJECTED_NAME} is missing"
@@ -56,13 +59,16 @@ def reuse_problem(manifest: Manifest, out_dir: str) -> str | None:
             if (size := storage.size(path)) != shard.bytes:
                 return f"{shard.path} is {size} bytes, the manifest says {shard.bytes}"
             if record is None:
-                if storage.sha256(path) != shard.sha256:
+                source = arrow_source(path)  # downloaded once: hashed, then its footer read, in memory
+                if stream_sha256(source) != shard.sha256:
                     return f"{shard.path} fails its checksum (the file is corrupt)"
+                source.seek(0)
             elif (problem := _hash_unless_recorded(Path(path), shard.sha256, record)) is not None:
                 return f"{shard.path} {problem}"
-            with storage.open_read(path) as f:
-                if (problem := file_identity_problem(f, manifest, index)) is not None:
-                    return f"{shard.path} {problem}"
+            else:
+                source = arrow_source(path)  # mapped
+            if (problem := file_identity_problem(source, manifest, index)) is not None:
+                return f"{shard.path} {problem}"
     return None
 
 
